@@ -1,0 +1,142 @@
+"""Where every parameter lives: chunk id and offset. Pure arithmetic, no tensors.
+
+Parameters are packed in registration order (close to first-use order, so
+fetching one chunk brings its neighbours along). A parameter larger than the
+chunk size gets a chunk of its own, sized to fit it exactly. The same layout
+serves all four chunk lists (param, master, exp_avg, exp_avg_sq): chunk *i* of
+each list holds the same tensors at the same offsets.
+
+The layout is shard-ready: chunks form groups of ``world_size`` consecutive
+chunks and chunk *k* is owned by rank ``k % world_size`` (DESIGN §7).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = ["TensorSlot", "ChunkLayout", "build_layout", "search_chunk_size", "packing_waste"]
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One parameter's place in the chunk lists."""
+
+    index: int
+    """Position among the unique parameters, in registration order."""
+    name: str
+    chunk_id: int
+    offset: int
+    """First element within the chunk."""
+    numel: int
+    shape: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    chunk_sizes: tuple[int, ...]
+    """Capacity in elements of each chunk (the nominal size, or a big parameter's size)."""
+    slots: tuple[TensorSlot, ...]
+    world_size: int = 1
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunk_sizes)
+
+    @property
+    def total_elements(self) -> int:
+        return sum(self.chunk_sizes)
+
+    @property
+    def used_elements(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    def owner(self, chunk_id: int) -> int:
+        """Rank that owns the fp32 master and Adam state of ``chunk_id``."""
+        return chunk_id % self.world_size
+
+    def group(self, chunk_id: int) -> range:
+        """The communication group (``world_size`` consecutive chunks) holding ``chunk_id``."""
+        start = chunk_id - chunk_id % self.world_size
+        return range(start, min(start + self.world_size, self.n_chunks))
+
+    def slots_of(self, chunk_id: int) -> list[TensorSlot]:
+        return [s for s in self.slots if s.chunk_id == chunk_id]
+
+
+def _pack(numels: Sequence[int], chunk_size: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Greedy in-order packing; returns chunk capacities and (chunk, offset) per tensor."""
+    sizes: list[int] = []
+    places: list[tuple[int, int]] = []
+    fill = 0  # elements used in the open chunk (sizes[-1]) when it is a regular chunk
+    open_regular = False
+    for n in numels:
+        if n > chunk_size:
+            # a chunk of its own, sized to fit; it closes the open regular chunk so
+            # chunk ids stay in first-use order
+            sizes.append(n)
+            places.append((len(sizes) - 1, 0))
+            open_regular = False
+            continue
+        if not open_regular or fill + n > chunk_size:
+            sizes.append(chunk_size)
+            fill = 0
+            open_regular = True
+        places.append((len(sizes) - 1, fill))
+        fill += n
+    return sizes, places
+
+
+def packing_waste(numels: Sequence[int], chunk_size: int) -> int:
+    """Unused elements when ``numels`` are packed in order into chunks of ``chunk_size``."""
+    sizes, _ = _pack(numels, chunk_size)
+    return sum(sizes) - sum(numels)
+
+
+def search_chunk_size(numels: Sequence[int], *, world_size: int = 1, align: int = 1024) -> int:
+    """The chunk size (elements) that wastes least, between total/64 and total/8.
+
+    Bounds keep 8-64 chunks, so the budget can be met at a useful granularity
+    and a module's working set is a few chunks, not the whole model. Sizes are
+    multiples of ``align``. Ties go to the smaller size. With several ranks,
+    empty chunks that round the count up to a multiple of ``world_size`` count
+    as waste.
+    """
+    total = sum(numels)
+    if total == 0:
+        return align
+    lo = max(align, math.ceil(total / 64 / align) * align)
+    hi = max(lo, math.ceil(total / 8 / align) * align)
+    steps = 32
+    best_size, best_waste = lo, None
+    for i in range(steps + 1):
+        size = lo + (hi - lo) * i // steps
+        size = max(align, size // align * align)
+        sizes, _ = _pack(numels, size)
+        pad_chunks = (-len(sizes)) % world_size
+        waste = sum(sizes) - total + pad_chunks * size
+        if best_waste is None or waste < best_waste:
+            best_size, best_waste = size, waste
+    return best_size
+
+
+def build_layout(
+    names: Sequence[str], shapes: Sequence[tuple[int, ...]], chunk_size: int, *, world_size: int = 1
+) -> ChunkLayout:
+    """Pack parameters (already de-duplicated, in registration order) into chunks."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    numels = [math.prod(s) for s in shapes]
+    sizes, places = _pack(numels, chunk_size)
+    # pad to whole communication groups so every rank owns the same number of chunks
+    sizes += [chunk_size] * ((-len(sizes)) % world_size)
+    slots = tuple(
+        TensorSlot(index=i, name=names[i], chunk_id=c, offset=o, numel=numels[i], shape=tuple(shapes[i]))
+        for i, (c, o) in enumerate(places)
+    )
+    return ChunkLayout(chunk_sizes=tuple(sizes), slots=slots, world_size=world_size)

@@ -1,0 +1,302 @@
+"""Typed, validated engine configuration.
+
+The user hands ``initialize_engine`` a DeepSpeed-style dict (or a path to a
+JSON file holding one). It is parsed exactly once, here, into frozen
+dataclasses; the rest of the engine reads only those. Unknown keys and bad
+values fail at once with a :class:`~chunkstar.errors.ConfigError` naming the
+key and what is allowed. This module does not touch devices beyond asking
+whether CUDA is available for the default device.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from chunkstar.errors import ConfigError
+
+__all__ = [
+    "AdamConfig",
+    "EngineConfig",
+    "EvictionPolicyName",
+    "LossScaleConfig",
+    "Precision",
+    "parse_config",
+    "parse_bytes",
+]
+
+
+class Precision(enum.Enum):
+    """Dtype of the param chunks (the compute copy); masters are always fp32."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+
+
+class EvictionPolicyName(enum.Enum):
+    FURTHEST_NEXT_USE = "furthest_next_use"
+    LRU = "lru"
+
+
+@dataclass(frozen=True)
+class AdamConfig:
+    """The optimizer: Adam (L2 penalty in the gradient) or AdamW (decoupled decay)."""
+
+    decoupled: bool = True
+    """True for AdamW, False for Adam."""
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+    @property
+    def type_name(self) -> str:
+        return "AdamW" if self.decoupled else "Adam"
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """fp16 loss scaling with DeepSpeed's keys and meanings."""
+
+    static_scale: float = 0.0
+    """``loss_scale``: a fixed scale, or 0 for dynamic scaling."""
+    initial_scale_power: int = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = 1000
+    """Steps without overflow before the scale doubles."""
+    hysteresis: int = 2
+    """Overflows tolerated before the scale halves."""
+    min_loss_scale: float = 1.0
+    """The scale never drops below this."""
+
+    @property
+    def dynamic(self) -> bool:
+        return self.static_scale == 0.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to know, validated."""
+
+    device: torch.device
+    """Where compute happens: ``cpu`` (a virtual device held under the budget) or ``cuda:N``."""
+    device_memory_budget: int | None
+    """Bytes the engine may use on the device (chunks + non-model data); None = the GPU's capacity."""
+    precision: Precision = Precision.BF16
+    optimizer: AdamConfig = field(default_factory=AdamConfig)
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    gradient_clipping: float = 0.0
+    """Max global L2 norm of the gradients; 0 disables clipping."""
+    gradient_accumulation_steps: int = 1
+    """engine.backward divides the loss by this; the user steps every N micro-batches."""
+    chunk_size: int | None = None
+    """Elements per chunk; None means search the size that wastes least ("auto")."""
+    eviction_policy: EvictionPolicyName = EvictionPolicyName.FURTHEST_NEXT_USE
+    prefetch: bool = True
+    """Start copies of the next moments' chunks early (CUDA copy stream)."""
+    hybrid_adam: bool = True
+    """Run Adam on the device for the chunks that fit in the margin after the warm-up peak."""
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The config as given (for run metadata)."""
+
+
+_TOP_KEYS = {
+    "optimizer": "{type, params}",
+    "bf16": "{enabled}",
+    "fp16": "{enabled, loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale}",
+    "gradient_clipping": "a number >= 0",
+    "gradient_accumulation_steps": "an integer >= 1",
+    "default_chunk_size": 'an integer number of elements > 0, or "auto"',
+    "device": '"cpu", "cuda" or "cuda:N"',
+    "device_memory_budget": 'bytes as an integer, or a string like "512MB" / "1.5GiB"',
+    "eviction_policy": '"furthest_next_use" or "lru"',
+    "prefetch": "true or false",
+    "hybrid_adam": "true or false",
+}
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+
+
+def parse_bytes(value: object, key: str = "device_memory_budget") -> int:
+    """``4096``, ``"512MB"``, ``"1.5 GiB"`` -> bytes. Decimal units are powers of 1000."""
+    if isinstance(value, bool):
+        raise ConfigError(key, f"expected a byte count, got {value!r}; {_TOP_KEYS[key]}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(key, f"cannot read {value!r} as a size; {_TOP_KEYS[key]} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ConfigError(key, f"expected a byte count, got {type(value).__name__} {value!r}; {_TOP_KEYS[key]}")
+    if n <= 0:
+        raise ConfigError(key, f"must be positive, got {value!r}")
+    return n
+
+
+def _check_keys(section: Mapping[str, Any], allowed: Mapping[str, str] | set[str], where: str) -> None:
+    for k in section:
+        if k not in allowed:
+            choices = ", ".join(sorted(allowed))
+            raise ConfigError(f"{where}{k}", f"unknown key; allowed here: {choices}")
+
+
+def _mapping(value: object, key: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(key, f"expected an object/dict, got {type(value).__name__}")
+    return value
+
+
+def _number(value: object, key: str, *, lo: float | None = None, lo_open: bool = False, hi: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(key, f"expected a number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        raise ConfigError(key, f"must be {'>' if lo_open else '>='} {lo}, got {value!r}")
+    if hi is not None and v >= hi:
+        raise ConfigError(key, f"must be < {hi}, got {value!r}")
+    return v
+
+
+def _integer(value: object, key: str, *, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise ConfigError(key, f"expected an integer, got {type(value).__name__} {value!r}")
+    if value < lo:
+        raise ConfigError(key, f"must be >= {lo}, got {value!r}")
+    return value
+
+
+def _boolean(value: object, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"expected true or false, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _parse_optimizer(section: object) -> AdamConfig:
+    sec = _mapping(section, "optimizer")
+    _check_keys(sec, {"type", "params"}, "optimizer.")
+    kind = sec.get("type", "AdamW")
+    if kind not in ("Adam", "AdamW"):
+        raise ConfigError("optimizer.type", f"unsupported optimizer {kind!r}; chunkstar supports 'Adam' and 'AdamW'")
+    params = _mapping(sec.get("params", {}), "optimizer.params")
+    _check_keys(params, {"lr", "betas", "eps", "weight_decay"}, "optimizer.params.")
+    lr = _number(params.get("lr", 1e-3), "optimizer.params.lr", lo=0.0)
+    betas_raw = params.get("betas", (0.9, 0.999))
+    if not isinstance(betas_raw, (list, tuple)) or len(betas_raw) != 2:
+        raise ConfigError("optimizer.params.betas", f"expected two numbers [beta1, beta2], got {betas_raw!r}")
+    betas = (
+        _number(betas_raw[0], "optimizer.params.betas[0]", lo=0.0, hi=1.0),
+        _number(betas_raw[1], "optimizer.params.betas[1]", lo=0.0, hi=1.0),
+    )
+    eps = _number(params.get("eps", 1e-8), "optimizer.params.eps", lo=0.0, lo_open=True)
+    wd = _number(params.get("weight_decay", 0.01 if kind == "AdamW" else 0.0), "optimizer.params.weight_decay", lo=0.0)
+    return AdamConfig(decoupled=kind == "AdamW", lr=lr, betas=betas, eps=eps, weight_decay=wd)
+
+
+def _parse_fp16(sec: Mapping[str, Any]) -> LossScaleConfig:
+    p = "fp16."
+    return LossScaleConfig(
+        static_scale=_number(sec.get("loss_scale", 0.0), p + "loss_scale", lo=0.0),
+        initial_scale_power=_integer(sec.get("initial_scale_power", 16), p + "initial_scale_power", lo=0),
+        loss_scale_window=_integer(sec.get("loss_scale_window", 1000), p + "loss_scale_window", lo=1),
+        hysteresis=_integer(sec.get("hysteresis", 2), p + "hysteresis", lo=1),
+        min_loss_scale=_number(sec.get("min_loss_scale", 1.0), p + "min_loss_scale", lo=0.0, lo_open=True),
+    )
+
+
+def _parse_device(value: object, local_rank: int) -> torch.device:
+    if value is None:
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise ConfigError("device", f"got {value!r}; allowed: {_TOP_KEYS['device']}")
+    if value.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("device", f"{value!r} was asked for but CUDA is not available; use \"cpu\" with a device_memory_budget")
+        dev = torch.device(value)
+        index = dev.index if dev.index is not None else local_rank
+        if index >= torch.cuda.device_count():
+            raise ConfigError("device", f"{value!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank: int = 0) -> EngineConfig:
+    """Parse a DeepSpeed-style dict or JSON file path into an :class:`EngineConfig`.
+
+    ``"device": "cuda"`` (or no device on a CUDA machine) means ``cuda:<local_rank>``.
+    """
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError("<file>", f"config file {path!r} does not exist") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError("<file>", f"config file {path!r} is not valid JSON: {e}") from None
+    cfg = _mapping(config, "<config>")
+    _check_keys(cfg, _TOP_KEYS, "")
+
+    bf16 = _mapping(cfg.get("bf16", {}), "bf16")
+    _check_keys(bf16, {"enabled"}, "bf16.")
+    fp16 = _mapping(cfg.get("fp16", {}), "fp16")
+    _check_keys(fp16, {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}, "fp16.")
+    bf16_on = _boolean(bf16.get("enabled", False), "bf16.enabled")
+    fp16_on = _boolean(fp16.get("enabled", False), "fp16.enabled")
+    if bf16_on and fp16_on:
+        raise ConfigError("bf16.enabled", "bf16 and fp16 cannot both be enabled; pick one (neither means fp32)")
+    precision = Precision.BF16 if bf16_on else Precision.FP16 if fp16_on else Precision.FP32
+
+    device = _parse_device(cfg.get("device"), local_rank)
+    budget_raw = cfg.get("device_memory_budget")
+    budget = None if budget_raw is None else parse_bytes(budget_raw)
+    if device.type == "cpu" and budget is None:
+        raise ConfigError(
+            "device_memory_budget",
+            "required when device is cpu: it is the size of the virtual device (e.g. \"2GB\")",
+        )
+
+    chunk_raw = cfg.get("default_chunk_size", "auto")
+    chunk_size = None if chunk_raw == "auto" else _integer(chunk_raw, "default_chunk_size", lo=1)
+
+    policy_raw = cfg.get("eviction_policy", EvictionPolicyName.FURTHEST_NEXT_USE.value)
+    try:
+        policy = EvictionPolicyName(policy_raw)
+    except ValueError:
+        raise ConfigError("eviction_policy", f"got {policy_raw!r}; allowed: {_TOP_KEYS['eviction_policy']}") from None
+
+    return EngineConfig(
+        device=device,
+        device_memory_budget=budget,
+        precision=precision,
+        optimizer=_parse_optimizer(cfg.get("optimizer", {"type": "AdamW"})),
+        loss_scale=_parse_fp16(fp16) if fp16_on else LossScaleConfig(),
+        gradient_clipping=_number(cfg.get("gradient_clipping", 0.0), "gradient_clipping", lo=0.0),
+        gradient_accumulation_steps=_integer(cfg.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", lo=1),
+        chunk_size=chunk_size,
+        eviction_policy=policy,
+        prefetch=_boolean(cfg.get("prefetch", True), "prefetch"),
+        hybrid_adam=_boolean(cfg.get("hybrid_adam", True), "hybrid_adam"),
+        raw=dict(cfg),
+    )

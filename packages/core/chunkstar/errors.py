@@ -1,0 +1,52 @@
+"""Exceptions chunkstar raises on purpose.
+
+Every error a user can cause carries a message that says what was wrong and
+what to change; nothing here is raised for internal invariants (those use
+``AssertionError`` / ``RuntimeError`` with a bug-report hint).
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "DeviceMemoryError", "ChunkStateError"]
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, missing, or has a value outside what is allowed."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"config key '{key}': {message}")
+
+
+class DeviceMemoryError(RuntimeError):
+    """The device budget cannot hold what one moment of training needs.
+
+    Raised by the engine *before* any allocation is attempted, so the process
+    is left in a usable state (no allocator OOM deep inside a hook).
+    """
+
+    def __init__(self, device: str, needed: int, free: int, budget: int, where: str) -> None:
+        self.device = device
+        self.needed = needed
+        self.free = free
+        self.budget = budget
+        self.where = where
+        super().__init__(
+            f"chunkstar cannot fit {where} on device '{device}': it needs {_fmt(needed)} "
+            f"({needed} bytes) of chunk memory but only {_fmt(free)} ({free} bytes) is free "
+            f"within the device budget of {_fmt(budget)} ({budget} bytes) after non-model memory "
+            f"(activations, temporaries). Raise 'device_memory_budget', lower the batch size or "
+            f"sequence length, enable activation checkpointing, or lower 'default_chunk_size' so a "
+            f"module's working set needs fewer whole chunks."
+        )
+
+
+class ChunkStateError(RuntimeError):
+    """An operation was asked of a tensor in a state that does not allow it."""
+
+
+def _fmt(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,167 @@
+"""Per-tier memory probes: how much non-model memory the device holds.
+
+Model data (chunks) is counted exactly by the runtime; everything else on the
+device (activations, autograd temporaries, gradients before they are folded
+into their slots) is *non-model* memory and has to be measured:
+
+* CUDA: the caching allocator's own figures (``memory_allocated`` and its
+  peak), minus the chunk bytes the runtime knows are resident.
+* CPU virtual device: PyTorch keeps no allocator statistics for CPU, so
+  :class:`LiveTensorTracker` (a ``TorchDispatchMode``) watches every op while
+  it is active and counts the bytes of storages the op *allocates* (outputs
+  whose storage none of the inputs had), releasing them through a weakref
+  callback when the storage dies. Views of parameters are therefore not
+  counted, and chunk payloads are not either: the runtime allocates them
+  outside the mode (see :meth:`MemoryProbe.paused`).
+
+The tracker is active only during the warm-up iteration; its cost is paid once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["MemoryProbe", "CpuProbe", "CudaProbe", "LiveTensorTracker", "make_probe"]
+
+
+class LiveTensorTracker(TorchDispatchMode):
+    """Counts live bytes of storages allocated by ops run under the mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._paused = 0
+        self._refs: dict[int, weakref.ref[Any]] = {}
+
+    def _forget(self, key: int, nbytes: int) -> None:
+        if self._refs.pop(key, None) is not None:
+            self.live_bytes -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._paused:
+            return out
+        inputs, _ = tree_flatten((args, kwargs))
+        seen_in = {t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
+        outputs, _ = tree_flatten(out)
+        for t in outputs:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            st = t.untyped_storage()
+            key = st._cdata
+            if key in seen_in or key in self._refs:
+                continue
+            nbytes = st.nbytes()
+            if nbytes == 0:
+                continue
+            self._refs[key] = weakref.ref(st, lambda _r, k=key, n=nbytes: self._forget(k, n))
+            self.live_bytes += nbytes
+            if self.live_bytes > self.peak_bytes:
+                self.peak_bytes = self.live_bytes
+        return out
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+
+class MemoryProbe:
+    """Non-model memory of the device tier, now and peak-since-last-reading."""
+
+    tracing: bool = False
+
+    def start(self) -> None:
+        """Begin a measured (warm-up) span."""
+
+    def stop(self) -> None:
+        """End the measured span."""
+
+    def non_model_now(self, chunk_bytes: int) -> int:
+        raise NotImplementedError
+
+    def take_peak(self, chunk_bytes: int) -> int:
+        """Peak non-model bytes since the previous call; starts a new window."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Engine bookkeeping inside this block is not non-model memory."""
+        yield
+
+
+class CpuProbe(MemoryProbe):
+    def __init__(self) -> None:
+        self._tracker: LiveTensorTracker | None = None
+
+    @property
+    def tracing(self) -> bool:  # type: ignore[override]
+        return self._tracker is not None
+
+    def start(self) -> None:
+        self._tracker = LiveTensorTracker()
+        self._tracker.__enter__()
+
+    def stop(self) -> None:
+        if self._tracker is not None:
+            self._tracker.__exit__(None, None, None)
+            self._tracker = None
+
+    def non_model_now(self, chunk_bytes: int) -> int:
+        return self._tracker.live_bytes if self._tracker is not None else 0
+
+    def take_peak(self, chunk_bytes: int) -> int:
+        t = self._tracker
+        if t is None:
+            return 0
+        peak = t.peak_bytes
+        t.peak_bytes = t.live_bytes
+        return peak
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        if self._tracker is None:
+            yield
+        else:
+            with self._tracker.paused():
+                yield
+
+
+class CudaProbe(MemoryProbe):
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._tracing = False
+
+    @property
+    def tracing(self) -> bool:  # type: ignore[override]
+        return self._tracing
+
+    def start(self) -> None:
+        self._tracing = True
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def stop(self) -> None:
+        self._tracing = False
+
+    def non_model_now(self, chunk_bytes: int) -> int:
+        return max(0, torch.cuda.memory_allocated(self.device) - chunk_bytes)
+
+    def take_peak(self, chunk_bytes: int) -> int:
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return max(0, peak - chunk_bytes)
+
+
+def make_probe(device: torch.device) -> MemoryProbe:
+    return CudaProbe(device) if device.type == "cuda" else CpuProbe()

@@ -1,0 +1,227 @@
+"""Adam / AdamW over chunk quadruples with PyTorch's fused kernel.
+
+The gradients sit in the param chunk (each in its parameter's slot), the fp32
+master and the two moments in the three state chunks at the same offsets. One
+step is two passes over the chunks that hold gradients:
+
+1. *place and measure*: move each param chunk to where its update runs (the
+   host for host Adam, the device with its state chunks for device Adam,
+   see :mod:`chunkstar.placement.optimizer`) and take the L2 norm of its
+   gradient ranges (the global norm for clipping; inf/nan means fp16 overflow);
+2. *update*: one fused Adam call per run of slots that share a parameter
+   group and a step count, over fp32 views of the chunks, then cast the new
+   master back into the param slots.
+
+It subclasses ``torch.optim.Optimizer`` so LR schedulers work through
+``param_groups``. Parameters that got no gradient are skipped, as
+``torch.optim`` skips parameters whose ``.grad`` is None.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from chunkstar.chunk.layout import TensorSlot
+from chunkstar.chunk.state import TensorState
+from chunkstar.events import MoveReason
+from chunkstar.runtime.chunk_manager import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM
+
+if TYPE_CHECKING:
+    from chunkstar.runtime.engine import ChunkEngine
+
+__all__ = ["ChunkAdam"]
+
+_FORMAT = "chunkstar.ChunkAdam/1"
+
+
+def _runs(slots: list[TensorSlot], key: Callable[[TensorSlot], Any]) -> list[tuple[Any, int, int]]:
+    """Merge slots (sorted by offset) into contiguous (key, start, end) element ranges."""
+    out: list[tuple[Any, int, int]] = []
+    for s in slots:
+        k = key(s)
+        if out and out[-1][0] == k and out[-1][2] == s.offset:
+            out[-1] = (k, out[-1][1], s.end)
+        else:
+            out.append((k, s.offset, s.end))
+    return out
+
+
+class ChunkAdam(torch.optim.Optimizer):
+    def __init__(self, engine: ChunkEngine, param_groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
+        super().__init__(param_groups, defaults)
+        self._engine = engine
+        self._decoupled = engine.config.optimizer.decoupled
+        self._steps: list[int] = [0] * len(engine.mgr.slots)
+        self._group_of: list[int] = [0] * len(engine.mgr.slots)
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                self._group_of[engine.index_of(p)] = g
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+
+    # ------------------------------------------------------------------ public
+    @property
+    def loss_scale(self) -> float:
+        return self._engine.scaler.scale
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        eng = self._engine
+        eng.begin_optimizer_step()
+        try:
+            self._step()
+        finally:
+            eng.end_optimizer_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in the param slots and are consumed by ``step``; if
+        some are still pending (no step was taken), drop them and restore the
+        parameter values from the fp32 masters."""
+        self._engine.drop_pending_grads()
+
+    # ------------------------------------------------------------------ step
+    def _step(self) -> None:
+        eng = self._engine
+        mgr = eng.mgr
+        scaler = eng.scaler
+        grad_slots: dict[int, list[TensorSlot]] = {}
+        for s in mgr.slots:
+            if mgr.states[s.index] is TensorState.HOLD_AFTER_BWD:
+                grad_slots.setdefault(s.chunk_id, []).append(s)
+        if not grad_slots:
+            return
+
+        # pass 1: place, then norm of every contiguous gradient range
+        norms: list[torch.Tensor] = []
+        for cid, slots in grad_slots.items():
+            self._place(cid)
+            g = mgr.chunks[PARAM][cid].payload
+            for _, a, b in _runs(slots, lambda s: 0):
+                norms.append(torch.linalg.vector_norm(g[a:b], dtype=torch.float32).to("cpu"))
+        total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+        total_f = float(total)
+        overflow = not torch.isfinite(total).item()
+        if overflow:
+            self.skipped_steps += 1
+            self.last_grad_norm = None
+            eng.restore_params_from_master(grad_slots)
+            scaler.update(overflow=True)
+            return
+        norm = total_f / scaler.scale
+        self.last_grad_norm = norm
+        clip = eng.config.gradient_clipping
+        # torch.nn.utils.clip_grad_norm_'s coefficient, applied with the same op order
+        factor = torch.tensor(1.0)
+        if clip > 0:
+            factor = torch.clamp(torch.tensor(clip) / (total / scaler.scale + 1e-6), max=1.0)
+        if scaler.enabled:
+            factor = factor / scaler.scale
+
+        # pass 2: fused Adam per (group, step) run, then cast master -> param
+        for cid, slots in grad_slots.items():
+            self._update_chunk(cid, slots, factor, apply_factor=clip > 0 or scaler.enabled)
+        scaler.update(overflow=False)
+
+    def _place(self, cid: int) -> None:
+        eng = self._engine
+        mgr = eng.mgr
+        if cid in eng.device_adam_chunks:
+            keys = [(PARAM, cid), (MASTER, cid), (EXP_AVG, cid), (EXP_AVG_SQ, cid)]
+            mgr.make_resident(keys, MoveReason.OPTIMIZER, where=f"the optimizer step of chunk {cid}")
+        else:
+            for name in (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ):
+                mgr.to_host((name, cid), MoveReason.OPTIMIZER)
+
+    def _update_chunk(self, cid: int, slots: list[TensorSlot], factor: torch.Tensor, apply_factor: bool) -> None:
+        mgr = self._engine.mgr
+        p = mgr.chunks[PARAM][cid].payload
+        master = mgr.chunks[MASTER][cid].payload
+        m = mgr.chunks[EXP_AVG][cid].payload
+        v = mgr.chunks[EXP_AVG_SQ][cid].payload
+        fused = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
+        if apply_factor:
+            factor = factor.to(p.device)
+        for (gi, step), a, b in _runs(slots, lambda s: (self._group_of[s.index], self._steps[s.index])):
+            group = self.param_groups[gi]
+            beta1, beta2 = group["betas"]
+            grad = p[a:b] if p.dtype == torch.float32 else p[a:b].float()
+            if apply_factor:
+                grad.mul_(factor)
+            step_t = torch.tensor(float(step + 1), device=p.device)
+            fused(
+                [master[a:b]], [grad], [m[a:b]], [v[a:b]], [], [step_t],
+                lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                amsgrad=False, maximize=False,
+            )  # fmt: skip
+            p[a:b].copy_(master[a:b])
+        for s in slots:
+            self._steps[s.index] += 1
+            mgr.set_state(s.index, TensorState.HOLD)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        mgr = self._engine.mgr
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for s in mgr.slots:
+            if self._steps[s.index] == 0:
+                continue
+            m = mgr.chunks[EXP_AVG][s.chunk_id].payload[s.offset : s.end]
+            v = mgr.chunks[EXP_AVG_SQ][s.chunk_id].payload[s.offset : s.end]
+            state[s.index] = {
+                "step": torch.tensor(float(self._steps[s.index])),
+                "exp_avg": m.detach().to("cpu", copy=True).view(s.shape),
+                "exp_avg_sq": v.detach().to("cpu", copy=True).view(s.shape),
+            }
+        groups = []
+        for g, group in enumerate(self.param_groups):
+            entry = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+            entry["params"] = [self._engine.index_of(p) for p in group["params"]]
+            groups.append(entry)
+        return {
+            "format": _FORMAT,
+            "state": state,
+            "param_groups": groups,
+            "loss_scaler": self._engine.scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        if state_dict.get("format") != _FORMAT:
+            raise ValueError(
+                f"not a chunkstar optimizer state dict (format {state_dict.get('format')!r}, expected {_FORMAT!r})"
+            )
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state dict has {len(groups)} parameter groups, this optimizer {len(self.param_groups)}")
+        for mine, theirs in zip(self.param_groups, groups):
+            if [self._engine.index_of(p) for p in mine["params"]] != list(theirs["params"]):
+                raise ValueError("parameter groups of the state dict do not match this optimizer's")
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = tuple(v) if k == "betas" else v
+        mgr = self._engine.mgr
+        with torch.no_grad():
+            self._steps = [0] * len(mgr.slots)
+            for s in mgr.slots:
+                st = state_dict["state"].get(s.index)
+                m = mgr.chunks[EXP_AVG][s.chunk_id].payload[s.offset : s.end]
+                v = mgr.chunks[EXP_AVG_SQ][s.chunk_id].payload[s.offset : s.end]
+                if st is None:
+                    m.zero_()
+                    v.zero_()
+                    continue
+                for key, dst in (("exp_avg", m), ("exp_avg_sq", v)):
+                    src = st[key]
+                    if src.numel() != s.numel:
+                        raise ValueError(f"optimizer state '{key}' of parameter '{s.name}' has {src.numel()} elements, expected {s.numel}")
+                    dst.copy_(src.reshape(-1))
+                self._steps[s.index] = int(st["step"])
+        self._engine.scaler.load_state_dict(state_dict["loss_scaler"])
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))

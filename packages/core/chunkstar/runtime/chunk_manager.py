@@ -1,0 +1,226 @@
+"""The one place that acts on placement: residency, budgets, moves, tensor states.
+
+The manager owns the four chunk lists and every tensor's state. Hooks and the
+optimizer tell it what they need (``access``, ``release``, ``place_for_adam``);
+it asks the pure policies in :mod:`chunkstar.placement` what to evict, performs
+the copies, keeps the byte accounting and emits events.
+
+Note [budget per moment]: the device holds chunks *and* non-model data
+(activations, temporaries). The chunk budget of a moment is the capacity minus
+the non-model bytes expected during that moment: measured live during warm-up,
+read from the warm-up trace afterwards. Room is made when a moment begins,
+i.e. before that moment's activations are allocated, so a moment never has to
+evict while its own module is running.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Sequence
+
+import torch
+
+from chunkstar.chunk.chunk import Chunk
+from chunkstar.chunk.layout import ChunkLayout, TensorSlot
+from chunkstar.chunk.state import ChunkLocation, TensorState, check_tensor_transition
+from chunkstar.config import EvictionPolicyName
+from chunkstar.errors import DeviceMemoryError
+from chunkstar.events import ChunkAllocated, ChunkMoved, EventBus, MemorySample, MoveReason, Stage, Tier
+from chunkstar.memory.probes import MemoryProbe
+from chunkstar.memory.tracer import MemoryTrace
+from chunkstar.placement.eviction import ResidentChunk, choose_evictions
+
+__all__ = ["ChunkManager", "PARAM", "MASTER", "EXP_AVG", "EXP_AVG_SQ", "CHUNK_LISTS"]
+
+PARAM, MASTER, EXP_AVG, EXP_AVG_SQ = "param", "master", "exp_avg", "exp_avg_sq"
+CHUNK_LISTS = (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ)
+STATE_LISTS = (MASTER, EXP_AVG, EXP_AVG_SQ)
+
+Key = tuple[str, int]
+
+
+class ChunkManager:
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        capacity: int,
+        policy: EvictionPolicyName,
+        probe: MemoryProbe,
+        events: EventBus,
+    ) -> None:
+        self.layout = layout
+        self.device = device
+        self.capacity = capacity
+        self.policy = policy
+        self.probe = probe
+        self.events = events
+        self.chunks: dict[str, list[Chunk]] = {
+            name: [
+                Chunk(i, name, n, compute_dtype if name == PARAM else torch.float32, device)
+                for i, n in enumerate(layout.chunk_sizes)
+            ]
+            for name in CHUNK_LISTS
+        }
+        self.slots: tuple[TensorSlot, ...] = layout.slots
+        self.states: list[TensorState] = [TensorState.FREE] * len(layout.slots)
+        # derived cache of the states, kept by set_state only: COMPUTE tensors per param chunk
+        self._compute_count: list[int] = [0] * layout.n_chunks
+        self._slots_by_chunk: list[list[TensorSlot]] = [[] for _ in range(layout.n_chunks)]
+        for s in layout.slots:
+            self._slots_by_chunk[s.chunk_id].append(s)
+
+        self.trace = MemoryTrace()
+        self.stage = Stage.IDLE
+        self.moment = -1
+        self.module = ""
+        self._clock = 0
+        self._last_use: dict[Key, int] = {}
+
+        self.device_chunk_bytes = 0
+        self.device_chunk_bytes_peak = 0
+        self.moves_to_device = 0
+        self.moves_to_host = 0
+        self.bytes_to_device = 0
+        self.bytes_to_host = 0
+        self.moves_by_reason: dict[str, int] = {r.value: 0 for r in MoveReason}
+
+    # ------------------------------------------------------------------ states
+    def set_state(self, index: int, new: TensorState) -> None:
+        old = self.states[index]
+        if old is new:
+            return
+        check_tensor_transition(self.slots[index].name, old, new)
+        cid = self.slots[index].chunk_id
+        if old is TensorState.COMPUTE:
+            self._compute_count[cid] -= 1
+        if new is TensorState.COMPUTE:
+            self._compute_count[cid] += 1
+        self.states[index] = new
+
+    def pinned(self, chunk_id: int) -> bool:
+        return self._compute_count[chunk_id] > 0
+
+    def slots_of(self, chunk_id: int) -> list[TensorSlot]:
+        return self._slots_by_chunk[chunk_id]
+
+    # ------------------------------------------------------------------ placement
+    def allocate_all_on_host(self) -> None:
+        with self.probe.paused():
+            for name in CHUNK_LISTS:
+                for c in self.chunks[name]:
+                    c.allocate(Tier.HOST)
+                    if self.events.active:
+                        self.events.emit(ChunkAllocated(c.chunk_id, name, Tier.HOST, c.nbytes, time.perf_counter_ns()))
+
+    def resident(self, key: Key) -> bool:
+        return self.chunks[key[0]][key[1]].location is ChunkLocation.DEVICE
+
+    def chunk_budget(self) -> int:
+        """Bytes chunks may occupy on the device during the current moment (Note [budget per moment])."""
+        if self.stage is Stage.OPTIM or self.stage is Stage.IDLE:
+            non_model = self.probe.non_model_now(self.device_chunk_bytes)
+        elif self.trace.frozen:
+            non_model = self.trace.non_model_at(self.moment)
+        else:
+            non_model = self.probe.non_model_now(self.device_chunk_bytes)
+        return self.capacity - non_model
+
+    def touch(self, key: Key) -> None:
+        self._clock += 1
+        self._last_use[key] = self._clock
+
+    def _next_use(self, key: Key) -> int | None:
+        if key[0] != PARAM or not self.trace.frozen:
+            return None
+        if self.stage is Stage.OPTIM or self.stage is Stage.IDLE:
+            return self.trace.next_use(key[1], -1)
+        return self.trace.next_use(key[1], self.moment)
+
+    def make_resident(self, keys: Sequence[Key], reason: MoveReason, where: str) -> None:
+        """Bring ``keys`` to the device, evicting others as the policy says."""
+        missing = [k for k in keys if not self.resident(k)]
+        need = sum(self.chunks[n][i].nbytes for n, i in missing)
+        self.make_room(need, protect=set(keys), where=where, required=keys)
+        for k in missing:
+            self.move(k, Tier.DEVICE, reason)
+        for k in keys:
+            self.touch(k)
+
+    def make_room(self, need: int, protect: set[Key], where: str, required: Iterable[Key] = ()) -> None:
+        budget = self.chunk_budget()
+        excess = self.device_chunk_bytes + need - budget
+        if excess <= 0:
+            return
+        candidates = []
+        for name in CHUNK_LISTS:
+            for c in self.chunks[name]:
+                key = (name, c.chunk_id)
+                if c.location is not ChunkLocation.DEVICE or key in protect:
+                    continue
+                if name == PARAM and self.pinned(c.chunk_id):
+                    continue
+                candidates.append(ResidentChunk(key, c.nbytes, self._next_use(key), self._last_use.get(key, 0)))
+        victims = choose_evictions(candidates, excess, self.policy.value)
+        if victims is None:
+            req = set(required) | {(PARAM, i) for i in range(self.layout.n_chunks) if self.pinned(i)}
+            needed = sum(self.chunks[n][i].nbytes for n, i in req)
+            raise DeviceMemoryError(
+                device=str(self.device), needed=max(needed, need), free=max(budget, 0), budget=self.capacity, where=where
+            )
+        for v in victims:
+            assert isinstance(v, tuple)
+            self.move(v, Tier.HOST, MoveReason.EVICTION)
+
+    def move(self, key: Key, tier: Tier, reason: MoveReason) -> None:
+        chunk = self.chunks[key[0]][key[1]]
+        t0 = time.perf_counter_ns()
+        with self.probe.paused(), torch.profiler.record_function(f"chunkstar::move_to_{tier.value}"):
+            chunk.move_to(tier)
+        t1 = time.perf_counter_ns()
+        if tier is Tier.DEVICE:
+            self.device_chunk_bytes += chunk.nbytes
+            self.device_chunk_bytes_peak = max(self.device_chunk_bytes_peak, self.device_chunk_bytes)
+            self.moves_to_device += 1
+            self.bytes_to_device += chunk.nbytes
+        else:
+            self.device_chunk_bytes -= chunk.nbytes
+            self.moves_to_host += 1
+            self.bytes_to_host += chunk.nbytes
+        self.moves_by_reason[reason.value] += 1
+        if self.events.active:
+            src = Tier.HOST if tier is Tier.DEVICE else Tier.DEVICE
+            self.events.emit(
+                ChunkMoved(key[1], key[0], chunk.nbytes, src, tier, reason, self.moment, self.module, t0, t1)
+            )
+
+    def to_host(self, key: Key, reason: MoveReason) -> None:
+        if self.resident(key):
+            self.move(key, Tier.HOST, reason)
+
+    # ------------------------------------------------------------------ accounting
+    def memory_sample(self) -> None:
+        if not self.events.active:
+            return
+        non_model = self.probe.non_model_now(self.device_chunk_bytes)
+        self.events.emit(
+            MemorySample(
+                Tier.DEVICE,
+                self.device_chunk_bytes + non_model,
+                self.device_chunk_bytes,
+                non_model,
+                self.capacity,
+                self.moment,
+                time.perf_counter_ns(),
+            )
+        )
+        host_chunks = sum(c.nbytes for lst in self.chunks.values() for c in lst if c.location is ChunkLocation.HOST)
+        self.events.emit(MemorySample(Tier.HOST, host_chunks, host_chunks, 0, 0, self.moment, time.perf_counter_ns()))
+
+    def model_data_bytes(self) -> int:
+        return sum(c.nbytes for lst in self.chunks.values() for c in lst)
+
+    def bytes_of(self, list_name: str, chunk_ids: Iterable[int] | None = None) -> int:
+        ids = range(self.layout.n_chunks) if chunk_ids is None else chunk_ids
+        return sum(self.chunks[list_name][i].nbytes for i in ids)

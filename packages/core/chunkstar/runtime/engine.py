@@ -1,0 +1,396 @@
+"""The engine: wraps the user's model and drives one training iteration.
+
+It builds the chunk layout, moves every parameter into the chunk lists (the
+parameter objects stay; their ``.data`` becomes a view into the param chunk's
+persistent device tensor, Note [persistent device storage] in
+:mod:`chunkstar.chunk.chunk`), installs the hooks, and reacts to them:
+
+* a forward/backward pre-hook begins a *moment*: the module's chunks are made
+  resident within that moment's budget and its tensors go to COMPUTE;
+* a gradient hook folds the finished gradient into the parameter's own slot
+  (or, while accumulating over micro-batches, into an fp32 host accumulator);
+* the first training micro-step is the warm-up: the memory probe measures
+  non-model memory per moment, and at its end the trace is frozen and the
+  hybrid-Adam placement is planned.
+
+The orchestration lives here; moving bytes is :class:`ChunkManager`'s job and
+choosing is the policies'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from chunkstar.chunk.layout import TensorSlot, build_layout, search_chunk_size
+from chunkstar.chunk.state import TensorState
+from chunkstar.config import EngineConfig, Precision
+from chunkstar.errors import ChunkStateError
+from chunkstar.events import EventBus, MomentBegin, MomentEnd, MoveReason, Stage, StageChanged, Tier
+from chunkstar.hooks.module_hooks import install_hooks
+from chunkstar.memory.probes import make_probe
+from chunkstar.memory.tracer import MomentRecord
+from chunkstar.placement.optimizer import plan_device_adam
+from chunkstar.runtime.chunk_manager import MASTER, PARAM, STATE_LISTS, ChunkManager
+
+__all__ = ["ChunkEngine"]
+
+
+def _device_capacity(cfg: EngineConfig) -> int:
+    if cfg.device.type == "cpu":
+        assert cfg.device_memory_budget is not None
+        return cfg.device_memory_budget
+    free, total = torch.cuda.mem_get_info(cfg.device)
+    # what this process may use: what is free plus what torch already holds
+    usable = free + torch.cuda.memory_reserved(cfg.device)
+    return min(cfg.device_memory_budget or usable, usable)
+
+
+class ChunkEngine:
+    def __init__(self, model: nn.Module, cfg: EngineConfig) -> None:
+        self.module = model
+        self.config = cfg
+        self.device = cfg.device
+        self.events = EventBus()
+        dtype = cfg.precision.dtype
+
+        named = list(model.named_parameters())  # unique parameters, registration order
+        if not named:
+            raise ValueError("the model has no parameters: there is nothing for chunkstar to manage")
+        self._params: list[nn.Parameter] = [p for _, p in named]
+        self._index: dict[int, int] = {id(p): i for i, p in enumerate(self._params)}
+        numels = [p.numel() for p in self._params]
+        chunk_size = cfg.chunk_size or search_chunk_size(numels)
+        layout = build_layout([n for n, _ in named], [tuple(p.shape) for p in self._params], chunk_size)
+        self.chunk_size = chunk_size
+        self.mgr = ChunkManager(
+            layout, dtype, cfg.device, _device_capacity(cfg), cfg.eviction_policy, make_probe(cfg.device), self.events
+        )
+        self.mgr.allocate_all_on_host()
+        with torch.no_grad():
+            for s, p in zip(layout.slots, self._params):
+                src = p.detach().reshape(-1)
+                if not src.is_floating_point():
+                    raise TypeError(f"parameter '{s.name}' has dtype {p.dtype}; chunkstar manages floating-point parameters")
+                self.mgr.chunks[MASTER][s.chunk_id].payload[s.offset : s.end].copy_(src)
+                self.mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end].copy_(src)
+                self.mgr.set_state(s.index, TensorState.HOLD)
+            for cid in range(layout.n_chunks):
+                slots = self.mgr.slots_of(cid)
+                views = self.mgr.chunks[PARAM][cid].device_views([(s.offset, s.end, s.shape) for s in slots])
+                for s, view in zip(slots, views):
+                    self._params[s.index].data = view
+        for mod in model.modules():
+            for name, b in mod._buffers.items():
+                if b is not None:
+                    mod._buffers[name] = b.to(cfg.device)
+
+        self.scaler_enabled = cfg.precision is Precision.FP16
+        from chunkstar.optim.loss_scaler import LossScaler  # local: optim depends on runtime
+
+        self.scaler = LossScaler(cfg.loss_scale, self.scaler_enabled)
+        self.device_adam_chunks: set[int] = set()
+        self.micro_step = 0
+        self._since_step = 0  # micro-steps since the last optimizer step
+        self._warmed_up = False
+        self._accumulators: dict[int, torch.Tensor] = {}  # chunk id -> 1-D fp32 host, grads of earlier micro-batches
+        self._accumulated: set[int] = set()  # slot indices with something in an accumulator
+        self._in_backward = False
+        self._boundary = False
+        self._handles = install_hooks(model, self._index, self)
+
+    # ------------------------------------------------------------------ model API
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        training = torch.is_grad_enabled()
+        if training and not self._warmed_up and not self.mgr.probe.tracing:
+            self.mgr.probe.start()
+        self._set_stage(Stage.FWD)
+        self.mgr.moment = -1
+        with self._autocast():
+            out = self.module(*args, **kwargs)
+        if not training:
+            self._set_stage(Stage.IDLE)
+        return out
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.config.precision is Precision.FP32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.config.precision.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate ``loss`` (divided by gradient_accumulation_steps, times the fp16 loss scale)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}")
+        if not loss.requires_grad:
+            raise ValueError("the loss does not require grad: was the forward run under torch.no_grad()?")
+        gas = self.config.gradient_accumulation_steps
+        self._boundary = self._since_step + 1 >= gas
+        if gas > 1:
+            loss = loss / gas
+        if self.scaler_enabled:
+            loss = loss * self.scaler.scale
+        self._set_stage(Stage.BWD)
+        self._in_backward = True
+        try:
+            loss.backward()
+        finally:
+            self._in_backward = False
+        self._end_backward()
+
+    def train(self, mode: bool = True) -> ChunkEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ChunkEngine:
+        return self.train(False)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return iter(self._params)
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def index_of(self, p: torch.Tensor) -> int:
+        try:
+            return self._index[id(p)]
+        except KeyError:
+            raise ValueError("this tensor is not a parameter of the engine's model") from None
+
+    # ------------------------------------------------------------------ hook targets
+    def _begin_moment(self, module: str, chunk_ids: tuple[int, ...]) -> None:
+        mgr = self.mgr
+        mgr.moment += 1
+        mgr.module = module
+        if mgr.probe.tracing:
+            mgr.trace.set_peak(mgr.moment - 1, mgr.probe.take_peak(mgr.device_chunk_bytes))
+            mgr.trace.record(MomentRecord(module, mgr.stage.value, chunk_ids))
+        if self.events.active:
+            self.events.emit(MomentBegin(mgr.moment, module, mgr.stage, time.perf_counter_ns()))
+
+    def _access(self, module: str, indices: tuple[int, ...]) -> None:
+        mgr = self.mgr
+        chunk_ids = tuple(sorted({mgr.slots[i].chunk_id for i in indices}))
+        self._begin_moment(module, chunk_ids)
+        with mgr.probe.paused():
+            mgr.make_resident([(PARAM, c) for c in chunk_ids], MoveReason.ACCESS, where=f"module '{module}'")
+            for i in indices:
+                mgr.set_state(i, TensorState.COMPUTE)
+            if self.config.prefetch and mgr.trace.frozen:
+                self._prefetch(set(chunk_ids))
+            mgr.memory_sample()
+
+    def _prefetch(self, current: set[int]) -> None:
+        """Bring the next moment's chunks early when they fit without evicting anything."""
+        mgr = self.mgr
+        nxt = [c for c in mgr.trace.chunks_at(mgr.moment + 1) if c not in current and not mgr.resident((PARAM, c))]
+        if not nxt:
+            return
+        room = min(mgr.chunk_budget(), self.mgr.capacity - mgr.trace.non_model_at(mgr.moment + 1))
+        for c in nxt:
+            nbytes = mgr.chunks[PARAM][c].nbytes
+            if mgr.device_chunk_bytes + nbytes > room:
+                break
+            mgr.move((PARAM, c), Tier.DEVICE, MoveReason.PREFETCH)
+            mgr.touch((PARAM, c))
+
+    def on_pre_forward(self, module: str, indices: tuple[int, ...]) -> None:
+        self._access(module, indices)
+
+    def on_post_forward(self, module: str, indices: tuple[int, ...]) -> None:
+        after = TensorState.HOLD_AFTER_FWD if torch.is_grad_enabled() else TensorState.HOLD
+        for i in indices:
+            if self.mgr.states[i] is TensorState.COMPUTE:
+                self.mgr.set_state(i, after)
+        if self.events.active:
+            self.events.emit(MomentEnd(self.mgr.moment, module, self.mgr.stage, time.perf_counter_ns()))
+
+    def on_pre_backward(self, module: str, indices: tuple[int, ...]) -> None:
+        self._access(module, indices)
+
+    def on_grad(self, index: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        mgr = self.mgr
+        s = mgr.slots[index]
+        with torch.no_grad(), mgr.probe.paused():
+            if not mgr.resident((PARAM, s.chunk_id)):  # a parameter used outside its module's hooks
+                mgr.make_resident([(PARAM, s.chunk_id)], MoveReason.ACCESS, where=f"the gradient of '{s.name}'")
+            if self._boundary:
+                acc = self._accumulators.get(s.chunk_id)
+                if index in self._accumulated and acc is not None:
+                    total = acc[s.offset : s.end].to(grad.device).view(s.shape) + grad.float()
+                    param.data.copy_(total)
+                    self._accumulated.discard(index)
+                else:
+                    param.data.copy_(grad)
+                mgr.set_state(index, TensorState.HOLD_AFTER_BWD)
+            else:
+                acc = self._accumulators.get(s.chunk_id)
+                if acc is None:
+                    acc = self._accumulators[s.chunk_id] = torch.zeros(mgr.layout.chunk_sizes[s.chunk_id], dtype=torch.float32)
+                acc[s.offset : s.end].add_(grad.reshape(-1).float().to("cpu"))
+                self._accumulated.add(index)
+                if mgr.states[index] is TensorState.COMPUTE:
+                    mgr.set_state(index, TensorState.HOLD_AFTER_FWD)
+
+    # ------------------------------------------------------------------ iteration bookkeeping
+    def _set_stage(self, stage: Stage) -> None:
+        if self.mgr.stage is not stage:
+            self.mgr.stage = stage
+            if self.events.active:
+                self.events.emit(StageChanged(stage, time.perf_counter_ns()))
+
+    def _end_backward(self) -> None:
+        mgr = self.mgr
+        with torch.no_grad(), mgr.probe.paused():
+            for s in mgr.slots:
+                st = mgr.states[s.index]
+                if self._boundary and s.index in self._accumulated and st is not TensorState.HOLD_AFTER_BWD:
+                    # got gradients in earlier micro-batches only: its gradient is the accumulator
+                    mgr.set_state(s.index, TensorState.HOLD)
+                    acc = self._accumulators[s.chunk_id]
+                    mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end].copy_(acc[s.offset : s.end])
+                    mgr.set_state(s.index, TensorState.HOLD_AFTER_BWD)
+                elif st is TensorState.COMPUTE or st is TensorState.HOLD_AFTER_FWD:
+                    mgr.set_state(s.index, TensorState.HOLD)
+        if self._boundary:
+            self._accumulators.clear()
+            self._accumulated.clear()
+        if mgr.probe.tracing:
+            mgr.trace.set_peak(mgr.moment, mgr.probe.take_peak(mgr.device_chunk_bytes))
+            mgr.probe.stop()
+            mgr.trace.freeze()
+            self._warmed_up = True
+            self._plan_adam()
+        self.micro_step += 1
+        self._since_step += 1
+        self._set_stage(Stage.IDLE)
+
+    def _plan_adam(self) -> None:
+        if not self.config.hybrid_adam:
+            return
+        mgr = self.mgr
+        n = mgr.layout.n_chunks
+        state_bytes = [sum(mgr.chunks[name][i].nbytes for name in STATE_LISTS) for i in range(n)]
+        self.device_adam_chunks = plan_device_adam(
+            [mgr.chunks[PARAM][i].nbytes for i in range(n)], state_bytes, mgr.capacity, mgr.trace.max_non_model
+        )
+
+    def begin_optimizer_step(self) -> None:
+        gas = self.config.gradient_accumulation_steps
+        if self._since_step % gas != 0 or self._since_step == 0 and self._has_pending_grads():
+            raise ChunkStateError(
+                f"optimizer.step() after {self._since_step} micro-batch(es) but gradient_accumulation_steps is {gas}: "
+                f"call engine.backward() {gas} times per optimizer step"
+            )
+        self._set_stage(Stage.OPTIM)
+        self.mgr.moment = -1
+        self.mgr.module = "optimizer"
+
+    def end_optimizer_step(self) -> None:
+        self._since_step = 0
+        self.mgr.module = ""
+        self._set_stage(Stage.IDLE)
+
+    def _has_pending_grads(self) -> bool:
+        return any(st is TensorState.HOLD_AFTER_BWD for st in self.mgr.states)
+
+    def restore_params_from_master(self, slots_by_chunk: dict[int, list[TensorSlot]]) -> None:
+        mgr = self.mgr
+        with torch.no_grad():
+            for cid, slots in slots_by_chunk.items():
+                p = mgr.chunks[PARAM][cid].payload
+                master = mgr.chunks[MASTER][cid].payload.to(p.device)
+                for s in slots:
+                    p[s.offset : s.end].copy_(master[s.offset : s.end])
+                    mgr.set_state(s.index, TensorState.HOLD)
+
+    def drop_pending_grads(self) -> None:
+        pending: dict[int, list[TensorSlot]] = {}
+        for s in self.mgr.slots:
+            if self.mgr.states[s.index] is TensorState.HOLD_AFTER_BWD:
+                pending.setdefault(s.chunk_id, []).append(s)
+        if pending:
+            self.restore_params_from_master(pending)
+        self._accumulators.clear()
+        self._accumulated.clear()
+        self._since_step = 0
+
+    # ------------------------------------------------------------------ state
+    def _slot_of_param(self) -> dict[int, TensorSlot]:
+        return {id(p): self.mgr.slots[i] for i, p in enumerate(self._params)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's own keys; parameters as their fp32 masters, everything on the CPU."""
+        slots = self._slot_of_param()
+        out: dict[str, torch.Tensor] = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            s = slots.get(id(t))
+            if s is None:
+                out[key] = t.detach().to("cpu", copy=True)
+            else:
+                master = self.mgr.chunks[MASTER][s.chunk_id].payload
+                out[key] = master[s.offset : s.end].detach().to("cpu", copy=True).view(s.shape)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        if self._has_pending_grads():
+            raise ChunkStateError("gradients are pending: call optimizer.step() or optimizer.zero_grad() before loading")
+        slots = self._slot_of_param()
+        own = self.module.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise KeyError(f"state dict mismatch: missing keys {missing}, unexpected keys {unexpected}")
+        mgr = self.mgr
+        with torch.no_grad(), mgr.probe.paused():
+            for key, t in own.items():
+                if key not in state_dict:
+                    continue
+                src = state_dict[key]
+                if tuple(src.shape) != tuple(t.shape):
+                    raise ValueError(f"'{key}': shape {tuple(src.shape)} in the state dict, {tuple(t.shape)} in the model")
+                s = slots.get(id(t))
+                if s is None:
+                    t.data.copy_(src)
+                    continue
+                mgr.chunks[MASTER][s.chunk_id].payload[s.offset : s.end].copy_(src.reshape(-1))
+                mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end].copy_(src.reshape(-1))
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict[str, Any]:
+        mgr = self.mgr
+        return {
+            "device": str(self.device),
+            "precision": self.config.precision.value,
+            "device_budget_bytes": mgr.capacity,
+            "device_chunk_bytes": mgr.device_chunk_bytes,
+            "device_chunk_bytes_peak": mgr.device_chunk_bytes_peak,
+            "chunk_moves_to_device": mgr.moves_to_device,
+            "chunk_moves_to_host": mgr.moves_to_host,
+            "bytes_to_device": mgr.bytes_to_device,
+            "bytes_to_host": mgr.bytes_to_host,
+            "moves_by_reason": dict(mgr.moves_by_reason),
+            "model_data_bytes": mgr.model_data_bytes(),
+            "n_params": sum(s.numel for s in mgr.slots),
+            "n_chunks": mgr.layout.n_chunks,
+            "chunk_size": self.chunk_size,
+            "device_adam_chunks": len(self.device_adam_chunks),
+            "warmup_non_model_peak_bytes": mgr.trace.max_non_model,
+            "moments_per_micro_step": mgr.trace.n_moments,
+            "micro_steps": self.micro_step,
+        }
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []

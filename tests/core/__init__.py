@@ -1,0 +1,1 @@
+"""Acceptance tests of the chunkstar engine against plain PyTorch (CPU)."""

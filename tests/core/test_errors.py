@@ -1,0 +1,106 @@
+"""Errors a user can cause fail early and say what to change.
+
+- a budget that cannot hold one module plus activations: DeviceMemoryError
+  naming the device and the byte figures (never a hang or an allocator OOM);
+- bad config: ConfigError (a ValueError) naming the key;
+- a model_func that is not a callable returning an nn.Module: TypeError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import chunkstar
+
+from ._models import CASES, LR, engine_config
+
+
+def _init(config: Any, model_func: Any = None) -> tuple[Any, Any]:
+    return chunkstar.initialize_engine(model_func=model_func or CASES["mlp"].build, local_rank=0, config=config)
+
+
+def _step(engine: Any, optimizer: Any, name: str = "mlp") -> float:
+    case = CASES[name]
+    loss = case.loss(engine, case.batch(0), torch.float32)
+    engine.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def test_errors_are_the_documented_types() -> None:
+    assert issubclass(chunkstar.ConfigError, ValueError)
+    assert issubclass(chunkstar.DeviceMemoryError, RuntimeError)
+
+
+def test_over_budget_raises_device_memory_error() -> None:
+    # GPT-2's largest module (c_fc, 128 x 512 fp32 = 256 KiB) cannot fit in 64 KiB.
+    with pytest.raises(chunkstar.DeviceMemoryError) as info:
+        engine, optimizer = _init(engine_config("fp32", budget=64 * 1024), CASES["gpt2"].build)
+        _step(engine, optimizer, "gpt2")
+    msg = str(info.value)
+    assert "cpu" in msg.lower(), msg
+    figures = re.findall(r"\d[\d,_]*(?:\.\d+)?", msg)
+    assert len(figures) >= 2, f"no bytes needed / bytes free in: {msg}"
+    assert re.search(r"bytes|[KMG]i?B\b", msg), msg
+
+
+CONFIG_CASES = {
+    "unknown top-level key": ({"optimiser": {"type": "AdamW"}}, "optimiser"),
+    "unknown optimizer param": ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "momentum": 0.9}}}, "momentum"),
+    "wrong type": ({"gradient_accumulation_steps": "four"}, "gradient_accumulation_steps"),
+    "wrong type of clipping": ({"gradient_clipping": "big"}, "gradient_clipping"),
+    "bf16 and fp16": ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "bf16"),
+    "bad budget string": ({"device_memory_budget": "12XB"}, "device_memory_budget"),
+    "negative budget": ({"device_memory_budget": -5}, "device_memory_budget"),
+    "unsupported optimizer": ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "optimizer"),
+    "bad chunk size": ({"default_chunk_size": "huge"}, "default_chunk_size"),
+}
+
+
+@pytest.mark.parametrize("what", list(CONFIG_CASES))
+def test_bad_config_names_the_key(what: str) -> None:
+    change, key = CONFIG_CASES[what]
+    config = engine_config("fp32", budget="64MB")
+    config.update(change)
+    with pytest.raises(chunkstar.ConfigError, match=re.escape(key)) as info:
+        _init(config)
+    assert isinstance(info.value, ValueError)
+    if what == "bf16 and fp16":
+        assert "fp16" in str(info.value)
+    if what == "unsupported optimizer":
+        assert "SGD" in str(info.value)
+
+
+def test_cpu_without_budget_is_a_config_error() -> None:
+    config = engine_config("fp32", budget="64MB")
+    del config["device_memory_budget"]
+    with pytest.raises(chunkstar.ConfigError, match="device_memory_budget"):
+        _init(config)
+
+
+def test_model_func_must_be_callable() -> None:
+    with pytest.raises(TypeError, match="model_func"):
+        _init(engine_config("fp32", budget="64MB"), nn.Linear(4, 4).state_dict())
+
+
+def test_model_func_must_return_a_module() -> None:
+    with pytest.raises(TypeError, match="model_func") as info:
+        _init(engine_config("fp32", budget="64MB"), lambda: torch.zeros(3))
+    assert "Module" in str(info.value) and "Tensor" in str(info.value), str(info.value)
+
+
+def test_json_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "chunkstar.json"
+    path.write_text(json.dumps(engine_config("fp32", budget="64MB")))
+    engine, optimizer = _init(str(path))
+    assert math.isfinite(_step(engine, optimizer))
+    assert optimizer.param_groups[0]["lr"] == LR
