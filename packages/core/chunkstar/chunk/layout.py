@@ -98,29 +98,29 @@ def packing_waste(numels: Sequence[int], chunk_size: int) -> int:
     return sum(sizes) - sum(numels)
 
 
-def search_chunk_size(numels: Sequence[int], *, world_size: int = 1, align: int = 1024) -> int:
-    """The chunk size (elements) that wastes least, between total/64 and total/8.
+def search_chunk_size(numels: Sequence[int], *, world_size: int = 1, align: int = 64, candidates: int = 256) -> int:
+    """The chunk size (elements) that wastes least, between total/256 and total/4.
 
-    Bounds keep 8-64 chunks, so the budget can be met at a useful granularity
-    and a module's working set is a few chunks, not the whole model. Sizes are
-    multiples of ``align``. Ties go to the smaller size. With several ranks,
-    empty chunks that round the count up to a multiple of ``world_size`` count
-    as waste.
+    The bounds keep 4-256 chunks (plus the chunks of parameters bigger than
+    the size), so a budget can be met at a useful granularity and a module's
+    working set is a few chunks, not the whole model. ``candidates`` sizes,
+    multiples of ``align``, are tried by packing the parameters in order;
+    ties go to the larger size (fewer chunks, fewer moves). With several
+    ranks, the empty chunks that round the count up to whole groups count as
+    waste.
     """
     total = sum(numels)
     if total == 0:
         return align
-    lo = max(align, math.ceil(total / 64 / align) * align)
-    hi = max(lo, math.ceil(total / 8 / align) * align)
-    steps = 32
+    lo = max(align, total // 256 // align * align)
+    hi = max(lo, math.ceil(total / 4 / align) * align)
     best_size, best_waste = lo, None
-    for i in range(steps + 1):
-        size = lo + (hi - lo) * i // steps
-        size = max(align, size // align * align)
+    for i in range(candidates + 1):
+        size = max(align, (lo + (hi - lo) * i // candidates) // align * align)
         sizes, _ = _pack(numels, size)
         pad_chunks = (-len(sizes)) % world_size
         waste = sum(sizes) - total + pad_chunks * size
-        if best_waste is None or waste < best_waste:
+        if best_waste is None or waste <= best_waste:
             best_size, best_waste = size, waste
     return best_size
 

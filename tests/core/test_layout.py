@@ -1,0 +1,49 @@
+"""Chunk layout and chunk-size search: pure arithmetic, no tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+from chunkstar.chunk.layout import build_layout, packing_waste, search_chunk_size
+
+
+def test_packs_in_order_and_never_overlaps() -> None:
+    shapes = [(10,), (3, 4), (20,), (5,), (7, 2)]
+    lay = build_layout([f"p{i}" for i in range(5)], shapes, chunk_size=32)
+    # registration order is kept: chunk ids never go backwards
+    ids = [s.chunk_id for s in lay.slots]
+    assert ids == sorted(ids)
+    for cid in range(lay.n_chunks):
+        spans = sorted((s.offset, s.end) for s in lay.slots_of(cid))
+        for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+            assert a1 <= b0
+        assert all(end <= lay.chunk_sizes[cid] for _, end in spans)
+    assert lay.used_elements == 10 + 12 + 20 + 5 + 14
+
+
+def test_parameter_bigger_than_chunk_gets_its_own_chunk() -> None:
+    lay = build_layout(["small", "huge", "small2"], [(4,), (100,), (4,)], chunk_size=16)
+    huge = lay.slots[1]
+    assert lay.chunk_sizes[huge.chunk_id] == 100 and huge.offset == 0
+    assert lay.slots[2].chunk_id != huge.chunk_id and lay.slots[0].chunk_id != huge.chunk_id
+
+
+def test_shard_ready_groups_and_owners() -> None:
+    lay = build_layout([f"p{i}" for i in range(5)], [(10,)] * 5, chunk_size=10, world_size=2)
+    assert lay.n_chunks % 2 == 0  # padded to whole groups
+    assert [lay.owner(k) for k in range(4)] == [0, 1, 0, 1]
+    assert list(lay.group(3)) == [2, 3]
+
+
+def test_search_picks_least_waste_within_bounds() -> None:
+    numels = [1000, 3000, 1000, 3000] * 16
+    size = search_chunk_size(numels, align=1000)
+    total = sum(numels)
+    assert total // 256 <= size <= total / 4 + 1000
+    best = min(packing_waste(numels, s) for s in range(size - 5000, size + 5001, 1000) if s >= 1000)
+    assert packing_waste(numels, size) <= best
+
+
+def test_bad_chunk_size() -> None:
+    with pytest.raises(ValueError):
+        build_layout(["a"], [(3,)], chunk_size=0)

@@ -1,0 +1,49 @@
+"""Tensor states and chunk locations move only along allowed edges."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chunkstar.chunk.chunk import Chunk
+from chunkstar.chunk.state import ChunkLocation, TensorState, check_tensor_transition
+from chunkstar.errors import ChunkStateError
+from chunkstar.events import Tier
+
+
+def test_gradient_slot_cannot_be_computed_with() -> None:
+    with pytest.raises(ChunkStateError, match="optimizer.step"):
+        check_tensor_transition("w", TensorState.HOLD_AFTER_BWD, TensorState.COMPUTE)
+
+
+@pytest.mark.parametrize(
+    "old,new",
+    [(TensorState.FREE, TensorState.COMPUTE), (TensorState.HOLD, TensorState.HOLD_AFTER_BWD), (TensorState.FREE, TensorState.HOLD_AFTER_FWD)],
+)
+def test_illegal_edges(old: TensorState, new: TensorState) -> None:
+    with pytest.raises(ChunkStateError):
+        check_tensor_transition("w", old, new)
+
+
+def test_training_cycle_is_legal() -> None:
+    cycle = [TensorState.FREE, TensorState.HOLD, TensorState.COMPUTE, TensorState.HOLD_AFTER_FWD,
+             TensorState.COMPUTE, TensorState.HOLD_AFTER_BWD, TensorState.HOLD, TensorState.COMPUTE]  # fmt: skip
+    for a, b in zip(cycle, cycle[1:]):
+        check_tensor_transition("w", a, b)
+
+
+def test_chunk_moves_keep_views_valid_and_free_the_other_tier() -> None:
+    c = Chunk(0, "param", 8, torch.float32, torch.device("cpu"))
+    c.allocate(Tier.HOST)
+    c.payload.copy_(torch.arange(8.0))
+    (view,) = c.device_views([(2, 6, (2, 2))])
+    c.move_to(Tier.DEVICE)
+    assert c.location is ChunkLocation.DEVICE
+    assert torch.equal(view, torch.tensor([[2.0, 3.0], [4.0, 5.0]]))
+    c.move_to(Tier.HOST)
+    assert c.device_view.untyped_storage().nbytes() == 0  # the device copy is really gone
+    c.payload[2] = 42.0
+    c.move_to(Tier.DEVICE)
+    assert view[0, 0].item() == 42.0  # the same view sees the data again
+    with pytest.raises(ChunkStateError):
+        c.move_to(Tier.DEVICE)
