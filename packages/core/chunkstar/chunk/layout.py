@@ -99,9 +99,9 @@ def packing_waste(numels: Sequence[int], chunk_size: int) -> int:
 
 
 def search_chunk_size(numels: Sequence[int], *, world_size: int = 1, align: int = 64, candidates: int = 256) -> int:
-    """The chunk size (elements) that wastes least, between total/256 and total/4.
+    """The chunk size (elements) that wastes least, between total/256 and total/16.
 
-    The bounds keep 4-256 chunks (plus the chunks of parameters bigger than
+    The bounds keep 16-256 chunks (plus the chunks of parameters bigger than
     the size), so a budget can be met at a useful granularity and a module's
     working set is a few chunks, not the whole model. ``candidates`` sizes,
     multiples of ``align``, are tried by packing the parameters in order;
@@ -113,7 +113,7 @@ def search_chunk_size(numels: Sequence[int], *, world_size: int = 1, align: int 
     if total == 0:
         return align
     lo = max(align, total // 256 // align * align)
-    hi = max(lo, math.ceil(total / 4 / align) * align)
+    hi = max(lo, math.ceil(total / 16 / align) * align)
     best_size, best_waste = lo, None
     for i in range(candidates + 1):
         size = max(align, (lo + (hi - lo) * i // candidates) // align * align)

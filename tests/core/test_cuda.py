@@ -1,0 +1,59 @@
+"""CUDA path: the same parity as on the CPU virtual device, on a real GPU.
+
+Skipped cleanly on machines without CUDA (CI here has none).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import chunkstar
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(8)], nn.Linear(256, 1))
+
+
+def test_cuda_mlp_matches_pytorch_under_a_budget_smaller_than_the_params() -> None:
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(64, 256, generator=g).to(dev), torch.randn(64, 1, generator=g).to(dev)) for _ in range(5)]
+    ref = _mlp().to(dev)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    want = []
+    for x, y in data:
+        loss = (ref(x) - y).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    param_bytes = sum(p.numel() * 4 for p in ref.parameters())
+    base = torch.cuda.memory_allocated(dev)
+    engine, optimizer = chunkstar.initialize_engine(
+        _mlp,
+        0,
+        {
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "gradient_clipping": 1.0,
+            "device": "cuda",
+            "device_memory_budget": base + param_bytes // 2 + (8 << 20),
+            "default_chunk_size": 70_000,
+        },
+    )
+    got = []
+    for x, y in data:
+        loss = (engine(x) - y).square().mean()
+        engine.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        got.append(loss.item())
+    stats = engine.stats()
+    assert stats["chunk_moves_to_host"] > 0
+    assert stats["device_chunk_bytes_peak"] <= stats["device_budget_bytes"]
+    assert got == pytest.approx(want, rel=1e-5)
