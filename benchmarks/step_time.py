@@ -7,8 +7,12 @@ What it measures
 
     ``pytorch``             fp32 params, ``torch.autocast("cpu", bfloat16)``, fused AdamW
     ``chunkstar``           chunkstar, bf16, a device budget far above the model data
-    ``chunkstar-pressure``  chunkstar, bf16, a device budget of about half the model's
-                            bf16 parameter bytes (``--pressure-fraction``)
+    ``chunkstar-pressure``  chunkstar, bf16, a device budget that leaves the chunks room
+                            for about half the model's bf16 parameter bytes
+                            (``--pressure-fraction``): the non-model peak measured
+                            by the ``chunkstar`` run, plus that fraction (the device
+                            holds activations too, so a budget of half the parameter
+                            bytes alone could not even hold them)
     ``deepspeed``           DeepSpeed ZeRO-3, params and optimizer offloaded to CPU, bf16
 
     Every system runs in its own child process (this script re-invoked with
@@ -20,14 +24,21 @@ What it measures
 How to read it
     ``median s`` is the median of the timed steps (``min``/``max`` show the
     spread; this machine is shared, so compare ratios from one run, not runs).
-    ``first loss`` should agree across systems to about 1e-2 (same weights and
-    data, bf16 arithmetic); ``last loss`` shows training moved. The ratio table
+    ``first loss`` and ``last loss`` should agree across systems to about 1e-2
+    (same weights, same data, same AdamW steps; bf16 rounding differs): a
+    system whose losses drift trains something else and its time means
+    nothing. ``other load`` is how many cores other processes kept busy during
+    the timed steps; above 0.25 the report warns, because on 2 cores one
+    foreign busy core can slow a 2-thread torch step several times over
+    (``--threads 1`` or ``--rounds 3`` make a busy machine less harmful). The ratio table
     checks the targets of the benchmark issue: chunkstar at most 1.10x plain
     PyTorch's step time without pressure and 1.30x under pressure, DeepSpeed at
     least 1.8x slower than chunkstar, chunkstar's peak RSS below DeepSpeed's. A
     MISS is a finding, not an error: the exit status is 0 whenever the benchmark
     itself ran. A system that fails (for example chunkstar before its engine
     exists) prints ``error: ...`` in its row and the other rows still run.
+    Run ``chunkstar`` together with ``chunkstar-pressure`` (or give
+    ``--pressure-budget-mib``): the pressure budget is built on its measurement.
 
 This is a script, not a timed test::
 
@@ -44,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -56,7 +68,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from step_time_systems import PROGRESS_PREFIX, RESULT_PREFIX, SYSTEMS, RunSpec, child_main
+from step_time_systems import PROGRESS_PREFIX, RESULT_PREFIX, SYSTEMS, RunSpec, child_main, count_parameters
 
 _GIB = 1024**3
 
@@ -68,7 +80,11 @@ _TIME_TARGETS: tuple[tuple[str, str, str, float], ...] = (
     ("chunkstar-pressure", "pytorch", "max", 1.30),
     ("deepspeed", "chunkstar", "min", 1.80),
     ("deepspeed", "chunkstar-pressure", "min", 1.80),
+    ("deepspeed", "pytorch", "info", 0.0),  # context only: no target
 )
+_BUSY_CORES = 0.25
+"""Foreign CPU load (cores, averaged over a system's timed steps) above which the report warns."""
+
 _RSS_TARGETS: tuple[tuple[str, str], ...] = (
     ("chunkstar", "deepspeed"),
     ("chunkstar-pressure", "deepspeed"),
@@ -113,6 +129,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.5,
         help="chunkstar-pressure's device budget, as a fraction of the bf16 parameter bytes",
     )
+    parser.add_argument(
+        "--pressure-budget-mib",
+        type=float,
+        help="chunkstar-pressure's device budget in MiB; overrides --pressure-fraction",
+    )
+    parser.add_argument(
+        "--threads", type=int, help="torch threads in every child (default: torch's own choice)"
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per system")
     parser.add_argument("--verbose", action="store_true", help="echo every line the children print")
     parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -148,6 +172,8 @@ def _spec_for(args: argparse.Namespace, system: str) -> RunSpec:
         lr=args.lr,
         free_budget_bytes=int(args.free_budget_gib * _GIB),
         pressure_fraction=args.pressure_fraction,
+        threads=args.threads,
+        pressure_budget_bytes=None if args.pressure_budget_mib is None else int(args.pressure_budget_mib * 2**20),
     )
 
 
@@ -180,7 +206,12 @@ def _run_child(spec: RunSpec, *, timeout: float, verbose: bool) -> dict[str, Any
     watchdog.cancel()
     wall = time.monotonic() - start
     if result is None:
-        reason = f"timed out after {timeout:.0f} s" if wall > timeout else f"child exited with status {returncode}"
+        if wall > timeout:
+            reason = f"timed out after {timeout:.0f} s"
+        elif returncode < 0:  # SIGKILL here is most often the kernel's OOM killer
+            reason = f"child killed by signal {-returncode}"
+        else:
+            reason = f"child exited with status {returncode}"
         result = {"system": spec.system, "status": f"error: {reason}, no result"}
     if result["status"] != "ok" and not verbose:
         print(f"  {spec.system} failed; last lines of its output:", file=sys.stderr)
@@ -210,6 +241,7 @@ def _merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "min_step_s": min(times),
         "max_step_s": max(times),
         "peak_rss_mib": max(r["peak_rss_mib"] for r in rounds),
+        "other_load_cores": max((r.get("other_load_cores") or 0.0) for r in rounds),
         "round_medians_s": [r["median_step_s"] for r in rounds],
         "child_wall_s": sum(r["child_wall_s"] for r in rounds),
     }
@@ -249,12 +281,13 @@ def _ratios(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         row: dict[str, Any] = {
             "name": f"step time {num} / {den}",
-            "target": f"{'<=' if kind == 'max' else '>='} {target:.2f}x",
+            "target": {"max": f"<= {target:.2f}x", "min": f">= {target:.2f}x"}.get(kind, "(none)"),
         }
         if ok(num) and ok(den):
             value = results[num]["median_step_s"] / results[den]["median_step_s"]
             met = value <= target if kind == "max" else value >= target
-            row.update(value=value, shown=f"{value:.2f}x", verdict="PASS" if met else "MISS")
+            verdict = "-" if kind == "info" else "PASS" if met else "MISS"
+            row.update(value=value, shown=f"{value:.2f}x", verdict=verdict)
         else:
             row.update(value=None, shown="-", verdict="n/a")
         rows.append(row)
@@ -306,18 +339,39 @@ def _report(args: argparse.Namespace, results: dict[str, dict[str, Any]], ratios
                     f"{r['peak_rss_mib']:.0f}",
                     f"{r['losses'][0]:.4f}",
                     f"{r['losses'][-1]:.4f}",
+                    "?" if r.get("other_load_cores") is None else f"{r['other_load_cores']:.2f}",
                 ]
             )
         else:
-            rows.append([system, "error", *["-"] * 7])
+            rows.append([system, "error", *["-"] * 8])
     body = _format_table(
-        ["system", "status", "median s", "min s", "max s", "tokens/s", "peak RSS MiB", "first loss", "last loss"],
+        [
+            "system",
+            "status",
+            "median s",
+            "min s",
+            "max s",
+            "tokens/s",
+            "peak RSS MiB",
+            "first loss",
+            "last loss",
+            "other load",
+        ],
         rows,
     )
+    busy = {
+        system: r["other_load_cores"]
+        for system, r in results.items()
+        if (r.get("other_load_cores") or 0.0) > _BUSY_CORES
+    }
+    if busy:
+        body += "\nWARNING: other processes kept the CPU busy during the timed steps of " + ", ".join(
+            f"{system} ({load:.2f} cores)" for system, load in busy.items()
+        ) + "; those step times and ratios are not trustworthy (rerun on a quiet machine, or with --threads 1 or --rounds 3)."
     ratio_table = _format_table(
         ["comparison", "measured", "target", "verdict"],
         [[r["name"], r["shown"], r["target"], r["verdict"]] for r in ratios],
-    ) if ratios else "(no comparisons: fewer than two systems)"
+    ) if ratios else "(no comparisons among the systems run)"
 
     extra: list[str] = []
     for system, r in results.items():
@@ -331,7 +385,10 @@ def _report(args: argparse.Namespace, results: dict[str, dict[str, Any]], ratios
         if "round_medians_s" in r:
             extra.append(f"{system}: median per round (s): " + ", ".join(f"{t:.3f}" for t in r["round_medians_s"]))
         if "optimizer" in r:
-            extra.append(f"{system}: optimizer {r['optimizer']}; torch threads {r.get('torch_threads')}")
+            extra.append(
+                f"{system}: optimizer {r['optimizer']}; torch threads {r.get('torch_threads')}; "
+                f"RSS after set-up {r.get('rss_after_setup_mib', -1):.0f} MiB"
+            )
         for note in r.get("notes", []):
             extra.append(f"{system}: NOTE {note}")
     return "\n".join([*head, "", body, "", ratio_table, "", *extra])
@@ -345,13 +402,25 @@ def main(argv: list[str] | None = None) -> int:
     # Round-robin: every round runs each system once, so slow spells of a shared
     # machine fall on all systems alike instead of on whichever ran then.
     runs: dict[str, list[dict[str, Any]]] = {system: [] for system in args.systems}
+    non_model_peak: int | None = None  # measured by the unpressured chunkstar run
     total = args.rounds * len(args.systems)
     for n, (round_no, system) in enumerate(
         ((r, s) for r in range(1, args.rounds + 1) for s in args.systems), start=1
     ):
         label = f"[{n}/{total}]" + (f" round {round_no}" if args.rounds > 1 else "")
         print(f"{label} running {system} ...", file=sys.stderr, flush=True)
-        result = _run_child(_spec_for(args, system), timeout=args.timeout, verbose=args.verbose)
+        spec = _spec_for(args, system)
+        if system == "chunkstar-pressure" and args.pressure_budget_mib is None and non_model_peak is not None:
+            # The device holds activations too: the pressure budget is the non-model peak
+            # that chunkstar measured in its own warm-up plus the fraction of the bf16
+            # parameter bytes, so the chunks get room for only that fraction of the model.
+            n_params = count_parameters(spec)
+            spec = dataclasses.replace(
+                spec, pressure_budget_bytes=non_model_peak + int(args.pressure_fraction * 2 * n_params)
+            )
+        result = _run_child(spec, timeout=args.timeout, verbose=args.verbose)
+        if system == "chunkstar" and result["status"] == "ok":
+            non_model_peak = int(result["chunkstar_stats"]["warmup_non_model_peak_bytes"])
         runs[system].append(result)
         summary = f"{result['median_step_s']:.3f} s/step" if result["status"] == "ok" else result["status"]
         print(f"{label} {system}: {summary} ({result['child_wall_s']:.0f} s in all)", file=sys.stderr)

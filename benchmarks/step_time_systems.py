@@ -77,6 +77,10 @@ class RunSpec:
     """chunkstar's device budget when there is no pressure (far above the model data)."""
     pressure_fraction: float
     """chunkstar-pressure's budget as a fraction of the model's bf16 parameter bytes."""
+    pressure_budget_bytes: int | None = None
+    """chunkstar-pressure's budget in bytes; overrides ``pressure_fraction`` when set."""
+    threads: int | None = None
+    """``torch.set_num_threads`` in every child; None keeps torch's default (one per core)."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -110,10 +114,26 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _cpu_busy_seconds() -> float | None:
+    """CPU seconds all processes on the machine have spent busy since boot (from /proc/stat)."""
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return None
+    ticks = [int(v) for v in fields]
+    idle = ticks[3] + ticks[4]  # idle + iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
 def _gpt2_config(spec: RunSpec) -> Any:
     from transformers import GPT2Config
 
-    return GPT2Config(
+    config = GPT2Config(
         vocab_size=spec.vocab_size,
         n_positions=spec.n_positions,
         n_embd=spec.n_embd,
@@ -122,9 +142,10 @@ def _gpt2_config(spec: RunSpec) -> Any:
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
-        # Named explicitly so transformers does not warn about an unset loss type.
-        loss_type="ForCausalLM",
     )
+    # Named explicitly so transformers does not warn about an unset loss type.
+    config.loss_type = "ForCausalLM"
+    return config
 
 
 def _build_model(spec: RunSpec) -> Any:
@@ -155,11 +176,9 @@ def _batches(spec: RunSpec) -> Iterator[Any]:
         yield torch.randint(0, spec.vocab_size, (spec.batch, spec.seq), generator=generator)
 
 
-_ADAMW = {"lr": None, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
-
-
 def _adamw_params(spec: RunSpec) -> dict[str, Any]:
-    return {**_ADAMW, "lr": spec.lr}
+    """The AdamW settings every system gets, in DeepSpeed's (and chunkstar's) JSON shape."""
+    return {"lr": spec.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 
 
 def _time_steps(
@@ -172,9 +191,12 @@ def _time_steps(
     losses: list[float] = []
     times: list[float] = []
     total = spec.warmup + spec.steps
+    busy0 = own0 = clock0 = 0.0
     for i, ids in enumerate(_batches(spec)):
-        if i == spec.warmup and before_timed is not None:
-            before_timed()
+        if i == spec.warmup:
+            if before_timed is not None:
+                before_timed()
+            busy0, own0, clock0 = _cpu_busy_seconds() or 0.0, _own_cpu_seconds(), time.perf_counter()
         start = time.perf_counter()
         loss = step(ids)
         elapsed = time.perf_counter() - start
@@ -183,7 +205,20 @@ def _time_steps(
             times.append(elapsed)
         kind = "warm-up" if i < spec.warmup else "timed"
         _progress(f"{spec.system}: step {i + 1}/{total} ({kind}) {elapsed:.3f} s, loss {loss:.4f}")
-    return {"step_times_s": times, "losses": losses}
+    # How busy the rest of the machine was during the timed steps, in cores:
+    # machine-wide busy CPU time minus this process's own, over the wall time.
+    # On a 2-core machine even one foreign busy core can slow a 2-thread torch
+    # step several times over, so the report flags it.
+    wall = time.perf_counter() - clock0
+    busy1 = _cpu_busy_seconds()
+    own_cpu = _own_cpu_seconds() - own0
+    other_load = None if busy1 is None else max(0.0, (busy1 - busy0 - own_cpu) / wall)
+    return {
+        "step_times_s": times,
+        "losses": losses,
+        "timed_cpu_per_wall": own_cpu / wall,
+        "other_load_cores": other_load,
+    }
 
 
 # --------------------------------------------------------------------------- the systems
@@ -226,13 +261,20 @@ def _import_chunkstar() -> Any:
 
 
 def _run_chunkstar(spec: RunSpec, *, pressure: bool) -> dict[str, Any]:
-    """chunkstar on the CPU virtual device, with a large budget or about half the bf16 params."""
+    """chunkstar on the CPU virtual device (``device: "cpu"``) under a device memory budget.
+
+    Without pressure the budget is far above everything the step needs; with
+    pressure it is ``pressure_fraction`` of the model's bf16 parameter bytes
+    (or ``pressure_budget_bytes``), so chunks must be evicted to the host tier
+    and fetched back within every step.
+    """
     chunkstar = _import_chunkstar()
-    from transformers import GPT2LMHeadModel  # noqa: F401  (fail here, not inside model_func)
 
     n_params = count_parameters(spec)
-    if pressure:
-        budget: int = int(n_params * 2 * spec.pressure_fraction)
+    if pressure and spec.pressure_budget_bytes is not None:
+        budget: int = spec.pressure_budget_bytes
+    elif pressure:
+        budget = int(n_params * 2 * spec.pressure_fraction)
     else:
         budget = spec.free_budget_bytes
     config = {
@@ -396,9 +438,11 @@ def child_main(spec: RunSpec) -> int:
     try:
         import torch
 
-        result["torch_threads"] = torch.get_num_threads()
+        if spec.threads is not None:
+            torch.set_num_threads(spec.threads)
         result["n_params"] = count_parameters(spec)
         result.update(_RUNNERS[spec.system](spec))
+        result["torch_threads"] = torch.get_num_threads()  # after the run: a system may change it
         times = result["step_times_s"]
         result["median_step_s"] = statistics.median(times)
         result["min_step_s"] = min(times)
