@@ -37,6 +37,8 @@ class Chunk:
         self._device_buf.untyped_storage().resize_(0)
         # 1-D, host (pinned when the device is CUDA); exists only while location is HOST
         self._host_buf: torch.Tensor | None = None
+        # CUDA event recorded on the copy stream by a prefetch; None when no copy is pending
+        self._ready: torch.cuda.Event | None = None
 
     def __repr__(self) -> str:
         return f"Chunk({self.list_name}[{self.chunk_id}], {self.numel} x {self.dtype}, {self.location.name})"
@@ -50,6 +52,7 @@ class Chunk:
     def payload(self) -> torch.Tensor:
         """The buffer holding the chunk's data now, wherever it is."""
         if self.location is ChunkLocation.DEVICE:
+            self.wait_ready()
             return self._device_buf
         if self.location is ChunkLocation.HOST:
             assert self._host_buf is not None
@@ -99,23 +102,47 @@ class Chunk:
             self._host_buf.zero_()
         self.location = new
 
-    def move_to(self, tier: Tier) -> None:
-        """Copy the payload to ``tier`` and free it in the other one."""
+    def move_to(self, tier: Tier, copy_stream: torch.cuda.Stream | None = None) -> None:
+        """Copy the payload to ``tier`` and free it in the other one.
+
+        With ``copy_stream`` (CUDA only, for prefetch) the host-to-device copy
+        runs on that stream and the chunk remembers an event; :meth:`wait_ready`
+        makes the compute stream wait for it before the chunk is used.
+        """
         if tier is Tier.DEVICE:
             check_location_transition(repr(self), self.location, ChunkLocation.DEVICE)
             assert self._host_buf is not None
+            # The storage is allocated on the compute (current) stream, so the caching
+            # allocator ties the block to it; the copy stream waits for that stream
+            # before writing, and the compute stream waits for the copy (wait_ready)
+            # before reading, so the block is never reused while a copy is in flight.
             self._grow_device()
-            # H2D from pinned memory is asynchronous on the current stream; later
-            # kernels on that stream are ordered after it, and the caching host
-            # allocator keeps the pinned block alive until the copy is done.
-            self._device_buf.copy_(self._host_buf, non_blocking=self._pin)
+            if copy_stream is not None:
+                copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(copy_stream):
+                    # overlaps with the compute stream's kernels of the current moment
+                    self._device_buf.copy_(self._host_buf, non_blocking=True)
+                    self._ready = torch.cuda.Event()
+                    self._ready.record(copy_stream)
+            else:
+                # H2D from pinned memory is asynchronous on the current stream; later
+                # kernels on that stream are ordered after it, and the caching host
+                # allocator keeps the pinned block alive until the copy is done.
+                self._device_buf.copy_(self._host_buf, non_blocking=self._pin)
             self._host_buf = None
             self.location = ChunkLocation.DEVICE
         else:
             check_location_transition(repr(self), self.location, ChunkLocation.HOST)
+            self.wait_ready()
             host = self._new_host()
             # D2H is synchronous: the host side (CPU Adam, state_dict) reads it next.
             host.copy_(self._device_buf)
             self._device_buf.untyped_storage().resize_(0)
             self._host_buf = host
             self.location = ChunkLocation.HOST
+
+    def wait_ready(self) -> None:
+        """Order the compute stream after a pending prefetch copy of this chunk."""
+        if self._ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ready)
+            self._ready = None

@@ -71,6 +71,8 @@ class ChunkManager:
         for s in layout.slots:
             self._slots_by_chunk[s.chunk_id].append(s)
 
+        # CUDA: prefetch copies run here, overlapping the compute stream's kernels
+        self.copy_stream: torch.cuda.Stream | None = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.trace = MemoryTrace()
         self.stage = Stage.IDLE
         self.moment = -1
@@ -146,6 +148,7 @@ class ChunkManager:
         for k in missing:
             self.move(k, Tier.DEVICE, reason)
         for k in keys:
+            self.chunks[k[0]][k[1]].wait_ready()
             self.touch(k)
 
     def make_room(self, need: int, protect: set[Key], where: str, required: Iterable[Key] = ()) -> None:
@@ -176,8 +179,9 @@ class ChunkManager:
     def move(self, key: Key, tier: Tier, reason: MoveReason) -> None:
         chunk = self.chunks[key[0]][key[1]]
         t0 = time.perf_counter_ns()
-        with self.probe.paused(), torch.profiler.record_function(f"chunkstar::move_to_{tier.value}"):
-            chunk.move_to(tier)
+        stream = self.copy_stream if reason is MoveReason.PREFETCH else None
+        with self.probe.paused(), torch.profiler.record_function(f"chunkstar::{reason.value}_to_{tier.value}"):
+            chunk.move_to(tier, copy_stream=stream)
         t1 = time.perf_counter_ns()
         if tier is Tier.DEVICE:
             self.device_chunk_bytes += chunk.nbytes
