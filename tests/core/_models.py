@@ -47,7 +47,7 @@ BATCH = 2
 LR = 1e-3
 WEIGHT_DECAY = 0.01
 CLIP = 1.0
-EVICTION_BUDGET_FRACTION = 0.5
+EVICTION_BUDGET_FRACTION = 0.6
 """Device budget as a fraction of the compute-dtype parameter bytes."""
 SMALL_CHUNK = 4096
 """Elements per chunk: small, so the tiny models span many chunks."""
@@ -59,14 +59,14 @@ Batch = dict[str, torch.Tensor]
 # models (each builder seeds itself, so any caller gets identical weights)
 
 
-def build_gpt2(n_layer: int = 2, seed: int = SEED) -> nn.Module:
+def build_gpt2(n_layer: int = 4, seed: int = SEED) -> nn.Module:
     """GPT-2 LM head model with tied wte / lm_head, no dropout."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(
         vocab_size=VOCAB, n_positions=32, n_embd=N_EMBD, n_layer=n_layer, n_head=4,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        tie_word_embeddings=True,
+        tie_word_embeddings=True, activation_function="gelu_pytorch_tanh",
     )
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(cfg)
@@ -74,7 +74,7 @@ def build_gpt2(n_layer: int = 2, seed: int = SEED) -> nn.Module:
     return model
 
 
-def build_bert(n_layer: int = 2, seed: int = SEED) -> nn.Module:
+def build_bert(n_layer: int = 4, seed: int = SEED) -> nn.Module:
     """BERT masked-LM (decoder tied to the word embeddings), no dropout."""
     from transformers import BertConfig, BertForMaskedLM
 
@@ -90,7 +90,7 @@ def build_bert(n_layer: int = 2, seed: int = SEED) -> nn.Module:
 MLP_IN, MLP_CLASSES = 64, 10
 
 
-def build_mlp(seed: int = SEED, width: int = 256, depth: int = 3) -> nn.Module:
+def build_mlp(seed: int = SEED, width: int = 128, depth: int = 16) -> nn.Module:
     """A plain ``nn.Sequential`` classifier; the test computes the loss from its output."""
     torch.manual_seed(seed)
     layers: list[nn.Module] = [nn.Linear(MLP_IN, width), nn.GELU()]
@@ -141,7 +141,7 @@ _TEACHER = torch.Generator().manual_seed(99)
 _TEACHER_W = torch.randn(MLP_IN, MLP_CLASSES, generator=_TEACHER)
 
 
-def mlp_batch(step: int, batch: int = 16) -> Batch:
+def mlp_batch(step: int, batch: int = 4) -> Batch:
     g = torch.Generator().manual_seed(30_000 + step)
     x = torch.randn(batch, MLP_IN, generator=g)
     return {"x": x, "y": (x @ _TEACHER_W).argmax(dim=1)}

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import chunkstar
 
@@ -51,6 +52,10 @@ def test_over_budget_raises_device_memory_error() -> None:
     figures = re.findall(r"\d[\d,_]*(?:\.\d+)?", msg)
     assert len(figures) >= 2, f"no bytes needed / bytes free in: {msg}"
     assert re.search(r"bytes|[KMG]i?B\b", msg), msg
+    # The error leaves the process usable: nothing of the failed engine (such as
+    # the warm-up's memory-tracking dispatch mode) stays installed.
+    assert _get_current_dispatch_mode_stack() == [], "a dispatch mode outlived the failed engine"
+    assert torch.is_grad_enabled()
 
 
 CONFIG_CASES = {

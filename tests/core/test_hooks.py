@@ -136,3 +136,29 @@ def test_events_reach_subscribers_and_cost_nothing_without() -> None:
     n = len(seen)
     engine.backward(_loss(engine(x), y))
     assert len(seen) == n and not engine.events.active
+
+
+def test_engine_stays_usable_after_a_device_memory_error() -> None:
+    """A batch too big for the budget raises; the same engine then trains a smaller
+    batch exactly like a fresh engine does."""
+    small_x, small_y = torch.randn(4, 32), torch.randn(4)
+    big_x, big_y = torch.randn(4096, 32), torch.randn(4096)
+    param_bytes = sum(p.numel() * 4 for p in _build(Checkpointed).parameters())
+
+    def run(engine: chunkstar.ChunkEngine, optimizer: chunkstar.ChunkAdam) -> list[float]:
+        out = []
+        for _ in range(3):
+            loss = _loss(engine(small_x), small_y)
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+        return out
+
+    config = _config(param_bytes + 64 * 1024)
+    engine, optimizer = chunkstar.initialize_engine(lambda: _build(Checkpointed), 0, config)
+    with pytest.raises(chunkstar.DeviceMemoryError):
+        engine.backward(_loss(engine(big_x), big_y))
+    assert engine.stats()["moments_per_micro_step"] == 0  # the failed warm-up left no trace behind
+    fresh = run(*chunkstar.initialize_engine(lambda: _build(Checkpointed), 0, config))
+    assert run(engine, optimizer) == fresh

@@ -12,7 +12,7 @@ import pytest
 
 import chunkstar
 
-from ._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, train_engine, train_reference
+from ._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, n_unique_params, train_engine, train_reference
 
 STEPS = 6
 RTOL = {"fp32": 1e-5, "bf16": 3e-2}
@@ -22,7 +22,9 @@ RTOL = {"fp32": 1e-5, "bf16": 3e-2}
 @pytest.mark.parametrize("name", ["gpt2", "bert", "mlp"])
 def test_losses_match_pytorch_under_eviction(name: str, dtype: str) -> None:
     case = CASES[name]
-    budget = eviction_budget(case.build(), DTYPES[dtype])
+    model = case.build()
+    budget = eviction_budget(model, DTYPES[dtype])
+    assert n_unique_params(model) * DTYPES[dtype].itemsize > budget  # the params cannot all be resident
     want = train_reference(case, STEPS, dtype=dtype)
 
     engine, optimizer = chunkstar.initialize_engine(

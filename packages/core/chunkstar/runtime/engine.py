@@ -33,7 +33,7 @@ from chunkstar.errors import ChunkStateError
 from chunkstar.events import EventBus, MomentBegin, MomentEnd, MoveReason, Stage, StageChanged, Tier
 from chunkstar.hooks.module_hooks import install_hooks
 from chunkstar.memory.probes import make_probe
-from chunkstar.memory.tracer import MomentRecord
+from chunkstar.memory.tracer import MemoryTrace, MomentRecord
 from chunkstar.placement.optimizer import plan_device_adam
 from chunkstar.runtime.chunk_manager import MASTER, PARAM, STATE_LISTS, ChunkManager
 
@@ -113,8 +113,12 @@ class ChunkEngine:
             self.mgr.probe.start()
         self._set_stage(Stage.FWD)
         self.mgr.moment = -1
-        with self._autocast():
-            out = self.module(*args, **kwargs)
+        try:
+            with self._autocast():
+                out = self.module(*args, **kwargs)
+        except BaseException:
+            self._abort_iteration()
+            raise
         if not training:
             self._set_stage(Stage.IDLE)
         return out
@@ -140,6 +144,9 @@ class ChunkEngine:
         self._in_backward = True
         try:
             loss.backward()
+        except BaseException:
+            self._abort_iteration()
+            raise
         finally:
             self._in_backward = False
         self._end_backward()
@@ -273,6 +280,24 @@ class ChunkEngine:
             self._plan_adam()
         self.micro_step += 1
         self._since_step += 1
+        self._set_stage(Stage.IDLE)
+
+    def _abort_iteration(self) -> None:
+        """Leave the engine usable after an exception inside forward or backward
+        (say a DeviceMemoryError the user answers with a smaller batch): stop the
+        warm-up probe so no dispatch mode outlives the failure, drop the partial
+        trace so the next iteration warms up again, and put every tensor back in
+        HOLD with its value (gradients of the failed iteration are dropped)."""
+        mgr = self.mgr
+        if mgr.probe.tracing:
+            mgr.probe.stop()
+        if not mgr.trace.frozen:
+            mgr.trace = MemoryTrace()
+        with torch.no_grad():
+            self.drop_pending_grads()
+            for s in mgr.slots:
+                if mgr.states[s.index] in (TensorState.COMPUTE, TensorState.HOLD_AFTER_FWD):
+                    mgr.set_state(s.index, TensorState.HOLD)
         self._set_stage(Stage.IDLE)
 
     def _plan_adam(self) -> None:
