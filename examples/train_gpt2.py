@@ -65,7 +65,11 @@ def main() -> None:
         torch.manual_seed(0)
         model = GPT2LMHeadModel(cfg)
         # recompute activations in backward so they do not crowd the chunks out of the device
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         return model
 
     n_params = sum(p.numel() for p in model_func().parameters())

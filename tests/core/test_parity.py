@@ -54,3 +54,44 @@ def test_lr_changes_through_param_groups() -> None:
     got = train_engine(engine, optimizer, case, STEPS, lr_schedule=schedule)
     assert_losses_close(got, want, RTOL["fp32"], "gpt2/fp32 with lr schedule")
     assert optimizer.param_groups[0]["lr"] == 3e-4
+
+
+def test_no_decay_groups_and_a_torch_lr_scheduler_match_pytorch() -> None:
+    """Two parameter groups (no weight decay for biases and norms) and a real
+    ``torch.optim.lr_scheduler`` driving ``optimizer.param_groups``."""
+    import torch
+
+    from ._models import hf_loss, gpt2_batch
+
+    case = CASES["gpt2"]
+    warmup = lambda step: min(1.0, (step + 1) / 3)  # noqa: E731
+
+    ref = case.build()
+    groups = chunkstar.no_decay_param_groups(ref)
+    groups[0]["weight_decay"] = 0.1
+    opt = torch.optim.AdamW(groups, lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
+    want = []
+    for step in range(STEPS):
+        loss = hf_loss(ref, gpt2_batch(step), torch.float32)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        want.append(loss.item())
+
+    config = engine_config("fp32", budget=eviction_budget(case.build(), DTYPES["fp32"]), weight_decay=0.1)
+    engine, optimizer = chunkstar.initialize_engine(case.build, 0, config, param_groups_fn=chunkstar.no_decay_param_groups)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+    got = []
+    for step in range(STEPS):
+        loss = hf_loss(engine, gpt2_batch(step), torch.float32)
+        engine.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        sched.step()
+        got.append(loss.item())
+    assert_losses_close(got, want, RTOL["fp32"], "gpt2/fp32 with no-decay groups and LambdaLR")
+    assert engine.stats()["chunk_moves_to_host"] > 0

@@ -51,7 +51,8 @@ def no_decay_param_groups(model: nn.Module) -> list[dict[str, Any]]:
     A parameter counts as "no decay" when it is 1-D (biases, LayerNorm/RMSNorm
     weights), the usual rule of GPT/BERT training recipes.
     """
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, p in model.named_parameters():
         (no_decay if p.ndim <= 1 else decay).append(p)
     groups: list[dict[str, Any]] = [{"params": decay}]
