@@ -16,6 +16,7 @@ import argparse
 import time
 
 import torch
+import transformers
 from tqdm import tqdm
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -55,6 +56,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (virtual device) or cuda[:N]")
     ap.add_argument("--lr", type=float, default=1e-3)
     args = ap.parse_args()
+    transformers.logging.set_verbosity_error()
 
     cfg = GPT2Config(
         vocab_size=args.vocab, n_positions=max(args.seq, 128), n_embd=args.n_embd, n_layer=args.n_layer,
@@ -94,6 +96,8 @@ def main() -> None:
         f"bf16 params {mib(param_bytes_bf16)}, device budget {mib(budget)} on {engine.device} "
         f"({args.budget_fraction:.0%} of the bf16 parameter bytes)"
     )
+    # linear warm-up over the first 10 steps, through optimizer.param_groups like any torch optimizer
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
     data = markov_batches(cfg.vocab_size, args.batch, args.seq)
     t0 = time.perf_counter()
     first_loss = last_loss = float("nan")
@@ -104,6 +108,7 @@ def main() -> None:
         engine.backward(out.loss)
         optimizer.step()
         optimizer.zero_grad()
+        scheduler.step()
         last_loss = out.loss.item()
         if step == 0:
             first_loss = last_loss
