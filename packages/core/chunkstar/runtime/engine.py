@@ -96,11 +96,9 @@ class ChunkEngine:
         self.device_adam_chunks: set[int] = set()
         self.micro_step = 0
         self._since_step = 0  # micro-steps since the last optimizer step
-        self._warmed_up = False
         self._accumulators: dict[int, torch.Tensor] = {}  # chunk id -> 1-D fp32 host, grads of earlier micro-batches
         self._accumulated: set[int] = set()  # slot indices with something in an accumulator
-        self._in_backward = False
-        self._boundary = False
+        self._boundary = False  # the running backward is the last micro-batch before a step
         self._handles = install_hooks(model, self._index, self)
 
     # ------------------------------------------------------------------ model API
@@ -109,8 +107,12 @@ class ChunkEngine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         training = torch.is_grad_enabled()
-        if training and not self._warmed_up and not self.mgr.probe.tracing:
-            self.mgr.probe.start()
+        if training and not self.mgr.trace.frozen:
+            # warm-up: trace this forward and its backward; a forward that was never
+            # followed by a backward leaves a partial trace, which is dropped
+            self.mgr.trace = MemoryTrace()
+            if not self.mgr.probe.tracing:
+                self.mgr.probe.start()
         self._set_stage(Stage.FWD)
         self.mgr.moment = -1
         try:
@@ -141,14 +143,11 @@ class ChunkEngine:
         if self.scaler_enabled:
             loss = loss * self.scaler.scale
         self._set_stage(Stage.BWD)
-        self._in_backward = True
         try:
             loss.backward()
         except BaseException:
             self._abort_iteration()
             raise
-        finally:
-            self._in_backward = False
         self._end_backward()
 
     def train(self, mode: bool = True) -> ChunkEngine:
@@ -276,7 +275,6 @@ class ChunkEngine:
             mgr.trace.set_peak(mgr.moment, mgr.probe.take_peak(mgr.device_chunk_bytes))
             mgr.probe.stop()
             mgr.trace.freeze()
-            self._warmed_up = True
             self._plan_adam()
         self.micro_step += 1
         self._since_step += 1
