@@ -25,7 +25,7 @@ from chunkstar.chunk.layout import ChunkLayout, TensorSlot
 from chunkstar.chunk.state import ChunkLocation, TensorState, check_tensor_transition
 from chunkstar.config import EvictionPolicyName
 from chunkstar.errors import DeviceMemoryError
-from chunkstar.events import ChunkAllocated, ChunkMoved, EventBus, MemorySample, MoveReason, Stage, Tier
+from chunkstar.events import ChunkAllocated, ChunkFreed, ChunkMoved, EventBus, MemorySample, MoveReason, Stage, Tier
 from chunkstar.memory.probes import MemoryProbe
 from chunkstar.memory.tracer import MemoryTrace
 from chunkstar.placement.eviction import ResidentChunk, choose_evictions
@@ -82,6 +82,7 @@ class ChunkManager:
 
         self.device_chunk_bytes = 0
         self.device_chunk_bytes_peak = 0
+        self.host_chunk_bytes = 0
         self.moves_to_device = 0
         self.moves_to_host = 0
         self.bytes_to_device = 0
@@ -113,6 +114,7 @@ class ChunkManager:
             for name in CHUNK_LISTS:
                 for c in self.chunks[name]:
                     c.allocate(Tier.HOST)
+                    self.host_chunk_bytes += c.nbytes
                     if self.events.active:
                         self.events.emit(ChunkAllocated(c.chunk_id, name, Tier.HOST, c.nbytes, time.perf_counter_ns()))
 
@@ -185,19 +187,24 @@ class ChunkManager:
         t1 = time.perf_counter_ns()
         if tier is Tier.DEVICE:
             self.device_chunk_bytes += chunk.nbytes
+            self.host_chunk_bytes -= chunk.nbytes
             self.device_chunk_bytes_peak = max(self.device_chunk_bytes_peak, self.device_chunk_bytes)
             self.moves_to_device += 1
             self.bytes_to_device += chunk.nbytes
         else:
             self.device_chunk_bytes -= chunk.nbytes
+            self.host_chunk_bytes += chunk.nbytes
             self.moves_to_host += 1
             self.bytes_to_host += chunk.nbytes
         self.moves_by_reason[reason.value] += 1
         if self.events.active:
             src = Tier.HOST if tier is Tier.DEVICE else Tier.DEVICE
+            # a move allocates the payload in one tier and frees it in the other
+            self.events.emit(ChunkAllocated(key[1], key[0], tier, chunk.nbytes, t0))
             self.events.emit(
                 ChunkMoved(key[1], key[0], chunk.nbytes, src, tier, reason, self.moment, self.module, t0, t1)
             )
+            self.events.emit(ChunkFreed(key[1], key[0], src, chunk.nbytes, t1))
 
     def to_host(self, key: Key, reason: MoveReason) -> None:
         if self.resident(key):
@@ -219,8 +226,8 @@ class ChunkManager:
                 time.perf_counter_ns(),
             )
         )
-        host_chunks = sum(c.nbytes for lst in self.chunks.values() for c in lst if c.location is ChunkLocation.HOST)
-        self.events.emit(MemorySample(Tier.HOST, host_chunks, host_chunks, 0, 0, self.moment, time.perf_counter_ns()))
+        host = self.host_chunk_bytes
+        self.events.emit(MemorySample(Tier.HOST, host, host, 0, 0, self.moment, time.perf_counter_ns()))
 
     def model_data_bytes(self) -> int:
         return sum(c.nbytes for lst in self.chunks.values() for c in lst)
