@@ -22,6 +22,11 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import chunkstar
 
+try:  # the profiler is an extra; the demo trains without it
+    import chunkstar_profiler
+except ImportError:  # pragma: no cover
+    chunkstar_profiler = None
+
 
 def markov_batches(vocab: int, batch: int, seq: int, seed: int = 0, states: int = 256):  # type: ignore[no-untyped-def]
     """Endless batches from a random Markov chain over ``states`` of the vocabulary's
@@ -55,6 +60,8 @@ def main() -> None:
     ap.add_argument("--chunk-size", default="auto", help='elements per chunk, or "auto"')
     ap.add_argument("--device", default="cpu", help="cpu (virtual device) or cuda[:N]")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--profile", default="runs/demo.csprof",
+                    help="write a chunkstar profile of the run here ('' to skip)")  # fmt: skip
     args = ap.parse_args()
     transformers.logging.set_verbosity_error()
 
@@ -101,6 +108,10 @@ def main() -> None:
     data = markov_batches(cfg.vocab_size, args.batch, args.seq)
     t0 = time.perf_counter()
     first_loss = last_loss = float("nan")
+    profiler = None
+    if args.profile and chunkstar_profiler is not None:
+        profiler = chunkstar_profiler.Profiler(engine, model_name=f"GPT-2 {n_params / 1e6:.1f}M (demo)")
+        profiler.start()
     bar = tqdm(range(args.steps), desc="training", unit="step")
     for step in bar:
         ids = next(data).to(engine.device)
@@ -115,6 +126,9 @@ def main() -> None:
         s = engine.stats()
         bar.set_postfix(loss=f"{last_loss:.3f}", moves=s["chunk_moves_to_device"] + s["chunk_moves_to_host"])
     elapsed = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.stop()
+        saved = profiler.save(args.profile)
 
     s = engine.stats()
     print("\nsummary")
@@ -127,6 +141,11 @@ def main() -> None:
           f"{s['chunk_moves_to_host']} to host ({mib(s['bytes_to_host'])})")  # fmt: skip
     print(f"  moves by reason      {s['moves_by_reason']}")
     print(f"  Adam on the device   {s['device_adam_chunks']} of {s['n_chunks']} chunks")
+    if profiler is not None:
+        print(f"\nprofile written to {saved}; look at it with")
+        print(f"  chunkstar-profile summary {saved}")
+        print(f"  chunkstar-profile export-chrome {saved} {saved}.trace.json   # then open it in ui.perfetto.dev")
+        print(f"  streamlit run dashboards/app.py -- --profile {saved}")
 
 
 if __name__ == "__main__":

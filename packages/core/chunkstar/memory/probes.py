@@ -78,15 +78,39 @@ class LiveTensorTracker(TorchDispatchMode):
 
 
 class MemoryProbe:
-    """Non-model memory of the device tier, now and peak-since-last-reading."""
+    """Non-model memory of the device tier, now and peak-since-last-reading.
 
-    tracing: bool = False
+    Measuring may cost something (on the CPU a dispatch mode sees every op), so
+    it runs only while someone holds the probe: the engine during warm-up, a
+    profiler while it records. Holders are named so each releases only its own.
+    """
 
-    def start(self) -> None:
-        """Begin a measured (warm-up) span."""
+    def __init__(self) -> None:
+        self._holders: set[str] = set()
 
-    def stop(self) -> None:
-        """End the measured span."""
+    @property
+    def active(self) -> bool:
+        return bool(self._holders)
+
+    def held_by(self, holder: str) -> bool:
+        return holder in self._holders
+
+    def acquire(self, holder: str) -> None:
+        if not self._holders:
+            self._start()
+        self._holders.add(holder)
+
+    def release(self, holder: str) -> None:
+        if holder in self._holders:
+            self._holders.discard(holder)
+            if not self._holders:
+                self._stop()
+
+    def _start(self) -> None:
+        pass
+
+    def _stop(self) -> None:
+        pass
 
     def non_model_now(self, chunk_bytes: int) -> int:
         raise NotImplementedError
@@ -102,18 +126,17 @@ class MemoryProbe:
 
 
 class CpuProbe(MemoryProbe):
+    """Live-tensor tracking while held; reports 0 when nobody holds it."""
+
     def __init__(self) -> None:
+        super().__init__()
         self._tracker: LiveTensorTracker | None = None
 
-    @property
-    def tracing(self) -> bool:  # type: ignore[override]
-        return self._tracker is not None
-
-    def start(self) -> None:
+    def _start(self) -> None:
         self._tracker = LiveTensorTracker()
         self._tracker.__enter__()
 
-    def stop(self) -> None:
+    def _stop(self) -> None:
         if self._tracker is not None:
             self._tracker.__exit__(None, None, None)
             self._tracker = None
@@ -139,20 +162,14 @@ class CpuProbe(MemoryProbe):
 
 
 class CudaProbe(MemoryProbe):
+    """The caching allocator's own figures; always available, holding only resets the peak."""
+
     def __init__(self, device: torch.device) -> None:
+        super().__init__()
         self.device = device
-        self._tracing = False
 
-    @property
-    def tracing(self) -> bool:  # type: ignore[override]
-        return self._tracing
-
-    def start(self) -> None:
-        self._tracing = True
+    def _start(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
-
-    def stop(self) -> None:
-        self._tracing = False
 
     def non_model_now(self, chunk_bytes: int) -> int:
         return max(0, torch.cuda.memory_allocated(self.device) - chunk_bytes)

@@ -32,12 +32,14 @@ from chunkstar.config import EngineConfig, Precision
 from chunkstar.errors import ChunkStateError
 from chunkstar.events import EventBus, MomentBegin, MomentEnd, MoveReason, Stage, StageChanged, Tier
 from chunkstar.hooks.module_hooks import install_hooks
-from chunkstar.memory.probes import make_probe
+from chunkstar.memory.probes import MemoryProbe, make_probe
 from chunkstar.memory.tracer import MemoryTrace, MomentRecord
 from chunkstar.placement.optimizer import plan_device_adam
 from chunkstar.runtime.chunk_manager import MASTER, PARAM, STATE_LISTS, ChunkManager
 
 __all__ = ["ChunkEngine"]
+
+_WARMUP = "warm-up"  # the engine's name as a holder of the memory probe
 
 
 def _device_capacity(cfg: EngineConfig) -> int:
@@ -111,8 +113,7 @@ class ChunkEngine:
             # warm-up: trace this forward and its backward; a forward that was never
             # followed by a backward leaves a partial trace, which is dropped
             self.mgr.trace = MemoryTrace()
-            if not self.mgr.probe.tracing:
-                self.mgr.probe.start()
+            self.mgr.probe.acquire(_WARMUP)
         self._set_stage(Stage.FWD)
         self.mgr.moment = -1
         try:
@@ -163,6 +164,13 @@ class ChunkEngine:
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters()
 
+    @property
+    def memory_probe(self) -> MemoryProbe:
+        """The device tier's non-model memory probe. A tool that wants non-model
+        figures in the memory samples after warm-up (a profiler) holds it:
+        ``engine.memory_probe.acquire("profiler")`` ... ``release("profiler")``."""
+        return self.mgr.probe
+
     def index_of(self, p: torch.Tensor) -> int:
         try:
             return self._index[id(p)]
@@ -174,7 +182,7 @@ class ChunkEngine:
         mgr = self.mgr
         mgr.moment += 1
         mgr.module = module
-        if mgr.probe.tracing:
+        if mgr.probe.held_by(_WARMUP):
             mgr.trace.set_peak(mgr.moment - 1, mgr.probe.take_peak(mgr.device_chunk_bytes))
             mgr.trace.record(MomentRecord(module, mgr.stage.value, chunk_ids))
         if self.events.active:
@@ -216,6 +224,7 @@ class ChunkEngine:
                 self.mgr.set_state(i, after)
         if self.events.active:
             self.events.emit(MomentEnd(self.mgr.moment, module, self.mgr.stage, time.perf_counter_ns()))
+            self.mgr.memory_sample()  # the module's activations now exist
 
     def on_pre_backward(self, module: str, indices: tuple[int, ...]) -> None:
         self._access(module, indices)
@@ -271,9 +280,9 @@ class ChunkEngine:
         if self._boundary:
             self._accumulators.clear()
             self._accumulated.clear()
-        if mgr.probe.tracing:
+        if mgr.probe.held_by(_WARMUP):
             mgr.trace.set_peak(mgr.moment, mgr.probe.take_peak(mgr.device_chunk_bytes))
-            mgr.probe.stop()
+            mgr.probe.release(_WARMUP)
             mgr.trace.freeze()
             self._plan_adam()
         self.micro_step += 1
@@ -287,8 +296,7 @@ class ChunkEngine:
         trace so the next iteration warms up again, and put every tensor back in
         HOLD with its value (gradients of the failed iteration are dropped)."""
         mgr = self.mgr
-        if mgr.probe.tracing:
-            mgr.probe.stop()
+        mgr.probe.release(_WARMUP)
         if not mgr.trace.frozen:
             mgr.trace = MemoryTrace()
         with torch.no_grad():
@@ -321,6 +329,7 @@ class ChunkEngine:
 
     def end_optimizer_step(self) -> None:
         self._since_step = 0
+        self.mgr.memory_sample()
         self.mgr.module = ""
         self._set_stage(Stage.IDLE)
 

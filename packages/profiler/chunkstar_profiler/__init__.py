@@ -1,0 +1,51 @@
+"""chunkstar_profiler: see every chunk move and every byte, per operator.
+
+    with chunkstar_profiler.Profiler(engine) as prof:
+        ...train...
+    prof.save("run.csprof")
+    p = chunkstar_profiler.load("run.csprof")   # p.moments, p.moves, p.memory, p.stages, p.placements, p.meta
+
+The recorder subscribes to the engine's typed events (the core never imports
+this package). Files are a versioned ZIP of NPY columns plus a JSON manifest
+(:mod:`chunkstar_profiler.fileformat`); loading needs no engine. The CLI
+``chunkstar-profile`` prints summaries and exports Chrome/Perfetto traces.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from typing import TYPE_CHECKING, Any
+
+from chunkstar_profiler.chrome import export_chrome_trace
+from chunkstar_profiler.fileformat import FORMAT_VERSION, ProfileFormatError, read_profile
+from chunkstar_profiler.profile import Profile
+from chunkstar_profiler.summary import summarize
+
+if TYPE_CHECKING:
+    from chunkstar_profiler.recorder import Profiler
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Profile",
+    "ProfileFormatError",
+    "Profiler",
+    "export_chrome_trace",
+    "load",
+    "summarize",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # The recorder needs the engine (and torch); reading, summarising and exporting
+    # files must not, so it is imported only when asked for.
+    if name == "Profiler":
+        from chunkstar_profiler.recorder import Profiler
+
+        return Profiler
+    raise AttributeError(f"module 'chunkstar_profiler' has no attribute {name!r}")
+
+
+def load(path: str) -> Profile:
+    """Load a profile file written by :meth:`Profiler.save`."""
+    return read_profile(path)

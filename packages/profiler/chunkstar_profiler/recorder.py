@@ -1,0 +1,264 @@
+"""The recorder: subscribes to a chunk engine's events and keeps them as columns.
+
+``Profiler(engine)`` is a context manager. While it is entered it holds the
+engine's memory probe (so non-model memory is measured after warm-up too,
+also on the CPU virtual device) and appends every event to plain Python lists,
+one per column: an event costs a handful of list appends, nothing is
+formatted or written until :meth:`Profiler.save`. Leaving the context
+unsubscribes and releases the probe; the engine is then back to paying
+nothing.
+
+What it keeps (see :mod:`chunkstar_profiler.profile` for the tables):
+moments (one per module pre-hook, plus one per optimizer step), chunk moves
+with the moment that caused them, stage bands, memory samples per tier, and
+placement intervals (which tier held each chunk payload, from when to when).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import time
+from typing import Any
+
+from chunkstar import ChunkEngine
+from chunkstar.events import (
+    ChunkAllocated,
+    ChunkFreed,
+    ChunkMoved,
+    Event,
+    MemorySample,
+    MomentBegin,
+    MomentEnd,
+    Stage,
+    StageChanged,
+    Tier,
+)
+
+from chunkstar_profiler.profile import Profile, build_profile
+
+__all__ = ["Profiler"]
+
+_PROBE_HOLDER = "chunkstar_profiler"
+_TIME_COLUMNS = frozenset({"t", "t_start", "t_end"})  # perf_counter ns; stored relative to the start
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in ("chunkstar", "torch", "transformers", "numpy", "pandas"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+class Profiler:
+    """Record a chunk engine's moments, moves and memory; save them to a file."""
+
+    def __init__(self, engine: ChunkEngine, *, model_name: str | None = None) -> None:
+        if not isinstance(engine, ChunkEngine):
+            raise TypeError(f"Profiler needs a chunkstar engine, got {type(engine).__name__}")
+        self.engine = engine
+        self.model_name = model_name or _model_name(engine)
+        self._unsubscribe: Any = None
+        self._t0 = 0
+        self._t_end: int | None = None
+        self._iteration = -1
+        self._open_moment = -1  # row of the moment that moves are attributed to
+        self._open_by_index: dict[int, int] = {}  # moment index within the micro-step -> row
+        self._stage_open: tuple[str, int, int] | None = None  # (stage, iteration, t_start)
+        self.moments: dict[str, list[Any]] = {k: [] for k in ("iteration", "index", "module", "stage", "t_start", "t_end")}
+        self.moves: dict[str, list[Any]] = {
+            k: [] for k in ("t_start", "t_end", "chunk_id", "chunk_list", "nbytes", "src", "dst", "reason", "moment_row")
+        }
+        self.memory: dict[str, list[Any]] = {
+            k: [] for k in ("t", "tier", "chunk_bytes", "non_model_bytes", "budget_bytes", "moment_row")
+        }
+        self.stages: dict[str, list[Any]] = {k: [] for k in ("stage", "iteration", "t_start", "t_end")}
+        self.placements: dict[str, list[Any]] = {k: [] for k in ("chunk_id", "chunk_list", "tier", "t_start", "t_end")}
+        self._placement_open: dict[tuple[str, int, str], int] = {}  # (list, id, tier) -> t_start
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> Profiler:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        if self._unsubscribe is not None:
+            raise RuntimeError("this Profiler is already recording")
+        if self._t_end is not None:
+            raise RuntimeError("a Profiler records once; make a new one for another recording")
+        self._t0 = time.perf_counter_ns()
+        for list_name, chunks in self.engine.mgr.chunks.items():
+            for c in chunks:
+                if c.tier is not None:
+                    self._placement_open[(list_name, c.chunk_id, c.tier.value)] = self._t0
+        self.engine.memory_probe.acquire(_PROBE_HOLDER)
+        self._unsubscribe = self.engine.events.subscribe(self._on_event)
+
+    def stop(self) -> None:
+        if self._unsubscribe is None:
+            return
+        self._unsubscribe()
+        self._unsubscribe = None
+        self.engine.memory_probe.release(_PROBE_HOLDER)
+        self._t_end = time.perf_counter_ns()
+        self._close_stage(self._t_end)
+        for (list_name, cid, tier), t_start in self._placement_open.items():
+            self._add_placement(cid, list_name, tier, t_start, self._t_end)
+        self._placement_open.clear()
+
+    # ------------------------------------------------------------------ events
+    def _on_event(self, e: Event) -> None:
+        if isinstance(e, ChunkMoved):
+            m = self.moves
+            m["t_start"].append(e.t_start_ns)
+            m["t_end"].append(e.t_end_ns)
+            m["chunk_id"].append(e.chunk_id)
+            m["chunk_list"].append(e.chunk_list)
+            m["nbytes"].append(e.nbytes)
+            m["src"].append(e.src.value)
+            m["dst"].append(e.dst.value)
+            m["reason"].append(e.reason.value)
+            m["moment_row"].append(self._open_moment)
+        elif isinstance(e, MomentBegin):
+            self._begin_moment(e.index, e.module, e.stage.value, e.t_ns)
+        elif isinstance(e, MomentEnd):
+            row = self._open_by_index.get(e.index)
+            if row is not None and self.moments["module"][row] == e.module:
+                self.moments["t_end"][row] = e.t_ns
+        elif isinstance(e, MemorySample):
+            mem = self.memory
+            mem["t"].append(e.t_ns)
+            mem["tier"].append(e.tier.value)
+            mem["chunk_bytes"].append(e.chunk_bytes)
+            mem["non_model_bytes"].append(e.non_model_bytes)
+            mem["budget_bytes"].append(e.budget_bytes)
+            mem["moment_row"].append(self._open_moment)
+        elif isinstance(e, ChunkAllocated):
+            self._placement_open[(e.chunk_list, e.chunk_id, e.tier.value)] = e.t_ns
+        elif isinstance(e, ChunkFreed):
+            t_start = self._placement_open.pop((e.chunk_list, e.chunk_id, e.tier.value), None)
+            if t_start is not None:
+                self._add_placement(e.chunk_id, e.chunk_list, e.tier.value, t_start, e.t_ns)
+        elif isinstance(e, StageChanged):
+            self._close_stage(e.t_ns)
+            if e.stage is Stage.FWD:
+                self._iteration += 1
+                self._open_by_index.clear()
+            if e.stage is not Stage.IDLE:
+                self._stage_open = (e.stage.value, max(self._iteration, 0), e.t_ns)
+            if e.stage is Stage.OPTIM:
+                # the optimizer step is one moment of its own, so its moves have an owner
+                self._begin_moment(-1, "optimizer", Stage.OPTIM.value, e.t_ns)
+            elif e.stage is Stage.IDLE:
+                self._end_open_moment(e.t_ns)
+
+    def _begin_moment(self, index: int, module: str, stage: str, t: int) -> None:
+        self._end_open_moment(t)
+        mo = self.moments
+        mo["iteration"].append(max(self._iteration, 0))
+        mo["index"].append(index)
+        mo["module"].append(module)
+        mo["stage"].append(stage)
+        mo["t_start"].append(t)
+        mo["t_end"].append(None)
+        self._open_moment = len(mo["t_start"]) - 1
+        self._open_by_index[index] = self._open_moment
+
+    def _end_open_moment(self, t: int) -> None:
+        """A backward moment has no end hook: it ends where the next moment begins."""
+        row = self._open_moment
+        if row >= 0 and self.moments["t_end"][row] is None:
+            self.moments["t_end"][row] = t
+
+    def _close_stage(self, t: int) -> None:
+        if self._stage_open is not None:
+            stage, it, t_start = self._stage_open
+            self.stages["stage"].append(stage)
+            self.stages["iteration"].append(it)
+            self.stages["t_start"].append(t_start)
+            self.stages["t_end"].append(t)
+            self._stage_open = None
+
+    def _add_placement(self, cid: int, list_name: str, tier: str, t_start: int, t_end: int) -> None:
+        p = self.placements
+        p["chunk_id"].append(cid)
+        p["chunk_list"].append(list_name)
+        p["tier"].append(tier)
+        p["t_start"].append(max(t_start, self._t0))
+        p["t_end"].append(t_end)
+
+    # ------------------------------------------------------------------ results
+    def meta(self) -> dict[str, Any]:
+        eng = self.engine
+        stats = eng.stats()
+        return {
+            "model_name": self.model_name,
+            "n_params": stats["n_params"],
+            "config": _jsonable(dict(eng.config.raw)),
+            "versions": _versions(),
+            "device": str(eng.device),
+            "precision": stats["precision"],
+            "budget_bytes": stats["device_budget_bytes"],
+            "chunk_size": stats["chunk_size"],
+            "n_chunks": stats["n_chunks"],
+            "chunk_lists": list(eng.mgr.chunks),
+            "model_data_bytes": stats["model_data_bytes"],
+            "iterations": self._iteration + 1,
+            "host": platform.node(),
+            "platform": platform.platform(),
+            "pid": os.getpid(),
+            "tiers": [t.value for t in Tier],
+        }
+
+    def profile(self) -> Profile:
+        """The recording so far as a :class:`Profile` (DataFrames), without a file."""
+        end = self._t_end if self._t_end is not None else time.perf_counter_ns()
+        return build_profile(self._columns(end), self.meta())
+
+    def _columns(self, end: int) -> dict[str, dict[str, list[Any]]]:
+        moments = dict(self.moments)
+        moments["t_end"] = [end if t is None else t for t in moments["t_end"]]
+        placements = {k: list(v) for k, v in self.placements.items()}
+        for (list_name, cid, tier), t_start in self._placement_open.items():  # still recording
+            placements["chunk_id"].append(cid)
+            placements["chunk_list"].append(list_name)
+            placements["tier"].append(tier)
+            placements["t_start"].append(max(t_start, self._t0))
+            placements["t_end"].append(end)
+        shift = self._t0
+        tables = {"moments": moments, "moves": self.moves, "memory": self.memory, "stages": self.stages, "placements": placements}
+        out: dict[str, dict[str, list[Any]]] = {}
+        for name, cols in tables.items():
+            out[name] = {k: ([t - shift for t in v] if k in _TIME_COLUMNS else list(v)) for k, v in cols.items()}
+        return out
+
+    def save(self, path: str | os.PathLike[str]) -> str:
+        """Write the recording to ``path`` (see :mod:`chunkstar_profiler.fileformat`)."""
+        from chunkstar_profiler.fileformat import write_profile
+
+        end = self._t_end if self._t_end is not None else time.perf_counter_ns()
+        return write_profile(path, self._columns(end), self.meta())
+
+
+def _model_name(engine: ChunkEngine) -> str:
+    mod = engine.module
+    cfg = getattr(mod, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    return f"{type(mod).__name__} ({kind})" if kind else type(mod).__name__
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    return str(obj)
