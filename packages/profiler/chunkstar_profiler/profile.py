@@ -11,7 +11,9 @@ Tables (times are seconds since the profiler started):
 ``placements``  chunk_id, chunk_list, tier, t_start_s, t_end_s  (a chunk payload's stay in a tier)
 
 ``moment_row`` is the ``row`` of the moment during which a move was issued or a
-sample taken (the "operator" that caused it), -1 when none was open.
+sample taken (the "operator" that caused it), -1 when none was open (module "").
+``iteration`` counts micro-steps (forward passes), so with gradient accumulation
+several iterations make one optimizer step. String columns have dtype object.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def build_profile(columns: Mapping[str, Mapping[str, Any]], meta: dict[str, Any]
     )
     moves.insert(2, "duration_s", moves["t_end_s"] - moves["t_start_s"])
     for k, v in by_moment(moves["moment_row"]).items():
-        moves[k] = v
+        moves[k] = pd.Series(v, dtype=object) if k != "iteration" else v
 
     me = columns["memory"]
     memory = pd.DataFrame(
@@ -121,7 +123,7 @@ def build_profile(columns: Mapping[str, Mapping[str, Any]], meta: dict[str, Any]
     )
     memory.insert(2, "total_bytes", memory["chunk_bytes"] + memory["non_model_bytes"])
     for k, v in by_moment(memory["moment_row"]).items():
-        memory[k] = v
+        memory[k] = pd.Series(v, dtype=object) if k != "iteration" else v
 
     st = columns["stages"]
     stages = pd.DataFrame(

@@ -25,9 +25,21 @@ from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["MemoryProbe", "CpuProbe", "CudaProbe", "LiveTensorTracker", "make_probe"]
+
+
+def _shares_input_storage(key: int, args: Any, kwargs: Any) -> bool:
+    """Whether any tensor among the op's inputs (one level of lists) has storage ``key``."""
+    for a in (*args, *(kwargs.values() if kwargs else ())):
+        if isinstance(a, torch.Tensor):
+            if a.untyped_storage()._cdata == key:
+                return True
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor) and b.untyped_storage()._cdata == key:
+                    return True
+    return False
 
 
 class LiveTensorTracker(TorchDispatchMode):
@@ -45,20 +57,18 @@ class LiveTensorTracker(TorchDispatchMode):
             self.live_bytes -= nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = func(*args, **(kwargs or {}))
         if self._paused:
             return out
-        inputs, _ = tree_flatten((args, kwargs))
-        seen_in = {t.untyped_storage()._cdata for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cpu"}
-        outputs, _ = tree_flatten(out)
-        for t in outputs:
+        # Hot path (every op): no pytree flattening; outputs are a tensor or a flat tuple/list.
+        outs = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ()
+        for t in outs:
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
                 continue
             st = t.untyped_storage()
             key = st._cdata
-            if key in seen_in or key in self._refs:
-                continue
+            if key in self._refs or _shares_input_storage(key, args, kwargs):
+                continue  # an alias (view, in-place result) of memory already counted or not ours
             nbytes = st.nbytes()
             if nbytes == 0:
                 continue

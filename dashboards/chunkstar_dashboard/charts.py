@@ -1,0 +1,177 @@
+"""Plotly figures built from the frames in ``data``; no Streamlit here.
+
+Each function returns a ``go.Figure`` (and, where it drops data, says so) so
+tests can check a figure's traces without a browser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .data import MAX_POINTS_PER_TRACE, TIERS, PlacementGrid, ProfileData, memory_series
+
+__all__ = ["STAGE_COLOURS", "TIER_COLOURS", "chunk_map", "memory_timeline", "operator_bytes", "step_times_chart"]
+
+MIB = 2.0**20
+BUDGET_OFF_SCALE = 2.0
+"""A budget more than this many times the peak is drawn off scale (named in the legend)."""
+STAGE_COLOURS = {"fwd": "rgba(31,119,180,0.10)", "bwd": "rgba(255,127,14,0.12)", "optim": "rgba(44,160,44,0.14)"}
+TIER_COLOURS = {"device": "#e4572e", "host": "#2e86ab"}
+_SERIES = (
+    # column, legend name, line style
+    ("total_bytes", "total", dict(color="#222222", width=1.6)),
+    ("chunk_bytes", "chunks", dict(color="#e4572e", width=1.2)),
+    ("non_model_bytes", "non-model", dict(color="#7b2cbf", width=1.2)),
+)
+
+
+def _stage_band_traces(stages: pd.DataFrame, y_top: float, row: int, show_legend: bool) -> list[tuple[go.Scatter, int]]:
+    """One filled trace per stage (all its iterations joined by gaps), under the memory lines."""
+    out = []
+    for stage, colour in STAGE_COLOURS.items():
+        bands = stages[stages["stage"] == stage]
+        if bands.empty:
+            continue
+        n = len(bands)
+        xs = np.empty(n * 5)
+        ys = np.empty(n * 5)
+        xs[0::5], xs[1::5] = bands["t_start_s"], bands["t_start_s"]
+        xs[2::5], xs[3::5] = bands["t_end_s"], bands["t_end_s"]
+        xs[4::5] = np.nan
+        ys[0::5], ys[1::5], ys[2::5], ys[3::5], ys[4::5] = 0.0, y_top, y_top, 0.0, np.nan
+        trace = go.Scatter(
+            x=xs, y=ys, fill="toself", fillcolor=colour, line=dict(width=0), mode="lines",
+            name=stage, legendgroup=f"stage-{stage}", showlegend=show_legend, hoverinfo="skip",
+        )  # fmt: skip
+        out.append((trace, row))
+    return out
+
+
+def memory_timeline(
+    p: ProfileData,
+    tiers: Sequence[str] = TIERS,
+    max_points: int = MAX_POINTS_PER_TRACE,
+    y_max_mib: dict[str, float] | None = None,
+    height_per_tier: int = 320,
+) -> tuple[go.Figure, bool]:
+    """Memory per tier over time: total, chunks, non-model, budget, with fwd/bwd/optim bands.
+
+    Returns the figure and whether any trace was downsampled. Hovering a
+    sample names the module (operator) whose moment boundary it was taken at.
+    """
+    tiers = [t for t in tiers if (p.memory["tier"] == t).any()] or list(tiers)[:1]
+    fig = make_subplots(
+        rows=len(tiers), cols=1, shared_xaxes=True, vertical_spacing=0.08,
+        subplot_titles=[f"{t} memory" for t in tiers] if len(tiers) > 1 else None,
+    )  # fmt: skip
+    downsampled = False
+    for row, tier in enumerate(tiers, start=1):
+        rows, dropped = memory_series(p.memory, tier, max_points)
+        downsampled |= dropped
+        budget = p.memory.loc[p.memory["tier"] == tier, ["t_s", "budget_bytes"]].sort_values("t_s")
+        budget_changes = budget[budget["budget_bytes"].diff().ne(0)]
+        if len(budget):
+            budget_changes = pd.concat([budget_changes, budget.iloc[[-1]]])
+        has_budget = bool((budget["budget_bytes"] > 0).any())
+        peak = float(rows["total_bytes"].max()) if len(rows) else 0.0
+        budget_max = float(budget["budget_bytes"].max()) if has_budget else 0.0
+        # a budget far above the data (an unconstrained run) would flatten the lines: leave it off scale
+        fits = has_budget and budget_max <= BUDGET_OFF_SCALE * max(peak, 1.0)
+        top = max(peak, budget_max if fits else 0.0)
+        top = (y_max_mib or {}).get(tier, top / MIB * 1.05) or 1.0
+        budget_on_scale = has_budget and budget_max / MIB <= top
+        for trace, r in _stage_band_traces(p.stages, top, row, show_legend=row == 1):
+            fig.add_trace(trace, row=r, col=1)
+        custom = np.column_stack([rows["module"].astype(str), rows["stage"].astype(str), rows["iteration"].astype(str)])
+        for col, label, line in _SERIES:
+            fig.add_trace(
+                go.Scatter(
+                    x=rows["t_s"], y=rows[col] / MIB, name=label, legendgroup=label, showlegend=row == 1,
+                    mode="lines", line=dict(shape="hv", **line), customdata=custom,
+                    hovertemplate=f"{label} %{{y:,.2f}} MiB<br>t %{{x:.4f}} s<br>module %{{customdata[0]}}"
+                    f"<br>%{{customdata[1]}}, iteration %{{customdata[2]}}<extra>{tier}</extra>",
+                ),
+                row=row, col=1,
+            )  # fmt: skip
+        if has_budget:
+            fig.add_trace(
+                go.Scatter(
+                    x=budget_changes["t_s"], y=budget_changes["budget_bytes"] / MIB, legendgroup="budget",
+                    name="budget" if budget_on_scale else f"budget ({budget_max / MIB:,.0f} MiB, off scale)",
+                    showlegend=row == 1, mode="lines", line=dict(shape="hv", color="#d00000", dash="dash", width=1.2),
+                    hovertemplate="budget %{y:,.2f} MiB<extra>" + tier + "</extra>",
+                ),
+                row=row, col=1,
+            )  # fmt: skip
+        fig.update_yaxes(title_text=f"{tier} MiB", range=[0, top], row=row, col=1)
+    fig.update_xaxes(title_text="seconds since profile start", row=len(tiers), col=1)
+    fig.update_layout(
+        height=height_per_tier * len(tiers) + 80, margin=dict(l=10, r=10, t=70, b=10),
+        legend=dict(orientation="h", yanchor="bottom", y=1.0 + 30 / (height_per_tier * len(tiers)), x=0),
+        hovermode="closest",
+    )  # fmt: skip
+    return fig, downsampled
+
+
+def chunk_map(grid: PlacementGrid) -> go.Figure:
+    """Chunks x time, coloured by where the payload was; one panel per chunk list."""
+    lists = list(dict.fromkeys(grid.chunk_lists))
+    counts = [grid.chunk_lists.count(c) for c in lists]
+    fig = make_subplots(
+        rows=max(1, len(lists)), cols=1, shared_xaxes=True, vertical_spacing=0.04,
+        row_heights=[max(c, 1) for c in counts] or [1], subplot_titles=[f"{c} ({n} chunks)" for c, n in zip(lists, counts)],
+    )  # fmt: skip
+    centres = (grid.edges[:-1] + grid.edges[1:]) / 2
+    share = grid.device_share().astype(np.float32)  # float32 and uint8 below: fewer bytes to the browser
+    lists_arr = np.array(grid.chunk_lists, dtype=object)
+    ids = np.array(grid.chunk_ids)
+    colourscale = [[0.0, TIER_COLOURS["host"]], [0.5, "#efe6f5"], [1.0, TIER_COLOURS["device"]]]
+    for row, name in enumerate(lists, start=1):
+        sel = lists_arr == name
+        custom = np.rint(100 * np.dstack([grid.device[sel], grid.host[sel]])).astype(np.uint8)  # percent
+        fig.add_trace(
+            go.Heatmap(
+                x=centres, y=[str(i) for i in ids[sel]], z=share[sel], zmin=0.0, zmax=1.0, colorscale=colourscale,
+                showscale=row == 1, customdata=custom, xgap=0, ygap=1,
+                colorbar=dict(title="on device", tickvals=[0, 0.5, 1], ticktext=["host", "mixed", "device"], len=0.5, y=1, yanchor="top"),
+                hovertemplate=f"{name} chunk %{{y}}<br>t %{{x:.4f}} s<br>device %{{customdata[0]}}%, host %{{customdata[1]}}% of the bin<extra></extra>",
+            ),
+            row=row, col=1,
+        )  # fmt: skip
+        fig.update_yaxes(title_text="chunk", type="category", row=row, col=1)
+    fig.update_xaxes(title_text="seconds since profile start", row=max(1, len(lists)), col=1)
+    fig.update_layout(height=max(300, min(1400, 120 * len(lists) + 14 * len(grid.chunk_ids))), margin=dict(l=10, r=10, t=40, b=10))
+    return fig
+
+
+def operator_bytes(table: pd.DataFrame, top: int = 20) -> go.Figure:
+    """Stacked horizontal bars of MiB moved to device / to host for the ``top`` modules by bytes."""
+    t = table.assign(_bytes=table["bytes_to_device"] + table["bytes_to_host"]).nlargest(top, "_bytes").iloc[::-1]
+    fig = go.Figure(
+        [
+            go.Bar(y=t["module"], x=t["bytes_to_device"] / MIB, name="to device", orientation="h", marker_color=TIER_COLOURS["device"]),
+            go.Bar(y=t["module"], x=t["bytes_to_host"] / MIB, name="to host", orientation="h", marker_color=TIER_COLOURS["host"]),
+        ]
+    )
+    fig.update_layout(
+        barmode="stack", height=max(250, 22 * len(t) + 80), margin=dict(l=10, r=10, t=30, b=10),
+        xaxis_title="MiB moved", legend=dict(orientation="h", y=1.05, x=0),
+    )  # fmt: skip
+    return fig
+
+
+def step_times_chart(steps: pd.DataFrame, names: tuple[str, str]) -> go.Figure:
+    """Step time per iteration (ms) of two profiles, from ``data.step_time_comparison``."""
+    fig = go.Figure(
+        [go.Scatter(x=steps["iteration"], y=steps[col], name=name, mode="lines+markers") for col, name in zip(("A", "B"), names)]
+    )
+    fig.update_layout(
+        height=300, margin=dict(l=10, r=10, t=30, b=10), xaxis_title="iteration", yaxis_title="step time (ms)",
+        legend=dict(orientation="h", y=1.08, x=0), xaxis=dict(tickformat="d", dtick=1 if len(steps) <= 30 else None),
+    )  # fmt: skip
+    return fig

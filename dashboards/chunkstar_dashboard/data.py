@@ -1,0 +1,375 @@
+"""Pure data shaping for the dashboard: profile tables in, plot- and table-ready frames out.
+
+Nothing here imports Streamlit or plotly, so every function is unit-tested on
+plain DataFrames. The pages only render what these functions return.
+
+Units: the profile's tables carry seconds and bytes; so do the frames returned
+here. Conversion to MiB / ms happens at the edge (charts and tables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+__all__ = [
+    "MAX_POINTS_PER_TRACE",
+    "MOVE_REASONS",
+    "OUTSIDE_MOMENTS",
+    "STAGES",
+    "TIERS",
+    "MoveFilter",
+    "PlacementGrid",
+    "ProfileData",
+    "compare_table",
+    "downsample_minmax",
+    "filter_moves",
+    "format_bytes",
+    "memory_series",
+    "move_totals",
+    "moves_by_operator",
+    "peak_bytes",
+    "placement_grid",
+    "step_time_comparison",
+    "step_times",
+    "summary_figures",
+]
+
+TIERS = ("device", "host")
+STAGES = ("fwd", "bwd", "optim")
+MOVE_REASONS = ("access", "eviction", "prefetch", "optimizer")
+MAX_POINTS_PER_TRACE = 5000
+"""Longest memory trace sent to the browser; longer ones are min/max downsampled."""
+OUTSIDE_MOMENTS = "(outside moments)"
+"""Label for moves and samples that no module's moment caused (module == "")."""
+
+_MEMORY_SERIES = ("total_bytes", "chunk_bytes", "non_model_bytes")
+
+
+@dataclass(frozen=True)
+class ProfileData:
+    """A loaded profile as plain tables: what the pages render from.
+
+    A copy of the profiler's ``Profile`` fields (see ``chunkstar_profiler``),
+    held as a plain dataclass so Streamlit's cache can pickle it and tests can
+    build one from hand-written frames.
+    """
+
+    name: str
+    """File name shown on the pages."""
+    meta: dict[str, Any]
+    moments: pd.DataFrame
+    moves: pd.DataFrame
+    memory: pd.DataFrame
+    stages: pd.DataFrame
+    placements: pd.DataFrame
+
+    @classmethod
+    def from_profile(cls, profile: Any, name: str) -> ProfileData:
+        """Copy the public fields of a ``chunkstar_profiler.Profile``."""
+        return cls(
+            name=name,
+            meta=dict(profile.meta),
+            moments=profile.moments,
+            moves=profile.moves,
+            memory=profile.memory,
+            stages=profile.stages,
+            placements=profile.placements,
+        )
+
+    @property
+    def duration_s(self) -> float:
+        """Seconds from the profile start to the last recorded event."""
+        ends = [
+            frame[col].max()
+            for frame, col in (
+                (self.memory, "t_s"),
+                (self.moves, "t_end_s"),
+                (self.stages, "t_end_s"),
+                (self.placements, "t_end_s"),
+            )
+            if len(frame)
+        ]
+        return float(max(ends)) if ends else 0.0
+
+
+def _module_labels(modules: pd.Series) -> pd.Series:
+    """Module names for display: empty or missing (no moment open) becomes ``OUTSIDE_MOMENTS``."""
+    labels = modules.astype(object).fillna("").astype(str)
+    return labels.where(labels != "", OUTSIDE_MOMENTS)
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units with three significant figures: ``1.97 MiB``, ``14.1 MiB``, ``0 B``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.3g} {unit}" if abs(n) / scale < 1000 else f"{n / scale:,.0f} {unit}"
+    return f"{n:,.0f} B"
+
+
+# ---------------------------------------------------------------------------
+# memory timeline
+
+
+def downsample_minmax(df: pd.DataFrame, x: str, ys: list[str] | tuple[str, ...], max_points: int) -> pd.DataFrame:
+    """At most ~``max_points`` rows of ``df`` (sorted by ``x``) that keep every peak.
+
+    The rows are split into equal-count buckets along ``x``; from each bucket
+    the rows holding the minimum and the maximum of each column in ``ys`` are
+    kept (plus the first and last row overall), so the global and every local
+    extreme survive and a line through the kept rows has the same envelope as
+    the full trace. Whole rows are kept, so other columns (module, stage) stay
+    true to the kept sample. Frames already short enough come back unchanged
+    (sorted).
+    """
+    if max_points < 2 * len(ys) + 2:
+        raise ValueError(f"max_points={max_points} is too small to keep min and max of {len(ys)} series")
+    df = df.sort_values(x, kind="stable").reset_index(drop=True)
+    n = len(df)
+    if n <= max_points:
+        return df
+    n_buckets = max(1, (max_points - 2) // (2 * len(ys)))
+    bucket = (np.arange(n) * n_buckets) // n
+    keep = np.zeros(n, dtype=bool)
+    keep[[0, n - 1]] = True
+    grouped = df[list(ys)].groupby(bucket, sort=False)
+    for col in ys:
+        keep[grouped[col].idxmin().to_numpy()] = True
+        keep[grouped[col].idxmax().to_numpy()] = True
+    return df[keep].reset_index(drop=True)
+
+
+def memory_series(memory: pd.DataFrame, tier: str, max_points: int = MAX_POINTS_PER_TRACE) -> tuple[pd.DataFrame, bool]:
+    """The samples of one tier, downsampled for plotting; second item: whether rows were dropped."""
+    rows = memory[memory["tier"] == tier]
+    out = downsample_minmax(rows, "t_s", _MEMORY_SERIES, max_points)
+    out = out.assign(module=_module_labels(out["module"]))
+    return out, len(out) < len(rows)
+
+
+def peak_bytes(memory: pd.DataFrame, tier: str, column: str = "total_bytes") -> int:
+    """Largest sampled ``column`` in ``tier`` (0 when the tier has no samples)."""
+    values = memory.loc[memory["tier"] == tier, column]
+    return int(values.max()) if len(values) else 0
+
+
+# ---------------------------------------------------------------------------
+# chunk location map
+
+
+@dataclass(frozen=True)
+class PlacementGrid:
+    """Where each chunk's payload was, binned in time.
+
+    ``device[r, k]`` and ``host[r, k]`` are the fractions of time bin ``k`` that
+    chunk row ``r``'s payload spent in each tier (0..1); a row whose payload
+    was in neither tier during a bin (not allocated yet, or freed) has 0 in
+    both.
+    """
+
+    chunk_lists: list[str]
+    """Chunk list of each row (rows grouped by list, in profile order)."""
+    chunk_ids: list[int]
+    edges: np.ndarray = field(repr=False)
+    """Bin edges in seconds, ``n_bins + 1`` of them."""
+    device: np.ndarray = field(repr=False)
+    host: np.ndarray = field(repr=False)
+
+    @property
+    def bin_s(self) -> float:
+        return float(self.edges[1] - self.edges[0]) if len(self.edges) > 1 else 0.0
+
+    def device_share(self) -> np.ndarray:
+        """Device fraction of the time the payload existed in a bin; NaN where it did not exist."""
+        present = self.device + self.host
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(present > 0, self.device / np.where(present > 0, present, 1), np.nan)
+
+
+def _covered(starts: np.ndarray, ends: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Time covered by the union-free intervals [starts, ends) up to each edge."""
+    if len(starts) == 0:
+        return np.zeros_like(edges)
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], ends[order]
+    full = np.concatenate([[0.0], np.cumsum(ends - starts)])
+    j = np.searchsorted(starts, edges, side="right")  # intervals starting at or before each edge
+    last = np.maximum(j - 1, 0)
+    partial = np.where(j > 0, np.clip(np.minimum(edges, ends[last]) - starts[last], 0.0, None), 0.0)
+    return full[last] + partial
+
+
+def placement_grid(
+    placements: pd.DataFrame,
+    chunk_list_order: list[str] | None = None,
+    n_bins: int = 400,
+    t_end: float | None = None,
+) -> PlacementGrid:
+    """Bin ``placements`` (intervals of a chunk's payload in a tier) into a chunk x time grid.
+
+    Within one chunk and tier the intervals must not overlap (a payload is in a
+    tier or it is not), which the profiler guarantees.
+    """
+    order = list(chunk_list_order or [])
+    order += [c for c in pd.unique(placements["chunk_list"]) if c not in order]
+    if t_end is None:
+        t_end = float(placements["t_end_s"].max()) if len(placements) else 0.0
+    t_end = max(t_end, 1e-9)
+    edges = np.linspace(0.0, t_end, n_bins + 1)
+    keys = (
+        placements[["chunk_list", "chunk_id"]]
+        .drop_duplicates()
+        .assign(_order=lambda d: d["chunk_list"].map({c: i for i, c in enumerate(order)}))
+        .sort_values(["_order", "chunk_id"])
+    )
+    row_of = {(c, int(i)): r for r, (c, i) in enumerate(zip(keys["chunk_list"], keys["chunk_id"]))}
+    grids = {tier: np.zeros((len(row_of), n_bins)) for tier in TIERS}
+    width = np.diff(edges)
+    for (chunk_list, chunk_id, tier), group in placements.groupby(["chunk_list", "chunk_id", "tier"], sort=False):
+        if tier not in grids:
+            continue
+        cum = _covered(group["t_start_s"].to_numpy(float), group["t_end_s"].to_numpy(float), edges)
+        grids[tier][row_of[(chunk_list, int(chunk_id))]] = np.diff(cum) / width
+    return PlacementGrid(
+        chunk_lists=list(keys["chunk_list"]),
+        chunk_ids=[int(i) for i in keys["chunk_id"]],
+        edges=edges,
+        device=np.clip(grids["device"], 0.0, 1.0),
+        host=np.clip(grids["host"], 0.0, 1.0),
+    )
+
+
+# ---------------------------------------------------------------------------
+# per-operator movements
+
+
+@dataclass(frozen=True)
+class MoveFilter:
+    """Which moves to keep; ``None`` keeps everything for that field."""
+
+    stages: tuple[str, ...] | None = None
+    reasons: tuple[str, ...] | None = None
+    chunk_lists: tuple[str, ...] | None = None
+    iterations: tuple[int, int] | None = None
+    """Inclusive range."""
+
+
+def filter_moves(moves: pd.DataFrame, flt: MoveFilter) -> pd.DataFrame:
+    mask = pd.Series(True, index=moves.index)
+    if flt.stages is not None:
+        mask &= moves["stage"].isin(flt.stages)
+    if flt.reasons is not None:
+        mask &= moves["reason"].isin(flt.reasons)
+    if flt.chunk_lists is not None:
+        mask &= moves["chunk_list"].isin(flt.chunk_lists)
+    if flt.iterations is not None:
+        lo, hi = flt.iterations
+        mask &= moves["iteration"].between(lo, hi)
+    return moves[mask]
+
+
+def moves_by_operator(moves: pd.DataFrame) -> pd.DataFrame:
+    """One row per module: move counts, bytes each way, stall time, and moves per reason.
+
+    Columns: ``module``, ``moves``, ``to_device``, ``to_host`` (counts),
+    ``bytes_to_device``, ``bytes_to_host``, ``stall_s`` (sum of move
+    durations), then one count column per reason (``access`` ...). Sorted by
+    stall time, longest first.
+    """
+    reasons = list(MOVE_REASONS) + sorted(set(moves["reason"]) - set(MOVE_REASONS))
+    if moves.empty:
+        cols = ["module", "moves", "to_device", "to_host", "bytes_to_device", "bytes_to_host", "stall_s", *reasons]
+        return pd.DataFrame({c: pd.Series(dtype=object if c == "module" else "int64") for c in cols}).astype({"stall_s": float})
+    to_dev = moves["dst"] == "device"
+    frame = pd.DataFrame(
+        {
+            "module": _module_labels(moves["module"]),
+            "moves": 1,
+            "to_device": to_dev.astype("int64"),
+            "to_host": (~to_dev).astype("int64"),
+            "bytes_to_device": moves["nbytes"].where(to_dev, 0).astype("int64"),
+            "bytes_to_host": moves["nbytes"].where(~to_dev, 0).astype("int64"),
+            "stall_s": moves["duration_s"].astype(float),
+        }
+    )
+    for reason in reasons:
+        frame[reason] = (moves["reason"] == reason).astype("int64")
+    out = frame.groupby("module", sort=False).sum().reset_index()
+    return out.sort_values(["stall_s", "moves"], ascending=False, kind="stable").reset_index(drop=True)
+
+
+def move_totals(moves: pd.DataFrame) -> dict[str, float]:
+    """Totals over ``moves``: count, bytes each way, stall seconds."""
+    to_dev = moves["dst"] == "device"
+    return {
+        "moves": int(len(moves)),
+        "to_device": int(to_dev.sum()),
+        "to_host": int((~to_dev).sum()),
+        "bytes_to_device": int(moves.loc[to_dev, "nbytes"].sum()),
+        "bytes_to_host": int(moves.loc[~to_dev, "nbytes"].sum()),
+        "stall_s": float(moves["duration_s"].sum()),
+    }
+
+
+# ---------------------------------------------------------------------------
+# comparison of two profiles
+
+
+def step_times(stages: pd.DataFrame) -> pd.Series:
+    """Seconds per iteration: first stage start to last stage end (fwd through optim)."""
+    if stages.empty:
+        return pd.Series(dtype=float, name="step_s")
+    g = stages.groupby("iteration")
+    out = (g["t_end_s"].max() - g["t_start_s"].min()).rename("step_s")
+    out.index = out.index.astype(int)
+    return out
+
+
+def summary_figures(p: ProfileData) -> dict[str, float]:
+    """The key figures of one profile, by display name (units in the name)."""
+    mib = 2.0**20
+    totals = move_totals(p.moves)
+    steps = step_times(p.stages)
+    figures: dict[str, float] = {
+        "chunk size (elements)": float(p.meta.get("chunk_size") or np.nan),
+        "chunks": float(p.meta.get("n_chunks") or np.nan),
+        "device budget (MiB)": float(p.meta.get("budget_bytes") or 0) / mib,
+        "peak device memory (MiB)": peak_bytes(p.memory, "device") / mib,
+        "peak device chunk memory (MiB)": peak_bytes(p.memory, "device", "chunk_bytes") / mib,
+        "peak device non-model memory (MiB)": peak_bytes(p.memory, "device", "non_model_bytes") / mib,
+        "moves": float(totals["moves"]),
+        "moved to device (MiB)": totals["bytes_to_device"] / mib,
+        "moved to host (MiB)": totals["bytes_to_host"] / mib,
+        "move time (s)": totals["stall_s"],
+    }
+    counts = p.moves["reason"].value_counts()
+    for reason in list(MOVE_REASONS) + sorted(set(counts.index) - set(MOVE_REASONS)):
+        figures[f"moves: {reason}"] = float(counts.get(reason, 0))
+    figures["iterations"] = float(len(steps))
+    figures["mean step time (ms)"] = float(steps.mean() * 1e3) if len(steps) else np.nan
+    figures["median step time (ms)"] = float(steps.median() * 1e3) if len(steps) else np.nan
+    return figures
+
+
+def compare_table(a: ProfileData, b: ProfileData) -> pd.DataFrame:
+    """Key figures of ``a`` and ``b`` side by side, with ``delta`` = b - a and ``delta_pct`` relative to a."""
+    fa, fb = summary_figures(a), summary_figures(b)
+    names = list(fa) + [n for n in fb if n not in fa]
+    va = np.array([fa.get(n, np.nan) for n in names], dtype=float)
+    vb = np.array([fb.get(n, np.nan) for n in names], dtype=float)
+    delta = vb - va
+    with np.errstate(invalid="ignore", divide="ignore"):
+        pct = np.where(va != 0, 100.0 * delta / np.abs(va), np.nan)
+    return pd.DataFrame({"figure": names, "A": va, "B": vb, "delta": delta, "delta_pct": pct})
+
+
+def step_time_comparison(a: ProfileData, b: ProfileData) -> pd.DataFrame:
+    """Per-iteration step time (ms) of both profiles; iterations only one has are NaN in the other."""
+    sa, sb = step_times(a.stages) * 1e3, step_times(b.stages) * 1e3
+    out = pd.concat([sa.rename("A"), sb.rename("B")], axis=1).sort_index()
+    out.index.name = "iteration"
+    out["delta"] = out["B"] - out["A"]
+    return out.reset_index()

@@ -1,0 +1,115 @@
+"""Reading profile files for the app: cached parsing and the "which profile" widgets.
+
+Parsing goes through ``chunkstar_profiler.load`` and is cached by
+``st.cache_data``: a file on disk by (path, mtime, size), so an edited file is
+read again; an upload by its bytes. A file that is missing or not a profile
+becomes a ``ProfileLoadError`` whose text the page shows (no traceback).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import chunkstar_profiler
+import streamlit as st
+
+from .data import ProfileData
+
+__all__ = ["Loaded", "ProfileLoadError", "current_profile", "load_path", "load_upload", "profile_picker", "set_current"]
+
+_CURRENT = "chunkstar_current_profile"
+"""Session-state key of the ``Loaded`` that the main script picked this run."""
+
+
+class ProfileLoadError(Exception):
+    """A profile file could not be read; the message is meant for the user."""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """Outcome of picking a profile: a profile, an error to show, or neither (nothing chosen)."""
+
+    profile: ProfileData | None = None
+    error: str | None = None
+
+
+@st.cache_data(show_spinner="Reading profile...", max_entries=16)
+def _parse_path(path: str, mtime_ns: int, size: int) -> ProfileData:
+    del mtime_ns, size  # part of the cache key only
+    return ProfileData.from_profile(chunkstar_profiler.load(path), Path(path).name)
+
+
+@st.cache_data(show_spinner="Reading profile...", max_entries=16)
+def _parse_bytes(data: bytes, name: str) -> ProfileData:
+    # The profiler reads paths; keep the file name (and so its suffix) in the temporary copy.
+    with tempfile.TemporaryDirectory(prefix="chunkstar-upload-") as tmp:
+        path = Path(tmp) / (Path(name).name or "upload")
+        path.write_bytes(data)
+        return ProfileData.from_profile(chunkstar_profiler.load(path), Path(name).name)
+
+
+def load_path(path: str | Path) -> ProfileData:
+    """Parse the profile at ``path`` (cached); raises ``ProfileLoadError`` with a readable message."""
+    p = Path(path).expanduser()
+    try:
+        stat = p.stat()
+    except OSError as err:
+        raise ProfileLoadError(f"Cannot open {str(path)!r}: {err.strerror or err}") from None
+    if not p.is_file():
+        raise ProfileLoadError(f"{str(path)!r} is not a file.")
+    try:
+        return _parse_path(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
+    except chunkstar_profiler.ProfileFormatError as err:
+        raise ProfileLoadError(f"{p.name} is not a readable chunkstar profile: {err}") from None
+    except OSError as err:
+        raise ProfileLoadError(f"Cannot read {str(path)!r}: {err}") from None
+
+
+def load_upload(upload: Any) -> ProfileData:
+    """Parse an ``st.file_uploader`` upload (cached by its bytes)."""
+    try:
+        return _parse_bytes(upload.getvalue(), upload.name)
+    except chunkstar_profiler.ProfileFormatError as err:
+        raise ProfileLoadError(f"{upload.name} is not a readable chunkstar profile: {err}") from None
+
+
+def profile_picker(key: str, label: str, container: Any = st) -> Loaded:
+    """A path box and an uploader (widget keys ``{key}_path`` / ``{key}_upload``); an upload wins.
+
+    ``label`` names the profile ("Profile", "Profile B"). Set
+    ``st.session_state[f"{key}_path"]`` before the first call to prefill the path.
+    """
+    path = container.text_input(f"{label}: file path", key=f"{key}_path", placeholder="/path/to/run.csprof")
+    upload = container.file_uploader(f"...or upload {label}", key=f"{key}_upload")
+    try:
+        if upload is not None:
+            return Loaded(profile=load_upload(upload))
+        if path and path.strip():
+            return Loaded(profile=load_path(path.strip()))
+    except ProfileLoadError as err:
+        return Loaded(error=str(err))
+    return Loaded()
+
+
+def set_current(loaded: Loaded) -> None:
+    """Record the profile the sidebar picked, for the pages of this run."""
+    st.session_state[_CURRENT] = loaded
+
+
+def current_profile() -> ProfileData:
+    """The picked profile; otherwise shows why there is none and stops the page."""
+    loaded: Loaded = st.session_state.get(_CURRENT, Loaded())
+    if loaded.error is not None:
+        st.error(loaded.error)
+        st.stop()
+    if loaded.profile is None:
+        st.info(
+            "No profile loaded. Give a profile file's path or upload one in the sidebar, "
+            "or start the app with `streamlit run dashboards/app.py -- --profile PATH`.\n\n"
+            "Profiles are written by `chunkstar_profiler.Profiler(engine)` (`prof.save(path)`)."
+        )
+        st.stop()
+    return loaded.profile

@@ -1,0 +1,38 @@
+"""Where each chunk's payload was over time, grouped by chunk list."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from chunkstar_dashboard import charts, loading
+from chunkstar_dashboard.data import placement_grid
+
+MAX_CELLS = 600_000
+"""Largest chunk x bin grid sent to the browser (a few MB of plotly JSON)."""
+
+st.title("Chunk locations")
+p = loading.current_profile()
+
+if p.placements.empty:
+    st.info("This profile recorded no chunk placements.")
+    st.stop()
+
+order = list(p.meta.get("chunk_lists") or [])
+present = [c for c in order if c in set(p.placements["chunk_list"])] + sorted(set(p.placements["chunk_list"]) - set(order))
+lists = st.multiselect("Chunk lists", present, default=present, key="chunk_lists")
+bins = st.slider("Time bins", min_value=50, max_value=1000, value=400, step=50, key="chunk_bins")
+if not lists:
+    st.warning("Pick at least one chunk list.")
+    st.stop()
+
+selected = p.placements[p.placements["chunk_list"].isin(lists)]
+n_rows = len(selected[["chunk_list", "chunk_id"]].drop_duplicates())
+n_bins = min(bins, max(50, MAX_CELLS // max(n_rows, 1)))
+grid = placement_grid(selected, order, n_bins=n_bins, t_end=p.duration_s)
+st.plotly_chart(charts.chunk_map(grid), key="chunk_map")
+if n_bins < bins:
+    st.caption(f"{n_rows:,} chunks: time bins reduced to {n_bins} to keep the map under {MAX_CELLS:,} cells.")
+st.caption(
+    f"Each cell is a {grid.bin_s * 1e3:,.3g} ms time bin. Colour: share of the bin the payload spent on the device "
+    "(red) versus the host (blue); pale cells moved during the bin; blank cells had no payload (not yet allocated or freed)."
+)

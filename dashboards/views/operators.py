@@ -1,0 +1,78 @@
+"""Chunk movements attributed to the module (operator) whose moment caused them."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from chunkstar_dashboard import charts, loading
+from chunkstar_dashboard.data import (
+    MOVE_REASONS,
+    STAGES,
+    MoveFilter,
+    filter_moves,
+    format_bytes,
+    move_totals,
+    moves_by_operator,
+)
+
+MIB = 2**20
+
+st.title("Operator movements")
+p = loading.current_profile()
+moves = p.moves
+
+if moves.empty:
+    st.info("This profile recorded no chunk movements (everything fit on the device).")
+    st.stop()
+
+
+def _options(column: str, preferred: tuple[str, ...]) -> list[str]:
+    seen = set(moves[column])
+    return [v for v in preferred if v in seen] + sorted(seen - set(preferred))
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms" if seconds < 1.0 else f"{seconds:,.2f} s"
+
+
+c1, c2, c3, c4 = st.columns(4)
+stages = c1.multiselect("Stage", _options("stage", STAGES), default=_options("stage", STAGES), key="ops_stages")
+reasons = c2.multiselect("Reason", _options("reason", MOVE_REASONS), default=_options("reason", MOVE_REASONS), key="ops_reasons")
+lists = c3.multiselect("Chunk list", _options("chunk_list", tuple(p.meta.get("chunk_lists") or ())), key="ops_lists",
+                       default=_options("chunk_list", tuple(p.meta.get("chunk_lists") or ())))  # fmt: skip
+lo, hi = int(moves["iteration"].min()), int(moves["iteration"].max())
+iterations = c4.slider("Iterations", lo, hi, (lo, hi), key="ops_iters") if hi > lo else (lo, hi)
+
+selected = filter_moves(moves, MoveFilter(tuple(stages), tuple(reasons), tuple(lists), (int(iterations[0]), int(iterations[1]))))
+totals = move_totals(selected)
+m = st.columns(5)
+m[0].metric("Moves", f"{totals['moves']:,}")
+m[1].metric("To device", format_bytes(totals["bytes_to_device"]), help=f"{totals['to_device']:,} moves")
+m[2].metric("To host", format_bytes(totals["bytes_to_host"]), help=f"{totals['to_host']:,} moves")
+m[3].metric("Move time", _duration(totals["stall_s"]), help="Sum of the moves' durations: time spent copying chunks (a stall unless the copy overlapped compute).")
+m[4].metric("Operators", f"{selected['module'].nunique():,}")
+
+table = moves_by_operator(selected)
+shown = table.assign(
+    bytes_to_device=table["bytes_to_device"] / MIB, bytes_to_host=table["bytes_to_host"] / MIB, stall_s=table["stall_s"] * 1e3
+).rename(
+    columns={
+        "to_device": "moves to device", "to_host": "moves to host", "bytes_to_device": "MiB to device",
+        "bytes_to_host": "MiB to host", "stall_s": "move time (ms)",
+    }
+)  # fmt: skip
+st.dataframe(
+    shown, hide_index=True, key="ops_table",
+    column_config={
+        "MiB to device": st.column_config.NumberColumn(format="%.2f"),
+        "MiB to host": st.column_config.NumberColumn(format="%.2f"),
+        "move time (ms)": st.column_config.NumberColumn(format="%.3f"),
+    },
+)  # fmt: skip
+st.caption(
+    f"{len(selected):,} of {len(moves):,} moves after the filters. Reason columns count moves; "
+    "moves outside any module's moment are listed as (outside moments)."
+)
+if not table.empty:
+    st.subheader("Bytes moved by operator (top 20)")
+    st.plotly_chart(charts.operator_bytes(table), key="ops_bytes")

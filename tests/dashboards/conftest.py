@@ -1,0 +1,60 @@
+"""Fixtures of the dashboard tests: the app's import path and real profiles.
+
+The profiles come from real chunkstar training runs of the tiny GPT-2 the core
+tests use, under a device budget that forces evictions, recorded by
+``chunkstar_profiler.Profiler``: what the dashboard shows a user.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DASHBOARDS = REPO / "dashboards"
+APP = DASHBOARDS / "app.py"
+if str(DASHBOARDS) not in sys.path:
+    sys.path.insert(0, str(DASHBOARDS))
+
+
+def _record(path: Path, *, chunk_size: int, steps: int = 3) -> Path:
+    import chunkstar
+    import chunkstar_profiler
+    import torch
+
+    from core._models import CASES, engine_config, eviction_budget
+
+    case = CASES["gpt2"]
+    budget = eviction_budget(case.build(), torch.float32)
+    engine, optimizer = chunkstar.initialize_engine(
+        model_func=case.build, local_rank=0, config=engine_config(budget=budget, chunk_size=chunk_size)
+    )
+    with chunkstar_profiler.Profiler(engine) as prof:
+        for step in range(steps):
+            loss = case.loss(engine, case.batch(step), torch.float32)
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    prof.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-step profile, 4096-element chunks, budget 60% of the parameter bytes."""
+    return _record(tmp_path_factory.mktemp("profiles") / "chunk4096.csprof", chunk_size=4096)
+
+
+@pytest.fixture(scope="session")
+def other_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same run with 8192-element chunks, to compare against."""
+    return _record(tmp_path_factory.mktemp("profiles") / "chunk8192.csprof", chunk_size=8192)
+
+
+@pytest.fixture(scope="session")
+def bad_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("profiles") / "not_a_profile.csprof"
+    path.write_bytes(b"this is not a chunkstar profile\n")
+    return path

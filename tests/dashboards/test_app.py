@@ -1,0 +1,132 @@
+"""Every page of the Streamlit app, run headless by ``streamlit.testing.v1.AppTest`` on real profiles."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from .conftest import APP
+
+PAGES = ("views/memory.py", "views/chunks.py", "views/operators.py", "views/compare.py")
+
+
+def _app(profile: Path | None = None) -> AppTest:
+    at = AppTest.from_file(str(APP), default_timeout=60)
+    if profile is not None:
+        at.session_state["profile_path"] = str(profile)  # as `-- --profile PATH` would
+    return at.run()
+
+
+def _plotly_charts(at: AppTest) -> list:
+    return at.get("plotly_chart")
+
+
+def _assert_clean(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+
+
+def test_no_profile_explains_how_to_load_one() -> None:
+    at = _app()
+    _assert_clean(at)
+    assert at.text_input(key="profile_path").value == ""
+    for page in PAGES:
+        at.switch_page(page).run()
+        _assert_clean(at)
+        assert any("No profile loaded" in i.value for i in at.info), page
+        assert not _plotly_charts(at)
+
+
+def test_memory_page(profile_path: Path) -> None:
+    at = _app(profile_path)
+    _assert_clean(at)
+    assert at.title[0].value == "Memory timeline"
+    labels = {m.label: m.value for m in at.metric}
+    assert {"Peak device memory", "Peak device chunks", "Device budget", "Peak host memory"} <= set(labels)
+    assert labels["Device budget"].endswith("MiB")
+    assert len(_plotly_charts(at)) == 1
+    assert any("samples shown" in c.value for c in at.caption)
+    assert any(profile_path.name in c.value for c in at.sidebar.caption)
+    # one tier only
+    at.multiselect(key="memory_tiers").set_value(["device"]).run()
+    _assert_clean(at)
+    assert len(_plotly_charts(at)) == 1
+
+
+def test_chunk_locations_page(profile_path: Path) -> None:
+    at = _app(profile_path)
+    at.switch_page("views/chunks.py").run()
+    _assert_clean(at)
+    assert at.title[0].value == "Chunk locations"
+    assert set(at.multiselect(key="chunk_lists").value) == {"param", "master", "exp_avg", "exp_avg_sq"}
+    assert len(_plotly_charts(at)) == 1
+    at.multiselect(key="chunk_lists").set_value(["param"]).run()
+    at.slider(key="chunk_bins").set_value(100).run()
+    _assert_clean(at)
+    assert len(_plotly_charts(at)) == 1
+
+
+def test_operator_movements_page(profile_path: Path) -> None:
+    import chunkstar_profiler
+
+    moves = chunkstar_profiler.load(str(profile_path)).moves
+    at = _app(profile_path)
+    at.switch_page("views/operators.py").run()
+    _assert_clean(at)
+    assert at.title[0].value == "Operator movements"
+    table = at.dataframe[0].value
+    assert table["moves"].sum() == len(moves) > 0
+    assert table["MiB to device"].sum() * 2**20 == pytest.approx(moves.loc[moves["dst"] == "device", "nbytes"].sum())
+    assert {m.label for m in at.metric} >= {"Moves", "To device", "To host", "Move time"}
+    assert at.metric[0].value == f"{len(moves):,}"
+    assert len(_plotly_charts(at)) == 1
+    # filter to evictions in the forward pass
+    at.multiselect(key="ops_reasons").set_value(["eviction"]).run()
+    at.multiselect(key="ops_stages").set_value(["fwd"]).run()
+    _assert_clean(at)
+    want = moves[(moves["reason"] == "eviction") & (moves["stage"] == "fwd")]
+    assert at.metric[0].value == f"{len(want):,}"
+    table = at.dataframe[0].value
+    assert table["moves"].sum() == len(want)
+    assert set(table.columns) >= {"module", "eviction", "access", "move time (ms)"}
+
+
+def test_compare_page(profile_path: Path, other_profile_path: Path) -> None:
+    at = _app(profile_path)
+    at.switch_page("views/compare.py").run()
+    _assert_clean(at)
+    assert any("second profile" in i.value for i in at.info)
+    at.text_input(key="compare_path").input(str(other_profile_path)).run()
+    _assert_clean(at)
+    table = at.dataframe[0].value.set_index("figure")
+    assert table.loc["chunk size (elements)"].tolist()[:3] == [4096, 8192, 4096]
+    assert {"peak device memory (MiB)", "moved to device (MiB)", "moved to host (MiB)", "moves: eviction", "mean step time (ms)"} <= set(table.index)
+    assert len(_plotly_charts(at)) == 3  # step times + both memory timelines
+
+
+def test_bad_file_shows_the_format_error(profile_path: Path, bad_profile_path: Path) -> None:
+    at = _app(bad_profile_path)
+    assert not at.exception
+    assert len(at.error) == 1 and "not a readable chunkstar profile" in at.error[0].value
+    assert not _plotly_charts(at)
+    at.switch_page("views/compare.py").run()
+    assert not at.exception and at.error
+    # a missing file
+    at.text_input(key="profile_path").input(str(bad_profile_path.with_name("missing.csprof"))).run()
+    assert not at.exception and "Cannot open" in at.error[0].value
+    # a bad second profile on the compare page
+    at.text_input(key="profile_path").input(str(profile_path)).run()
+    at.text_input(key="compare_path").input(str(bad_profile_path)).run()
+    assert not at.exception
+    assert len(at.error) == 1 and "not a readable chunkstar profile" in at.error[0].value
+
+
+def test_upload(profile_path: Path) -> None:
+    at = _app()
+    if not hasattr(at, "file_uploader"):
+        pytest.skip("this Streamlit's AppTest cannot drive st.file_uploader")
+    at.file_uploader(key="profile_upload").upload(profile_path.name, profile_path.read_bytes()).run()
+    _assert_clean(at)
+    assert len(_plotly_charts(at)) == 1

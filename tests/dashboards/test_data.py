@@ -1,0 +1,262 @@
+"""Unit tests of the dashboard's pure data shaping (no Streamlit, no profile file)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from chunkstar_dashboard import charts
+from chunkstar_dashboard.data import (
+    OUTSIDE_MOMENTS,
+    MoveFilter,
+    ProfileData,
+    compare_table,
+    downsample_minmax,
+    filter_moves,
+    format_bytes,
+    memory_series,
+    move_totals,
+    moves_by_operator,
+    placement_grid,
+    step_time_comparison,
+    step_times,
+)
+
+MIB = 2**20
+
+
+def _moves(n: int = 200, seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    t0 = np.sort(rng.random(n))
+    dur = rng.random(n) * 1e-3
+    dst = rng.choice(["device", "host"], n)
+    return pd.DataFrame(
+        {
+            "t_start_s": t0, "t_end_s": t0 + dur, "duration_s": dur,
+            "chunk_id": rng.integers(0, 8, n), "chunk_list": rng.choice(["param", "master", "exp_avg"], n),
+            "nbytes": rng.integers(1, 1 << 20, n), "src": np.where(dst == "device", "host", "device"), "dst": dst,
+            "reason": rng.choice(["access", "eviction", "prefetch", "optimizer"], n), "moment_row": rng.integers(-1, 30, n),
+            "module": rng.choice(["", "h.0.attn", "h.0.mlp", "h.1.attn", "lm_head"], n),
+            "stage": rng.choice(["fwd", "bwd", "optim"], n), "iteration": rng.integers(0, 5, n),
+        }
+    )  # fmt: skip
+
+
+def _memory(n: int, tier: str = "device", seed: int = 0) -> pd.DataFrame:
+    rng = np.random.default_rng(seed)
+    chunk = rng.integers(0, 100, n) * MIB
+    non_model = rng.integers(0, 10, n) * MIB
+    return pd.DataFrame(
+        {
+            "t_s": np.arange(n) * 1e-3, "tier": tier, "total_bytes": chunk + non_model, "chunk_bytes": chunk,
+            "non_model_bytes": non_model, "budget_bytes": 128 * MIB, "moment_row": np.arange(n),
+            "module": [f"m{i % 7}" for i in range(n)], "stage": "fwd", "iteration": 0,
+        }
+    )  # fmt: skip
+
+
+def _stages(step_s: list[float]) -> pd.DataFrame:
+    rows, t = [], 0.0
+    for it, total in enumerate(step_s):
+        for stage, share in (("fwd", 0.3), ("bwd", 0.5), ("optim", 0.2)):
+            rows.append({"stage": stage, "iteration": it, "t_start_s": t, "t_end_s": t + share * total})
+            t += share * total
+        t += 0.01  # a gap between iterations is not step time
+    return pd.DataFrame(rows)
+
+
+def _profile(name: str, *, peak_mib: int, moves: pd.DataFrame, step_s: list[float], chunk_size: int = 4096) -> ProfileData:
+    memory = _memory(50)
+    memory.loc[10, ["total_bytes", "chunk_bytes"]] = [peak_mib * MIB, peak_mib * MIB]
+    placements = pd.DataFrame(columns=["chunk_id", "chunk_list", "tier", "t_start_s", "t_end_s"])
+    meta = {"chunk_size": chunk_size, "n_chunks": 8, "budget_bytes": 128 * MIB, "chunk_lists": ["param"]}
+    return ProfileData(name, meta, pd.DataFrame(), moves, memory, _stages(step_s), placements)
+
+
+# --- downsampling ---------------------------------------------------------------
+
+
+def test_downsample_short_frame_is_unchanged() -> None:
+    mem = _memory(100)
+    out = downsample_minmax(mem.sample(frac=1.0, random_state=0), "t_s", ["total_bytes"], 1000)
+    pd.testing.assert_frame_equal(out, mem)
+
+
+@pytest.mark.parametrize("n, max_points", [(10_000, 500), (123_457, 5000), (5001, 5000)])
+def test_downsample_keeps_extremes_and_bounds_size(n: int, max_points: int) -> None:
+    mem = _memory(n)
+    ys = ["total_bytes", "chunk_bytes", "non_model_bytes"]
+    out = downsample_minmax(mem, "t_s", ys, max_points)
+    assert len(out) <= max_points
+    assert out["t_s"].is_monotonic_increasing
+    assert out["t_s"].iloc[0] == mem["t_s"].iloc[0] and out["t_s"].iloc[-1] == mem["t_s"].iloc[-1]
+    for col in ys:
+        assert out[col].max() == mem[col].max() and out[col].min() == mem[col].min()
+    # kept rows are real rows, whole (module and time belong to the kept sample)
+    merged = out.merge(mem, on=list(mem.columns), how="left", indicator=True)
+    assert (merged["_merge"] == "both").all()
+
+
+def test_downsample_keeps_local_peaks_per_bucket() -> None:
+    # a single 1-sample spike in every 1000 samples must survive as a spike
+    n = 100_000
+    mem = _memory(n).assign(total_bytes=0)
+    spikes = np.arange(500, n, 1000)
+    mem.loc[spikes, "total_bytes"] = 7
+    out = downsample_minmax(mem, "t_s", ["total_bytes"], 1000)
+    assert set(spikes * 1e-3).issubset(set(np.round(out.loc[out["total_bytes"] == 7, "t_s"], 9)))
+
+
+def test_memory_series_splits_tiers_and_reports_downsampling() -> None:
+    mem = pd.concat([_memory(20_000, "device"), _memory(30, "host", seed=1)], ignore_index=True)
+    mem.loc[0, "module"] = ""
+    dev, dropped = memory_series(mem, "device", 2000)
+    host, host_dropped = memory_series(mem, "host", 2000)
+    assert dropped and len(dev) <= 2000 and (dev["tier"] == "device").all()
+    assert not host_dropped and len(host) == 30
+    assert dev["module"].iloc[0] == OUTSIDE_MOMENTS
+
+
+# --- per-operator aggregation ---------------------------------------------------
+
+
+def test_moves_by_operator_totals_equal_the_moves_table() -> None:
+    moves = _moves()
+    table = moves_by_operator(moves)
+    to_dev = moves["dst"] == "device"
+    assert table["moves"].sum() == len(moves)
+    assert table["bytes_to_device"].sum() == moves.loc[to_dev, "nbytes"].sum()
+    assert table["bytes_to_host"].sum() == moves.loc[~to_dev, "nbytes"].sum()
+    assert table["to_device"].sum() == to_dev.sum() and table["to_host"].sum() == (~to_dev).sum()
+    assert table["stall_s"].sum() == pytest.approx(moves["duration_s"].sum())
+    for reason, count in moves["reason"].value_counts().items():
+        assert table[reason].sum() == count
+    assert (table[["access", "eviction", "prefetch", "optimizer"]].sum(axis=1) == table["moves"]).all()
+    assert table["module"].is_unique and OUTSIDE_MOMENTS in set(table["module"])
+    assert table["stall_s"].is_monotonic_decreasing
+    # one module checked by hand
+    attn = moves[moves["module"] == "h.0.attn"]
+    row = table.set_index("module").loc["h.0.attn"]
+    assert row["moves"] == len(attn) and row["bytes_to_host"] == attn.loc[attn["dst"] == "host", "nbytes"].sum()
+    totals = move_totals(moves)
+    assert totals["moves"] == len(moves) and totals["bytes_to_device"] == table["bytes_to_device"].sum()
+
+
+def test_moves_by_operator_empty() -> None:
+    table = moves_by_operator(_moves().iloc[:0])
+    assert table.empty and {"module", "moves", "bytes_to_device", "stall_s", "eviction"} <= set(table.columns)
+
+
+def test_filter_moves() -> None:
+    moves = _moves()
+    out = filter_moves(moves, MoveFilter(stages=("fwd",), reasons=("eviction", "access"), chunk_lists=("param",), iterations=(1, 3)))
+    assert len(out) and set(out["stage"]) == {"fwd"} and set(out["reason"]) <= {"eviction", "access"}
+    assert set(out["chunk_list"]) == {"param"} and out["iteration"].between(1, 3).all()
+    expected = moves[
+        (moves["stage"] == "fwd") & moves["reason"].isin(["eviction", "access"]) & (moves["chunk_list"] == "param")
+        & moves["iteration"].between(1, 3)
+    ]  # fmt: skip
+    pd.testing.assert_frame_equal(out, expected)
+    assert len(filter_moves(moves, MoveFilter())) == len(moves)
+    assert filter_moves(moves, MoveFilter(reasons=())).empty
+
+
+# --- chunk location map ---------------------------------------------------------
+
+
+def test_placement_grid_fractions() -> None:
+    placements = pd.DataFrame(
+        [
+            # param 0: host for [0, 1), device [1, 3), host [3, 4)
+            (0, "param", "host", 0.0, 1.0), (0, "param", "device", 1.0, 3.0), (0, "param", "host", 3.0, 4.0),
+            # master 0: host for the whole run
+            (0, "master", "host", 0.0, 4.0),
+            # param 1: allocated on the device at 2.5 only
+            (1, "param", "device", 2.5, 4.0),
+        ],
+        columns=["chunk_id", "chunk_list", "tier", "t_start_s", "t_end_s"],
+    )  # fmt: skip
+    grid = placement_grid(placements, ["param", "master"], n_bins=4)
+    assert grid.chunk_lists == ["param", "param", "master"] and grid.chunk_ids == [0, 1, 0]
+    np.testing.assert_allclose(grid.edges, [0, 1, 2, 3, 4])
+    np.testing.assert_allclose(grid.device, [[0, 1, 1, 0], [0, 0, 0.5, 1], [0, 0, 0, 0]])
+    np.testing.assert_allclose(grid.host, [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
+    share = grid.device_share()
+    assert np.isnan(share[1, 0]) and share[1, 2] == 1.0 and share[2, 1] == 0.0
+    # a coarser grid: each bin's device time is the integral of the intervals
+    coarse = placement_grid(placements, ["param", "master"], n_bins=2)
+    np.testing.assert_allclose(coarse.device[0], [0.5, 0.5])
+    np.testing.assert_allclose(coarse.device[1], [0.0, 0.75])
+    fig = charts.chunk_map(grid)
+    assert [t.type for t in fig.data] == ["heatmap", "heatmap"]
+
+
+# --- comparison -----------------------------------------------------------------
+
+
+def test_step_times_span_fwd_to_optim() -> None:
+    steps = step_times(_stages([1.0, 2.0, 0.5]))
+    np.testing.assert_allclose(steps.to_numpy(), [1.0, 2.0, 0.5])
+    assert list(steps.index) == [0, 1, 2]
+
+
+def test_compare_table_deltas() -> None:
+    moves = _moves()
+    a = _profile("a", peak_mib=200, moves=moves, step_s=[1.0, 1.0])
+    b = _profile("b", peak_mib=150, moves=moves.iloc[:50], step_s=[0.5, 0.7, 0.9], chunk_size=8192)
+    table = compare_table(a, b).set_index("figure")
+    np.testing.assert_allclose(table["delta"], table["B"] - table["A"], equal_nan=True)
+    assert table.loc["peak device memory (MiB)", "A"] == 200 and table.loc["peak device memory (MiB)", "B"] == 150
+    assert table.loc["peak device memory (MiB)", "delta_pct"] == pytest.approx(-25.0)
+    assert table.loc["chunk size (elements)", "delta"] == 4096
+    assert table.loc["moves", "A"] == len(moves) and table.loc["moves", "B"] == 50
+    bytes_to_dev = moves.loc[moves["dst"] == "device", "nbytes"]
+    assert table.loc["moved to device (MiB)", "A"] == pytest.approx(bytes_to_dev.sum() / MIB)
+    for reason in ("access", "eviction", "prefetch", "optimizer"):
+        assert table.loc[f"moves: {reason}", "A"] == (moves["reason"] == reason).sum()
+    assert table.loc["mean step time (ms)", "A"] == pytest.approx(1000.0)
+    assert table.loc["mean step time (ms)", "B"] == pytest.approx(700.0)
+    assert table.loc["mean step time (ms)", "delta_pct"] == pytest.approx(-30.0)
+    steps = step_time_comparison(a, b)
+    assert list(steps["iteration"]) == [0, 1, 2]
+    np.testing.assert_allclose(steps["delta"].iloc[:2], [-500.0, -300.0])
+    assert np.isnan(steps["A"].iloc[2]) and steps["B"].iloc[2] == pytest.approx(900.0)
+
+
+def test_memory_timeline_figure() -> None:
+    p = _profile("a", peak_mib=200, moves=_moves(), step_s=[0.01, 0.02])
+    p = ProfileData(p.name, p.meta, p.moments, p.moves, pd.concat([_memory(12_000), _memory(40, "host")]), p.stages, p.placements)
+    fig, downsampled = charts.memory_timeline(p, max_points=1000)
+    assert downsampled
+    names = {t.name for t in fig.data}
+    assert {"total", "chunks", "non-model", "budget", "fwd", "bwd", "optim"} <= names
+    totals = [t for t in fig.data if t.name == "total"]
+    assert len(totals) == 2 and len(totals[0].x) <= 1000
+    assert "module" in totals[0].hovertemplate and totals[0].customdata[0][0].startswith("m")
+    assert max(totals[0].y) == pytest.approx(p.memory.loc[p.memory["tier"] == "device", "total_bytes"].max() / MIB)
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(1023) == "1,023 B"
+    assert format_bytes(2071142) == "1.98 MiB"
+    assert format_bytes(14.1 * MIB) == "14.1 MiB"
+    assert format_bytes(3 * 2**30) == "3 GiB"
+    assert format_bytes(5000 * 2**30) == "5,000 GiB"
+
+
+@pytest.mark.parametrize("budget_mib, on_scale", [(0, None), (120, True), (10_000, False)])
+def test_memory_timeline_budget_line(budget_mib: int, on_scale: bool | None) -> None:
+    p = _profile("a", peak_mib=100, moves=_moves(), step_s=[0.01])
+    memory = p.memory.assign(budget_bytes=budget_mib * MIB)
+    fig, downsampled = charts.memory_timeline(ProfileData("a", p.meta, p.moments, p.moves, memory, p.stages.iloc[:0], p.placements))
+    assert not downsampled
+    budget = [t for t in fig.data if t.name and t.name.startswith("budget")]
+    if on_scale is None:
+        assert not budget
+        return
+    assert len(budget) == 1 and budget[0].y[0] == budget_mib
+    y_top = fig.layout.yaxis.range[1]
+    assert (y_top >= budget_mib) == on_scale and y_top >= 100
+    assert ("off scale" in budget[0].name) != on_scale
