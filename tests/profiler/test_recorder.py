@@ -77,3 +77,30 @@ def test_a_profiler_records_once(recorded: dict[str, Any]) -> None:
         recorded["prof"].start()
     with pytest.raises(TypeError, match="chunkstar engine"):
         chunkstar_profiler.Profiler(object())  # type: ignore[arg-type]
+
+
+def test_device_memory_stays_within_the_budget_from_the_first_step() -> None:
+    """Chunks plus measured non-model memory stay under the budget at every sample,
+    warm-up included, even though the loop keeps the previous step's output (and its
+    logits) alive through the next forward, which the first step cannot see."""
+    import torch
+
+    import chunkstar
+    from tests.core._models import CASES, DTYPES, engine_config, eviction_budget, gpt2_batch
+
+    case = CASES["gpt2"]
+    budget = eviction_budget(case.build(), DTYPES["bf16"])
+    engine, optimizer = chunkstar.initialize_engine(case.build, 0, engine_config("bf16", budget=budget))
+    out = None
+    with chunkstar_profiler.Profiler(engine) as prof:
+        for i in range(5):
+            batch = gpt2_batch(i)
+            out = engine(**batch)  # the previous `out` lives until this returns
+            engine.backward(out.loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert out is not None and torch.isfinite(out.loss)
+    dev = prof.profile().memory.query("tier == 'device'")
+    assert engine.stats()["chunk_moves_to_host"] > 0
+    over = dev[dev["total_bytes"] > budget]
+    assert over.empty, over[["t_s", "chunk_bytes", "non_model_bytes", "module", "iteration"]].to_string()

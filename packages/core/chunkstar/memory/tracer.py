@@ -2,10 +2,13 @@
 non-model memory the device held.
 
 A *moment* is one module pre-hook (forward or backward) within a micro-step.
-During the first micro-step the runtime appends one :class:`MomentRecord` per
-moment; :meth:`MemoryTrace.freeze` then turns the records into the schedule the
-policies read: the chunk budget of each moment and the next use of each chunk.
-Micro-steps repeat, so "next use" wraps around into the next micro-step.
+The warm-up spans the first two training micro-steps: the first alone would
+miss what user code keeps alive *across* iterations (the previous step's
+outputs and logits, say, which live on during the next forward), so each
+moment keeps the larger peak of the two passes. :meth:`MemoryTrace.freeze` then
+turns the records into the schedule the policies read: the chunk budget of
+each moment and the next use of each chunk. Micro-steps repeat, so "next use"
+wraps around into the next micro-step.
 """
 
 from __future__ import annotations
@@ -30,11 +33,21 @@ class MomentRecord:
 class MemoryTrace:
     records: list[MomentRecord] = field(default_factory=list)
     frozen: bool = False
+    passes: int = 0
+    """Completed warm-up micro-steps merged into the records."""
     _uses: dict[int, list[int]] = field(default_factory=dict)
 
-    def record(self, rec: MomentRecord) -> None:
+    def record(self, index: int, rec: MomentRecord) -> None:
+        """Moment ``index`` of the running pass. A later pass merges into the first
+        pass's record of the same index (keeping the larger peak, see
+        :meth:`set_peak`); moments beyond the first pass's are appended."""
         assert not self.frozen, "the trace is frozen after warm-up"
+        if index < len(self.records) and self.passes > 0:
+            return
         self.records.append(rec)
+
+    def end_pass(self) -> None:
+        self.passes += 1
 
     def set_peak(self, index: int, peak: int) -> None:
         if 0 <= index < len(self.records):

@@ -154,8 +154,18 @@ class ChunkManager:
             self.touch(k)
 
     def make_room(self, need: int, protect: set[Key], where: str, required: Iterable[Key] = ()) -> None:
+        """Evict until ``need`` more bytes fit this moment's chunk budget.
+
+        During warm-up (no frozen trace yet) the budget only knows the non-model
+        memory *now*, not what the module is about to allocate, so the device
+        keeps nothing but what the moment needs: every other movable chunk goes.
+        That costs moves in the first micro-steps only and leaves the activations
+        all the room there is.
+        """
         budget = self.chunk_budget()
-        excess = self.device_chunk_bytes + need - budget
+        warmup = not self.trace.frozen and self.stage in (Stage.FWD, Stage.BWD)
+        target = 0 if warmup else budget
+        excess = self.device_chunk_bytes + need - target
         if excess <= 0:
             return
         candidates = []
@@ -169,11 +179,14 @@ class ChunkManager:
                 candidates.append(ResidentChunk(key, c.nbytes, self._next_use(key), self._last_use.get(key, 0)))
         victims = choose_evictions(candidates, excess, self.policy.value)
         if victims is None:
-            req = set(required) | {(PARAM, i) for i in range(self.layout.n_chunks) if self.pinned(i)}
-            needed = sum(self.chunks[n][i].nbytes for n, i in req)
-            raise DeviceMemoryError(
-                device=str(self.device), needed=max(needed, need), free=max(budget, 0), budget=self.capacity, where=where
-            )
+            freed = sum(c.nbytes for c in candidates)
+            if self.device_chunk_bytes - freed + need > budget:
+                req = set(required) | {(PARAM, i) for i in range(self.layout.n_chunks) if self.pinned(i)}
+                needed = sum(self.chunks[n][i].nbytes for n, i in req)
+                raise DeviceMemoryError(
+                    device=str(self.device), needed=max(needed, need), free=max(budget, 0), budget=self.capacity, where=where
+                )
+            victims = [c.key for c in candidates]
         for v in victims:
             assert isinstance(v, tuple)
             self.move(v, Tier.HOST, MoveReason.EVICTION)

@@ -9,9 +9,9 @@ persistent device tensor, Note [persistent device storage] in
   resident within that moment's budget and its tensors go to COMPUTE;
 * a gradient hook folds the finished gradient into the parameter's own slot
   (or, while accumulating over micro-batches, into an fp32 host accumulator);
-* the first training micro-step is the warm-up: the memory probe measures
-  non-model memory per moment, and at its end the trace is frozen and the
-  hybrid-Adam placement is planned.
+* the first two training micro-steps are the warm-up: the memory probe
+  measures non-model memory per moment (budgets use the live figure meanwhile),
+  and at its end the trace is frozen and the hybrid-Adam placement is planned.
 
 The orchestration lives here; moving bytes is :class:`ChunkManager`'s job and
 choosing is the policies'.
@@ -40,6 +40,7 @@ from chunkstar.runtime.chunk_manager import MASTER, PARAM, STATE_LISTS, ChunkMan
 __all__ = ["ChunkEngine"]
 
 _WARMUP = "warm-up"  # the engine's name as a holder of the memory probe
+WARMUP_PASSES = 2  # training micro-steps traced before the schedule is frozen (see memory/tracer.py)
 
 
 def _device_capacity(cfg: EngineConfig) -> int:
@@ -101,6 +102,7 @@ class ChunkEngine:
         self._accumulators: dict[int, torch.Tensor] = {}  # chunk id -> 1-D fp32 host, grads of earlier micro-batches
         self._accumulated: set[int] = set()  # slot indices with something in an accumulator
         self._boundary = False  # the running backward is the last micro-batch before a step
+        self._pass_open = False  # a warm-up pass began (forward) and has not ended (backward)
         self._handles = install_hooks(model, self._index, self)
 
     # ------------------------------------------------------------------ model API
@@ -110,9 +112,12 @@ class ChunkEngine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         training = torch.is_grad_enabled()
         if training and not self.mgr.trace.frozen:
-            # warm-up: trace this forward and its backward; a forward that was never
-            # followed by a backward leaves a partial trace, which is dropped
-            self.mgr.trace = MemoryTrace()
+            # warm-up (the first WARMUP_PASSES training micro-steps): trace this forward
+            # and its backward. A forward never followed by a backward leaves a partial
+            # pass behind, so a new pass restarts from the completed ones.
+            if self._pass_open:
+                self.mgr.trace = MemoryTrace()
+            self._pass_open = True
             self.mgr.probe.acquire(_WARMUP)
         self._set_stage(Stage.FWD)
         self.mgr.moment = -1
@@ -184,7 +189,7 @@ class ChunkEngine:
         mgr.module = module
         if mgr.probe.held_by(_WARMUP):
             mgr.trace.set_peak(mgr.moment - 1, mgr.probe.take_peak(mgr.device_chunk_bytes))
-            mgr.trace.record(MomentRecord(module, mgr.stage.value, chunk_ids))
+            mgr.trace.record(mgr.moment, MomentRecord(module, mgr.stage.value, chunk_ids))
         if self.events.active:
             self.events.emit(MomentBegin(mgr.moment, module, mgr.stage, time.perf_counter_ns()))
 
@@ -283,8 +288,11 @@ class ChunkEngine:
         if mgr.probe.held_by(_WARMUP):
             mgr.trace.set_peak(mgr.moment, mgr.probe.take_peak(mgr.device_chunk_bytes))
             mgr.probe.release(_WARMUP)
-            mgr.trace.freeze()
-            self._plan_adam()
+            mgr.trace.end_pass()
+            self._pass_open = False
+            if mgr.trace.passes >= WARMUP_PASSES:
+                mgr.trace.freeze()
+                self._plan_adam()
         self.micro_step += 1
         self._since_step += 1
         self._set_stage(Stage.IDLE)
@@ -299,6 +307,7 @@ class ChunkEngine:
         mgr.probe.release(_WARMUP)
         if not mgr.trace.frozen:
             mgr.trace = MemoryTrace()
+            self._pass_open = False
         with torch.no_grad():
             self.drop_pending_grads()
             for s in mgr.slots:
