@@ -140,3 +140,11 @@ def test_save_is_atomic_and_overwrites(recorded: dict[str, Any], tmp_path: Path)
     recorded["prof"].save(target)
     assert not (tmp_path / "sub" / "again.csprof.tmp").exists()
     assert len(chunkstar_profiler.load(str(target)).moves) == len(chunkstar_profiler.load(str(recorded["path"])).moves)
+
+
+def test_load_from_bytes(recorded: dict[str, Any]) -> None:
+    data = Path(recorded["path"]).read_bytes()
+    p = chunkstar_profiler.load(data, name="upload.csprof")
+    assert len(p.moves) == len(chunkstar_profiler.load(str(recorded["path"])).moves)
+    with pytest.raises(ProfileFormatError, match="upload.csprof: the file is truncated"):
+        chunkstar_profiler.load(data[: len(data) // 2], name="upload.csprof")

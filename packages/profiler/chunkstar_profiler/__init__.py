@@ -15,6 +15,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from chunkstar_profiler.chrome import export_chrome_trace
@@ -46,6 +47,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'chunkstar_profiler' has no attribute {name!r}")
 
 
-def load(path: str) -> Profile:
-    """Load a profile file written by :meth:`Profiler.save`."""
-    return read_profile(path)
+def load(source: str | os.PathLike[str] | bytes, name: str | None = None) -> Profile:
+    """Load a profile written by :meth:`Profiler.save`, from its path or its bytes."""
+    return read_profile(source, name)

@@ -104,16 +104,23 @@ def write_profile(path: str | os.PathLike[str], columns: Mapping[str, Mapping[st
     return path
 
 
-def read_profile(path: str | os.PathLike[str]) -> Profile:
-    """Load a profile file; raises :class:`ProfileFormatError` for anything unreadable."""
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no profile at {path!r}")
-    try:
-        zf = zipfile.ZipFile(path)
-    except zipfile.BadZipFile:
+def read_profile(source: str | os.PathLike[str] | bytes, name: str | None = None) -> Profile:
+    """Load a profile from a path (or from the file's bytes, e.g. an upload; ``name``
+    then labels it in messages). Raises :class:`ProfileFormatError` for anything unreadable."""
+    if isinstance(source, (bytes, bytearray)):
+        path = name or "<bytes>"
+        data: str | io.BytesIO = io.BytesIO(bytes(source))
+        head = bytes(source[:4])
+    else:
+        path = os.fspath(source)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no profile at {path!r}")
+        data = path
         with open(path, "rb") as f:
             head = f.read(4)
+    try:
+        zf = zipfile.ZipFile(data)
+    except zipfile.BadZipFile:
         if head.startswith(b"PK"):
             raise ProfileFormatError(f"{path}: the file is truncated or damaged (its ZIP directory cannot be read)") from None
         raise ProfileFormatError(
@@ -150,7 +157,7 @@ def read_profile(path: str | os.PathLike[str]) -> Profile:
             raise ProfileFormatError(f"{path}: the file is corrupt ({type(e).__name__}: {e})") from None
     meta = dict(manifest.get("meta") or {})
     meta.update(format=FORMAT_NAME, version=version, writer=manifest.get("writer"), created_unix=manifest.get("created_unix"))
-    return build_profile(columns, meta, source=path)
+    return build_profile(columns, meta, source=path if not isinstance(source, (bytes, bytearray)) else name)
 
 
 def _read_columns(zf: zipfile.ZipFile, manifest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
