@@ -141,6 +141,21 @@ class Chunk:
             self._host_buf = host
             self.location = ChunkLocation.HOST
 
+    def materialize_on_device(self) -> torch.Tensor:
+        """Give a released (remote) chunk its device bytes, uninitialised; the caller
+        fills them (an all-gather). Returns the device tensor."""
+        check_location_transition(repr(self), self.location, ChunkLocation.DEVICE)
+        self._grow_device()
+        self.location = ChunkLocation.DEVICE
+        return self._device_buf
+
+    def release(self) -> None:
+        """Drop the device copy without keeping it anywhere (a remote chunk after use)."""
+        check_location_transition(repr(self), self.location, ChunkLocation.RELEASED)
+        self.wait_ready()
+        self._device_buf.untyped_storage().resize_(0)
+        self.location = ChunkLocation.RELEASED
+
     def wait_ready(self) -> None:
         """Order the compute stream after a pending prefetch copy of this chunk."""
         if self._ready is not None:

@@ -92,6 +92,17 @@ def _pack(numels: Sequence[int], chunk_size: int) -> tuple[list[int], list[tuple
     return sizes, places
 
 
+def _group_sizes(sizes: list[int], chunk_size: int, world_size: int) -> list[int]:
+    """Pad to whole communication groups so every rank owns the same number of chunks,
+    and give the chunks of a group one size: collectives move equal-sized buffers."""
+    sizes = sizes + [chunk_size] * ((-len(sizes)) % world_size)
+    if world_size > 1:
+        for g in range(0, len(sizes), world_size):
+            top = max(sizes[g : g + world_size])
+            sizes[g : g + world_size] = [top] * world_size
+    return sizes
+
+
 def packing_waste(numels: Sequence[int], chunk_size: int) -> int:
     """Unused elements when ``numels`` are packed in order into chunks of ``chunk_size``."""
     sizes, _ = _pack(numels, chunk_size)
@@ -106,8 +117,8 @@ def search_chunk_size(numels: Sequence[int], *, world_size: int = 1, align: int 
     working set is a few chunks, not the whole model. ``candidates`` sizes,
     multiples of ``align``, are tried by packing the parameters in order;
     ties go to the larger size (fewer chunks, fewer moves). With several
-    ranks, the empty chunks that round the count up to whole groups count as
-    waste.
+    ranks, the padding that rounds the count up to whole groups and evens out
+    the sizes within a group counts as waste.
     """
     total = sum(numels)
     if total == 0:
@@ -117,9 +128,8 @@ def search_chunk_size(numels: Sequence[int], *, world_size: int = 1, align: int 
     best_size, best_waste = lo, None
     for i in range(candidates + 1):
         size = max(align, (lo + (hi - lo) * i // candidates) // align * align)
-        sizes, _ = _pack(numels, size)
-        pad_chunks = (-len(sizes)) % world_size
-        waste = sum(sizes) - total + pad_chunks * size
+        sizes = _group_sizes(_pack(numels, size)[0], size, world_size)
+        waste = sum(sizes) - total
         if best_waste is None or waste <= best_waste:
             best_size, best_waste = size, waste
     return best_size
@@ -133,8 +143,7 @@ def build_layout(
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     numels = [math.prod(s) for s in shapes]
     sizes, places = _pack(numels, chunk_size)
-    # pad to whole communication groups so every rank owns the same number of chunks
-    sizes += [chunk_size] * ((-len(sizes)) % world_size)
+    sizes = _group_sizes(sizes, chunk_size, world_size)
     slots = tuple(
         TensorSlot(index=i, name=names[i], chunk_id=c, offset=o, numel=numels[i], shape=tuple(shapes[i]))
         for i, (c, o) in enumerate(places)

@@ -30,7 +30,8 @@ class TensorState(enum.Enum):
 
 class ChunkLocation(enum.Enum):
     RELEASED = "released"
-    """No payload anywhere (only before first placement)."""
+    """No payload anywhere: before first placement, or a remote chunk (owned by another
+    rank) between uses."""
     HOST = "host"
     """The payload is a host-memory buffer; the device storage is resized to 0 bytes."""
     DEVICE = "device"
@@ -51,7 +52,7 @@ _L = ChunkLocation
 _LOCATION_EDGES: dict[ChunkLocation, frozenset[ChunkLocation]] = {
     _L.RELEASED: frozenset({_L.HOST, _L.DEVICE}),
     _L.HOST: frozenset({_L.DEVICE}),
-    _L.DEVICE: frozenset({_L.HOST}),
+    _L.DEVICE: frozenset({_L.HOST, _L.RELEASED}),  # RELEASED: a gathered remote copy is dropped
 }
 
 

@@ -91,11 +91,12 @@ class ChunkAdam(torch.optim.Optimizer):
         eng = self._engine
         mgr = eng.mgr
         scaler = eng.scaler
+        comm = eng.comm
         grad_slots: dict[int, list[TensorSlot]] = {}
         for s in mgr.slots:
-            if mgr.states[s.index] is TensorState.HOLD_AFTER_BWD:
+            if mgr.states[s.index] is TensorState.HOLD_AFTER_BWD:  # only own chunks hold gradients
                 grad_slots.setdefault(s.chunk_id, []).append(s)
-        if not grad_slots:
+        if not grad_slots and not comm.distributed:
             return
 
         # pass 1: place, then norm of every contiguous gradient range
@@ -105,7 +106,12 @@ class ChunkAdam(torch.optim.Optimizer):
             g = mgr.chunks[PARAM][cid].payload
             for _, a, b in _runs(slots, lambda s: 0):
                 norms.append(torch.linalg.vector_norm(g[a:b], dtype=torch.float32).to("cpu"))
-        total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+        if comm.distributed:
+            # every rank joins, even one without gradients (Note [collective schedule])
+            sq = torch.stack(norms).square().sum() if norms else torch.zeros(())
+            total = comm.all_reduce_sum(sq.reshape(1), what="the gradient norm").sqrt()[0]
+        else:
+            total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
         total_f = float(total)
         overflow = not torch.isfinite(total).item()
         if overflow:
@@ -170,8 +176,8 @@ class ChunkAdam(torch.optim.Optimizer):
         mgr = self._engine.mgr
         state: dict[int, dict[str, torch.Tensor]] = {}
         for s in mgr.slots:
-            if self._steps[s.index] == 0:
-                continue
+            if self._steps[s.index] == 0 or not mgr.own(s.chunk_id):
+                continue  # with several processes each rank saves the state of its own chunks
             m = mgr.chunks[EXP_AVG][s.chunk_id].payload[s.offset : s.end]
             v = mgr.chunks[EXP_AVG_SQ][s.chunk_id].payload[s.offset : s.end]
             state[s.index] = {
@@ -210,6 +216,8 @@ class ChunkAdam(torch.optim.Optimizer):
         with torch.no_grad():
             self._steps = [0] * len(mgr.slots)
             for s in mgr.slots:
+                if not mgr.own(s.chunk_id):
+                    continue
                 st = state_dict["state"].get(s.index)
                 m = mgr.chunks[EXP_AVG][s.chunk_id].payload[s.offset : s.end]
                 v = mgr.chunks[EXP_AVG_SQ][s.chunk_id].payload[s.offset : s.end]

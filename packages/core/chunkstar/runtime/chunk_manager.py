@@ -24,6 +24,7 @@ from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.layout import ChunkLayout, TensorSlot
 from chunkstar.chunk.state import ChunkLocation, TensorState, check_tensor_transition
 from chunkstar.config import EvictionPolicyName
+from chunkstar.distributed.comm import Comm
 from chunkstar.errors import DeviceMemoryError
 from chunkstar.events import ChunkAllocated, ChunkFreed, ChunkMoved, EventBus, MemorySample, MoveReason, Stage, Tier
 from chunkstar.memory.probes import MemoryProbe
@@ -49,8 +50,10 @@ class ChunkManager:
         policy: EvictionPolicyName,
         probe: MemoryProbe,
         events: EventBus,
+        comm: Comm | None = None,
     ) -> None:
         self.layout = layout
+        self.comm = comm or Comm()
         self.device = device
         self.capacity = capacity
         self.policy = policy
@@ -74,6 +77,7 @@ class ChunkManager:
         # CUDA: prefetch copies run here, overlapping the compute stream's kernels
         self.copy_stream: torch.cuda.Stream | None = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.trace = MemoryTrace()
+        self.warming_up = False  # a warm-up pass is being traced (set by the engine)
         self.stage = Stage.IDLE
         self.moment = -1
         self.module = ""
@@ -88,6 +92,9 @@ class ChunkManager:
         self.bytes_to_device = 0
         self.bytes_to_host = 0
         self.moves_by_reason: dict[str, int] = {r.value: 0 for r in MoveReason}
+        self.gathers = 0  # all-gathers of a chunk group (several processes only)
+        self.gathered_groups: set[int] = set()  # first chunk ids of groups whose remote copies are here
+        self.bytes_gathered = 0  # remote bytes received by them
 
     # ------------------------------------------------------------------ states
     def set_state(self, index: int, new: TensorState) -> None:
@@ -109,10 +116,18 @@ class ChunkManager:
         return self._slots_by_chunk[chunk_id]
 
     # ------------------------------------------------------------------ placement
+    def own(self, chunk_id: int) -> bool:
+        """Whether this rank owns the chunk (always, in a single process)."""
+        return self.layout.owner(chunk_id) == self.comm.rank
+
     def allocate_all_on_host(self) -> None:
+        """Own chunks of every list start on the host; other ranks' chunks have no
+        payload here (param chunks are gathered when used, state chunks never exist)."""
         with self.probe.paused():
             for name in CHUNK_LISTS:
                 for c in self.chunks[name]:
+                    if not self.own(c.chunk_id):
+                        continue
                     c.allocate(Tier.HOST)
                     self.host_chunk_bytes += c.nbytes
                     if self.events.active:
@@ -142,29 +157,86 @@ class ChunkManager:
             return self.trace.next_use(key[1], -1)
         return self.trace.next_use(key[1], self.moment)
 
-    def make_resident(self, keys: Sequence[Key], reason: MoveReason, where: str) -> None:
-        """Bring ``keys`` to the device, evicting others as the policy says."""
-        missing = [k for k in keys if not self.resident(k)]
+    def make_resident(self, keys: Sequence[Key], reason: MoveReason, where: str, *, gather_groups: bool = False) -> None:
+        """Bring ``keys`` to the device, evicting others as the policy says.
+
+        With ``gather_groups`` (a module's access, on every rank alike) the groups of
+        the param chunks are all-gathered unless already gathered. A group's gathered
+        state is the same on every rank (Note [collective schedule] in
+        runtime/engine.py), so the ranks agree on which groups to gather, even the
+        rank that owns the very chunk a module needs. Without it only this rank's
+        own chunks move (the optimizer's placement)."""
+        gather = []
+        if gather_groups and self.comm.distributed:
+            gather = sorted({self.layout.group(i).start for n, i in keys if n == PARAM} - self.gathered_groups)
+        want = list(keys)
+        for g in gather:
+            want += [(PARAM, k) for k in self.layout.group(g) if (PARAM, k) not in want]
+        missing = [k for k in want if not self.resident(k)]
         need = sum(self.chunks[n][i].nbytes for n, i in missing)
-        self.make_room(need, protect=set(keys), where=where, required=keys)
+        self.make_room(need, protect=set(want), where=where, required=want)
         for k in missing:
-            self.move(k, Tier.DEVICE, reason)
-        for k in keys:
+            if self.own(k[1]):
+                self.move(k, Tier.DEVICE, reason)
+        for g in gather:
+            self._gather(g)
+        for k in want:
             self.chunks[k[0]][k[1]].wait_ready()
             self.touch(k)
+
+    def _gather(self, start: int) -> None:
+        """All-gather the param chunks of the group starting at ``start`` (own chunk resident)."""
+        group = list(self.layout.group(start))
+        own = self.chunks[PARAM][group[self.comm.rank]]
+        outputs = []
+        t0 = time.perf_counter_ns()
+        with self.probe.paused(), torch.profiler.record_function("chunkstar::all_gather"):
+            for k in group:
+                c = self.chunks[PARAM][k]
+                if k == own.chunk_id:
+                    outputs.append(torch.empty_like(own.device_view))  # no aliasing of input and output
+                else:
+                    outputs.append(c.materialize_on_device())
+                    self.device_chunk_bytes += c.nbytes
+                    self.bytes_gathered += c.nbytes
+            self.device_chunk_bytes_peak = max(self.device_chunk_bytes_peak, self.device_chunk_bytes)
+            self.comm.all_gather_group(outputs, own.device_view, what=f"param chunks {group[0]}..{group[-1]}")
+        self.gathers += 1
+        self.gathered_groups.add(start)
+        if self.events.active:
+            t1 = time.perf_counter_ns()
+            for k in group:
+                if k != own.chunk_id:
+                    self.events.emit(ChunkAllocated(k, PARAM, Tier.DEVICE, self.chunks[PARAM][k].nbytes, t0))
+                    self.events.emit(ChunkMoved(k, PARAM, self.chunks[PARAM][k].nbytes, Tier.HOST, Tier.DEVICE,
+                                                MoveReason.ACCESS, self.moment, self.module, t0, t1))  # fmt: skip
+
+    def release_group(self, start: int) -> None:
+        """Drop this rank's copies of the other ranks' param chunks of a gathered group."""
+        if start not in self.gathered_groups:
+            return
+        self.gathered_groups.discard(start)
+        for k in self.layout.group(start):
+            c = self.chunks[PARAM][k]
+            if self.own(k) or c.location is not ChunkLocation.DEVICE:
+                continue
+            with self.probe.paused():
+                c.release()
+            self.device_chunk_bytes -= c.nbytes
+            if self.events.active:
+                self.events.emit(ChunkFreed(k, PARAM, Tier.DEVICE, c.nbytes, time.perf_counter_ns()))
 
     def make_room(self, need: int, protect: set[Key], where: str, required: Iterable[Key] = ()) -> None:
         """Evict until ``need`` more bytes fit this moment's chunk budget.
 
-        During warm-up (no frozen trace yet) the budget only knows the non-model
+        During a warm-up pass (no frozen trace yet) the budget only knows the non-model
         memory *now*, not what the module is about to allocate, so the device
         keeps nothing but what the moment needs: every other movable chunk goes.
         That costs moves in the first micro-steps only and leaves the activations
         all the room there is.
         """
         budget = self.chunk_budget()
-        warmup = not self.trace.frozen and self.stage in (Stage.FWD, Stage.BWD)
-        target = 0 if warmup else budget
+        target = 0 if self.warming_up and self.stage in (Stage.FWD, Stage.BWD) else budget
         excess = self.device_chunk_bytes + need - target
         if excess <= 0:
             return
@@ -174,8 +246,8 @@ class ChunkManager:
                 key = (name, c.chunk_id)
                 if c.location is not ChunkLocation.DEVICE or key in protect:
                     continue
-                if name == PARAM and self.pinned(c.chunk_id):
-                    continue
+                if name == PARAM and (self.pinned(c.chunk_id) or not self.own(c.chunk_id)):
+                    continue  # in use, or a gathered remote copy (freed on a schedule all ranks share)
                 candidates.append(ResidentChunk(key, c.nbytes, self._next_use(key), self._last_use.get(key, 0)))
         victims = choose_evictions(candidates, excess, self.policy.value)
         if victims is None:
@@ -243,7 +315,12 @@ class ChunkManager:
         self.events.emit(MemorySample(Tier.HOST, host, host, 0, 0, self.moment, time.perf_counter_ns()))
 
     def model_data_bytes(self) -> int:
-        return sum(c.nbytes for lst in self.chunks.values() for c in lst)
+        """Param chunks (all: each is gathered when used) plus this rank's state chunks."""
+        return self.bytes_of(PARAM) + self.state_bytes()
+
+    def state_bytes(self) -> int:
+        """fp32 master + Adam moments this rank keeps (1/world_size of them)."""
+        return sum(c.nbytes for name in STATE_LISTS for c in self.chunks[name] if self.own(c.chunk_id))
 
     def bytes_of(self, list_name: str, chunk_ids: Iterable[int] | None = None) -> int:
         ids = range(self.layout.n_chunks) if chunk_ids is None else chunk_ids

@@ -29,7 +29,8 @@ from torch import nn
 from chunkstar.chunk.layout import TensorSlot, build_layout, search_chunk_size
 from chunkstar.chunk.state import TensorState
 from chunkstar.config import EngineConfig, Precision
-from chunkstar.errors import ChunkStateError
+from chunkstar.distributed.comm import Comm
+from chunkstar.errors import ChunkStateError, ConfigError
 from chunkstar.events import EventBus, MomentBegin, MomentEnd, MoveReason, Stage, StageChanged, Tier
 from chunkstar.hooks.module_hooks import install_hooks
 from chunkstar.memory.probes import MemoryProbe, make_probe
@@ -66,22 +67,33 @@ class ChunkEngine:
             raise ValueError("the model has no parameters: there is nothing for chunkstar to manage")
         self._params: list[nn.Parameter] = [p for _, p in named]
         self._index: dict[int, int] = {id(p): i for i, p in enumerate(self._params)}
+        self.comm = Comm.from_environment()
+        world = self.comm.world_size
+        if world > 1 and cfg.gradient_accumulation_steps > 1:
+            raise ConfigError(
+                "gradient_accumulation_steps",
+                f"gradient accumulation is not supported yet with several processes (world size {world}); "
+                "raise the per-rank batch instead",
+            )
         numels = [p.numel() for p in self._params]
-        chunk_size = cfg.chunk_size or search_chunk_size(numels)
-        layout = build_layout([n for n, _ in named], [tuple(p.shape) for p in self._params], chunk_size)
+        chunk_size = cfg.chunk_size or search_chunk_size(numels, world_size=world)
+        layout = build_layout([n for n, _ in named], [tuple(p.shape) for p in self._params], chunk_size, world_size=world)
         self.chunk_size = chunk_size
         self.mgr = ChunkManager(
-            layout, dtype, cfg.device, _device_capacity(cfg), cfg.eviction_policy, make_probe(cfg.device), self.events
-        )
+            layout, dtype, cfg.device, _device_capacity(cfg), cfg.eviction_policy, make_probe(cfg.device), self.events,
+            self.comm,
+        )  # fmt: skip
         self.mgr.allocate_all_on_host()
         with torch.no_grad():
             for s, p in zip(layout.slots, self._params):
                 src = p.detach().reshape(-1)
                 if not src.is_floating_point():
                     raise TypeError(f"parameter '{s.name}' has dtype {p.dtype}; chunkstar manages floating-point parameters")
+                self.mgr.set_state(s.index, TensorState.HOLD)
+                if not self.mgr.own(s.chunk_id):
+                    continue  # another rank keeps it; every rank built the same model from the same seed
                 self.mgr.chunks[MASTER][s.chunk_id].payload[s.offset : s.end].copy_(src)
                 self.mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end].copy_(src)
-                self.mgr.set_state(s.index, TensorState.HOLD)
             for cid in range(layout.n_chunks):
                 slots = self.mgr.slots_of(cid)
                 views = self.mgr.chunks[PARAM][cid].device_views([(s.offset, s.end, s.shape) for s in slots])
@@ -103,6 +115,7 @@ class ChunkEngine:
         self._accumulated: set[int] = set()  # slot indices with something in an accumulator
         self._boundary = False  # the running backward is the last micro-batch before a step
         self._pass_open = False  # a warm-up pass began (forward) and has not ended (backward)
+        self._reduced: set[int] = set()  # chunk groups whose gradients were reduced in this backward
         self._handles = install_hooks(model, self._index, self)
 
     # ------------------------------------------------------------------ model API
@@ -119,6 +132,7 @@ class ChunkEngine:
                 self.mgr.trace = MemoryTrace()
             self._pass_open = True
             self.mgr.probe.acquire(_WARMUP)
+            self.mgr.warming_up = True
         self._set_stage(Stage.FWD)
         self.mgr.moment = -1
         try:
@@ -198,7 +212,9 @@ class ChunkEngine:
         chunk_ids = tuple(sorted({mgr.slots[i].chunk_id for i in indices}))
         self._begin_moment(module, chunk_ids)
         with mgr.probe.paused():
-            mgr.make_resident([(PARAM, c) for c in chunk_ids], MoveReason.ACCESS, where=f"module '{module}'")
+            mgr.make_resident(
+                [(PARAM, c) for c in chunk_ids], MoveReason.ACCESS, where=f"module '{module}'", gather_groups=True
+            )
             for i in indices:
                 mgr.set_state(i, TensorState.COMPUTE)
             if self.config.prefetch and mgr.trace.frozen:
@@ -213,6 +229,8 @@ class ChunkEngine:
             return
         room = min(mgr.chunk_budget(), self.mgr.capacity - mgr.trace.non_model_at(mgr.moment + 1))
         for c in nxt:
+            if not mgr.own(c):
+                continue  # other ranks' chunks arrive by all-gather, on the shared schedule
             nbytes = mgr.chunks[PARAM][c].nbytes
             if mgr.device_chunk_bytes + nbytes > room:
                 break
@@ -227,6 +245,8 @@ class ChunkEngine:
         for i in indices:
             if self.mgr.states[i] is TensorState.COMPUTE:
                 self.mgr.set_state(i, after)
+        if self.comm.distributed and self.mgr.stage is not Stage.BWD:
+            self._release_remote_after(indices)
         if self.events.active:
             self.events.emit(MomentEnd(self.mgr.moment, module, self.mgr.stage, time.perf_counter_ns()))
             self.mgr.memory_sample()  # the module's activations now exist
@@ -243,7 +263,9 @@ class ChunkEngine:
         s = mgr.slots[index]
         with torch.no_grad(), mgr.probe.paused():
             if not mgr.resident((PARAM, s.chunk_id)):  # a parameter used outside its module's hooks
-                mgr.make_resident([(PARAM, s.chunk_id)], MoveReason.ACCESS, where=f"the gradient of '{s.name}'")
+                mgr.make_resident(
+                    [(PARAM, s.chunk_id)], MoveReason.ACCESS, where=f"the gradient of '{s.name}'", gather_groups=True
+                )
             if self._boundary:
                 acc = self._accumulators.get(s.chunk_id)
                 if index in self._accumulated and acc is not None:
@@ -253,6 +275,8 @@ class ChunkEngine:
                 else:
                     param.data.copy_(grad)
                 mgr.set_state(index, TensorState.HOLD_AFTER_BWD)
+                if self.comm.distributed:
+                    self._maybe_reduce(mgr.layout.group(s.chunk_id).start)
             else:
                 acc = self._accumulators.get(s.chunk_id)
                 if acc is None:
@@ -261,6 +285,62 @@ class ChunkEngine:
                 self._accumulated.add(index)
                 if mgr.states[index] is TensorState.COMPUTE:
                     mgr.set_state(index, TensorState.HOLD_AFTER_FWD)
+
+    # ------------------------------------------------------------------ several processes
+    # Note [collective schedule]: every rank runs the same modules in the same order,
+    # so gathers and reductions are triggered by hooks alone; releasing a gathered
+    # copy depends only on tensor states and the warm-up trace's chunk ids (the same
+    # on every rank), never on memory measurements, so no rank waits in a collective
+    # the others skip.
+    def _release_remote_after(self, indices: tuple[int, ...]) -> None:
+        """After a module's forward, drop gathered copies of other ranks' chunks its
+        groups hold, unless the next moment (per the frozen trace) needs the group."""
+        mgr = self.mgr
+        groups = {mgr.layout.group(mgr.slots[i].chunk_id).start for i in indices}
+        keep: set[int] = set()
+        if mgr.trace.frozen:
+            keep = {mgr.layout.group(c).start for c in mgr.trace.chunks_at(mgr.moment + 1)}
+        for g in sorted(groups - keep):
+            if not any(mgr.pinned(k) for k in mgr.layout.group(g)):
+                mgr.release_group(g)
+
+    def _maybe_reduce(self, start: int) -> None:
+        """Reduce a group's gradients as soon as every parameter in it has its gradient."""
+        if start in self._reduced:
+            return
+        mgr = self.mgr
+        for k in mgr.layout.group(start):
+            for sl in mgr.slots_of(k):
+                if self._params[sl.index].requires_grad and mgr.states[sl.index] is not TensorState.HOLD_AFTER_BWD:
+                    return
+        self._reduce_group(start)
+
+    def _reduce_group(self, start: int) -> None:
+        """Average the group's gradients over ranks into this rank's own chunk; drop the rest."""
+        mgr = self.mgr
+        group = list(mgr.layout.group(start))
+        own_id = group[self.comm.rank]
+        if self.device.type == "cuda" and not mgr.resident((PARAM, own_id)):
+            mgr.make_resident([(PARAM, own_id)], MoveReason.ACCESS, where=f"the gradient reduction of chunk {own_id}")
+        with torch.no_grad(), mgr.probe.paused():
+            payloads = [mgr.chunks[PARAM][k].payload for k in group]
+            if self.comm.backend != "nccl":
+                payloads = [p.float() for p in payloads]  # gloo sums in fp32: exact for fp32, better for bf16
+            summed = self.comm.reduce_group(payloads, what=f"param chunks {group[0]}..{group[-1]}")
+            own = mgr.chunks[PARAM][own_id].payload
+            inv = 1.0 / self.comm.world_size
+            for sl in mgr.slots_of(own_id):  # only gradient slots: the others still hold values
+                if mgr.states[sl.index] is TensorState.HOLD_AFTER_BWD:
+                    own[sl.offset : sl.end].copy_(summed[sl.offset : sl.end].to(summed.device) * inv)
+            for k in group:
+                if k == own_id:
+                    continue
+                for sl in mgr.slots_of(k):
+                    if mgr.states[sl.index] is TensorState.HOLD_AFTER_BWD:
+                        mgr.set_state(sl.index, TensorState.HOLD)  # its owner has the gradient now
+            if not any(mgr.pinned(k) for k in group):
+                mgr.release_group(start)
+        self._reduced.add(start)
 
     # ------------------------------------------------------------------ iteration bookkeeping
     def _set_stage(self, stage: Stage) -> None:
@@ -271,6 +351,15 @@ class ChunkEngine:
 
     def _end_backward(self) -> None:
         mgr = self.mgr
+        if self.comm.distributed:
+            # groups with parameters that got no gradient this time are reduced now, in
+            # group order on every rank (Note [collective schedule])
+            for g in range(0, mgr.layout.n_chunks, self.comm.world_size):
+                if g not in self._reduced and any(
+                    mgr.states[sl.index] is TensorState.HOLD_AFTER_BWD for k in mgr.layout.group(g) for sl in mgr.slots_of(k)
+                ):
+                    self._reduce_group(g)
+            self._reduced.clear()
         with torch.no_grad(), mgr.probe.paused():
             for s in mgr.slots:
                 st = mgr.states[s.index]
@@ -285,9 +374,13 @@ class ChunkEngine:
         if self._boundary:
             self._accumulators.clear()
             self._accumulated.clear()
+        if self.comm.distributed:
+            for g in sorted(mgr.gathered_groups):
+                mgr.release_group(g)
         if mgr.probe.held_by(_WARMUP):
             mgr.trace.set_peak(mgr.moment, mgr.probe.take_peak(mgr.device_chunk_bytes))
             mgr.probe.release(_WARMUP)
+            mgr.warming_up = False
             mgr.trace.end_pass()
             self._pass_open = False
             if mgr.trace.passes >= WARMUP_PASSES:
@@ -305,6 +398,7 @@ class ChunkEngine:
         HOLD with its value (gradients of the failed iteration are dropped)."""
         mgr = self.mgr
         mgr.probe.release(_WARMUP)
+        mgr.warming_up = False
         if not mgr.trace.frozen:
             mgr.trace = MemoryTrace()
             self._pass_open = False
@@ -371,7 +465,11 @@ class ChunkEngine:
         return {id(p): self.mgr.slots[i] for i, p in enumerate(self._params)}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's own keys; parameters as their fp32 masters, everything on the CPU."""
+        """The model's own keys; parameters as their fp32 masters, everything on the CPU.
+
+        With several processes this is a collective (every rank must call it): the
+        masters, each kept by its owner only, are all-gathered group by group."""
+        masters = self._full_masters()
         slots = self._slot_of_param()
         out: dict[str, torch.Tensor] = {}
         for key, t in self.module.state_dict(keep_vars=True).items():
@@ -379,8 +477,23 @@ class ChunkEngine:
             if s is None:
                 out[key] = t.detach().to("cpu", copy=True)
             else:
-                master = self.mgr.chunks[MASTER][s.chunk_id].payload
-                out[key] = master[s.offset : s.end].detach().to("cpu", copy=True).view(s.shape)
+                out[key] = masters[s.chunk_id][s.offset : s.end].detach().to("cpu", copy=True).view(s.shape)
+        return out
+
+    def _full_masters(self) -> dict[int, torch.Tensor]:
+        mgr = self.mgr
+        if not self.comm.distributed:
+            return {c.chunk_id: c.payload for c in mgr.chunks[MASTER]}
+        where = self.device if self.comm.backend == "nccl" else torch.device("cpu")
+        out: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for g in range(0, mgr.layout.n_chunks, self.comm.world_size):
+                group = list(mgr.layout.group(g))
+                own = mgr.chunks[MASTER][group[self.comm.rank]].payload.to(where)
+                outs = [torch.empty_like(own) for _ in group]
+                self.comm.all_gather_group(outs, own, what=f"master chunks {group[0]}..{group[-1]}")
+                for k, t in zip(group, outs):
+                    out[k] = t.to("cpu")
         return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -404,6 +517,8 @@ class ChunkEngine:
                 if s is None:
                     t.data.copy_(src)
                     continue
+                if not mgr.own(s.chunk_id):
+                    continue  # its owner loads it (any world size can load a full state dict)
                 mgr.chunks[MASTER][s.chunk_id].payload[s.offset : s.end].copy_(src.reshape(-1))
                 mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end].copy_(src.reshape(-1))
 
@@ -422,6 +537,11 @@ class ChunkEngine:
             "bytes_to_host": mgr.bytes_to_host,
             "moves_by_reason": dict(mgr.moves_by_reason),
             "model_data_bytes": mgr.model_data_bytes(),
+            "master_and_adam_bytes": mgr.state_bytes(),
+            "world_size": self.comm.world_size,
+            "rank": self.comm.rank,
+            "all_gathers": mgr.gathers,
+            "bytes_gathered": mgr.bytes_gathered,
             "n_params": sum(s.numel for s in mgr.slots),
             "n_chunks": mgr.layout.n_chunks,
             "chunk_size": self.chunk_size,
