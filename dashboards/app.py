@@ -1,8 +1,9 @@
 """chunkstar profile dashboard: the Streamlit entry point.
 
-    streamlit run dashboards/app.py -- --profile run.prof [--compare other.prof]
+    streamlit run dashboards/app.py -- --profile run.prof [--compare other.prof] [--bench-db results.sqlite]
 
-Without ``--profile`` the sidebar asks for a path or an upload. This script
+Without ``--profile`` the sidebar asks for a path or an upload; the Benchmarks
+page reads the results database of ``--bench-db`` (or its own sidebar box). This script
 only parses the arguments, picks the profile and builds the navigation; the
 pages in ``views/`` render, from the pure functions in ``chunkstar_dashboard``.
 """
@@ -25,10 +26,11 @@ from chunkstar_dashboard.data import ProfileData, format_bytes  # noqa: E402
 
 
 def _cli_args() -> argparse.Namespace:
-    """``--profile`` / ``--compare`` after ``--`` on the streamlit command line; none under other runners."""
+    """``--profile`` / ``--compare`` / ``--bench-db`` after ``--`` on the streamlit command line; none under other runners."""
     ap = argparse.ArgumentParser(prog="dashboards/app.py", add_help=False)
     ap.add_argument("--profile", default="")
     ap.add_argument("--compare", default="")
+    ap.add_argument("--bench-db", default="")
     own = Path(sys.argv[0]).resolve() == Path(__file__).resolve() if sys.argv and sys.argv[0] else False
     return ap.parse_known_args(sys.argv[1:] if own else [])[0]
 
@@ -55,11 +57,13 @@ def main() -> None:
     args = _cli_args()
     st.session_state.setdefault("profile_path", args.profile)
     st.session_state.setdefault("compare_path", args.compare)
+    st.session_state.setdefault("bench_db_path", args.bench_db)
     pages = [
         st.Page("views/memory.py", title="Memory timeline", default=True),
         st.Page("views/chunks.py", title="Chunk locations"),
         st.Page("views/operators.py", title="Operator movements"),
         st.Page("views/compare.py", title="Compare profiles"),
+        st.Page("views/benchmarks.py", title="Benchmarks"),
     ]
     nav = st.navigation(pages)
     with st.sidebar:

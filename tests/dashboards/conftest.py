@@ -15,8 +15,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARDS = REPO / "dashboards"
 APP = DASHBOARDS / "app.py"
-if str(DASHBOARDS) not in sys.path:
-    sys.path.insert(0, str(DASHBOARDS))
+BENCH = REPO / "packages" / "bench"
+"""``chunkstar_bench``'s source root: the Benchmarks page reads results through it."""
+for _path in (DASHBOARDS, BENCH):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 
 def _record(path: Path, *, chunk_size: int, steps: int = 3) -> Path:
@@ -58,3 +61,11 @@ def bad_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("profiles") / "not_a_profile.csprof"
     path.write_bytes(b"this is not a chunkstar profile\n")
     return path
+
+
+@pytest.fixture(scope="session")
+def bench_db_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A results SQLite of nightly and max-scale runs (``_bench_db``), one regression in it."""
+    from ._bench_db import populate
+
+    return populate(tmp_path_factory.mktemp("bench") / "nightly.sqlite")

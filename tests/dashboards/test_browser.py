@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import APP, REPO
+from .conftest import APP, BENCH, REPO
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -25,7 +25,7 @@ CHROMIUM_ARGS = [
     "--disable-sync", "--no-first-run",
 ]  # fmt: skip
 # url path of each page (st.navigation derives it from the file name) -> charts it must draw
-PAGES = {"": 1, "chunks": 1, "operators": 1, "compare": 3}
+PAGES = {"": 1, "chunks": 1, "operators": 1, "compare": 3, "benchmarks": 3}
 
 
 def _free_port() -> int:
@@ -49,15 +49,17 @@ def _wait_healthy(url: str, server: subprocess.Popen[bytes], timeout: float = 45
 
 
 @pytest.fixture
-def server(profile_path: Path, other_profile_path: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+def server(profile_path: Path, other_profile_path: Path, bench_db_path: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
     port = _free_port()
     log = open(tmp_path / "streamlit.log", "wb")
-    env = {**os.environ, "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"}
+    # the Benchmarks page imports chunkstar_bench (found there even before it is pip-installed)
+    pythonpath = os.pathsep.join(p for p in (str(BENCH), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false", "PYTHONPATH": pythonpath}
     proc = subprocess.Popen(
         [
             sys.executable, "-m", "streamlit", "run", str(APP), "--server.headless", "true", "--server.port", str(port),
             "--server.address", "127.0.0.1", "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false",
-            "--", "--profile", str(profile_path), "--compare", str(other_profile_path),
+            "--", "--profile", str(profile_path), "--compare", str(other_profile_path), "--bench-db", str(bench_db_path),
         ],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )  # fmt: skip

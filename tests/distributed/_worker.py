@@ -65,8 +65,12 @@ def train(rank: int, world: int, port: int, case: str, steps: int, budget: int, 
             losses.append(mean.item() / world)
         result.update(losses=losses, stats=engine.stats())
         sd = engine.state_dict()  # a collective: every rank takes part
+        engine.save_checkpoint(str(Path(out) / "ckpt"))  # each rank its own shard
+        with torch.no_grad():  # evaluation gathers too: every rank runs it
+            logits = engine(**full_batch(case, 100)).logits
         if rank == 0:
             torch.save(sd, Path(out) / "state_dict.pt")
+            torch.save(logits, Path(out) / "logits.pt")
     except Exception as e:  # noqa: BLE001 - the test reads the message
         result.update(error=f"{type(e).__name__}: {e}", t_error=time.time())
     Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 import torch.multiprocessing as mp
 
@@ -74,9 +77,40 @@ def test_two_ranks_match_one_rank_on_the_full_batch(case: str, tmp_path: Path) -
         # exactly half, but for the one padding chunk that evens out an odd chunk count
         assert one / 2 <= mine <= (one + 12 * CHUNK) / 2, (mine, one)
 
-    # the gathered full state dict equals what plain PyTorch trained
+    # the gathered full state dict has the model's own keys
     sd = torch.load(tmp_path / "state_dict.pt", weights_only=True)
     assert set(sd) == set(CASES[case].build().state_dict())
+
+    # merge the per-rank shards; the plain Hugging Face model loads it and computes what the engine did
+    merged_path = tmp_path / "merged.safetensors"
+    out = subprocess.run(
+        [sys.executable, "-m", "chunkstar.cli", "merge-checkpoint", str(tmp_path / "ckpt"), str(merged_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    merged = safetensors.torch.load_file(str(merged_path))
+    plain = CASES[case].build()
+    missing, unexpected = plain.load_state_dict(merged, strict=False)
+    seen: dict[int, str] = {}
+    tied = set()
+    for name, p in plain.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(name)
+        seen.setdefault(id(p), name)
+    assert not unexpected and set(missing) <= tied, (missing, tied)  # tied names load through their first name
+    plain.eval()
+    with torch.no_grad():
+        logits = plain(**full_batch(case, 100)).logits
+    assert torch.equal(logits, torch.load(tmp_path / "logits.pt", weights_only=True))
+    for k, v in merged.items():
+        assert torch.equal(v, sd[k]), k
+
+    # a merged checkpoint loads into another world size (here one process)
+    engine, _ = chunkstar.initialize_engine(CASES[case].build, 0, engine_config("fp32", budget=4 * param_bytes, chunk_size=CHUNK))
+    engine.load_state_dict(merged)
+    engine.eval()
+    with torch.no_grad():
+        assert torch.equal(engine(**full_batch(case, 100)).logits, logits)
 
 
 def test_two_ranks_under_eviction(tmp_path: Path) -> None:

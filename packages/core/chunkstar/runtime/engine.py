@@ -496,11 +496,38 @@ class ChunkEngine:
                     out[k] = t.to("cpu")
         return out
 
+    def parameter_aliases(self) -> dict[str, list[str]]:
+        """Tied parameters: first name -> the other names of the same tensor."""
+        first: dict[int, str] = {}
+        out: dict[str, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                out.setdefault(first[id(p)], []).append(name)
+            else:
+                first[id(p)] = name
+        return out
+
+    def save_checkpoint(self, directory: str) -> str:
+        """Write this rank's shard of master and Adam state (call on every rank);
+        ``chunkstar merge-checkpoint`` joins the shards. See :mod:`chunkstar.checkpoint`."""
+        from chunkstar.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, directory)
+
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load fp32 values by the model's keys (a tied parameter needs one of its names).
+        Any world size loads a full state dict: each rank takes its own chunks."""
         if self._has_pending_grads():
             raise ChunkStateError("gradients are pending: call optimizer.step() or optimizer.zero_grad() before loading")
         slots = self._slot_of_param()
         own = self.module.state_dict(keep_vars=True)
+        state_dict = dict(state_dict)
+        for name, others in self.parameter_aliases().items():  # fill tied names from whichever is given
+            for n in [name, *others]:
+                if n in state_dict:
+                    for m in [name, *others]:
+                        state_dict.setdefault(m, state_dict[n])
+                    break
         missing = [k for k in own if k not in state_dict]
         unexpected = [k for k in state_dict if k not in own]
         if strict and (missing or unexpected):

@@ -1,0 +1,85 @@
+"""Reading benchmark results for the app: the results SQLite, the published figures, the planner.
+
+All three go through ``chunkstar_bench`` (imported here, lazily, so the profile
+pages work without it) and are cached by ``st.cache_data``: a results file by
+(path, mtime, size), so a database a nightly job appended to is read again.
+A file that is missing or not a results database becomes a ``BenchLoadError``
+whose text the page shows.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+
+from .bench_data import published_frame
+
+__all__ = ["BenchLoadError", "load_published", "load_runs", "planned_max"]
+
+PLANNER_AS = {"pytorch-ddp": "pytorch", "fsdp2-offload": "fsdp2"}
+"""The planner's system names -> the runner's, so planned bars stand beside measured ones."""
+
+
+class BenchLoadError(Exception):
+    """A results database could not be read; the message is meant for the user."""
+
+
+@st.cache_data(show_spinner="Reading results...", max_entries=8)
+def _runs(path: str, mtime_ns: int, size: int) -> pd.DataFrame:
+    del mtime_ns, size  # part of the cache key only
+    from chunkstar_bench.results import ResultsDB
+
+    return ResultsDB(path).runs()
+
+
+def load_runs(path: str) -> pd.DataFrame:
+    """Every run in the results SQLite at ``path`` (cached); raises ``BenchLoadError`` with a readable message."""
+    p = Path(path).expanduser()
+    try:
+        stat = p.stat()
+    except OSError as err:
+        raise BenchLoadError(f"Cannot open {path!r}: {err.strerror or err}") from None
+    if not p.is_file():
+        raise BenchLoadError(f"{path!r} is not a file.")
+    try:
+        import chunkstar_bench.results  # noqa: F401
+    except ImportError as err:
+        raise BenchLoadError(f"Reading results needs the chunkstar_bench package ({err}).") from None
+    try:
+        return _runs(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
+    except Exception as err:  # sqlite3.DatabaseError, SchemaVersionError, pandas errors
+        raise BenchLoadError(f"{p.name} is not a readable chunkstar-bench results database: {err}") from None
+
+
+@st.cache_data(show_spinner=False)
+def load_published() -> pd.DataFrame:
+    """The paper's published figures (``chunkstar_bench/data/paper_results.csv``), exact zoo sizes where known."""
+    from chunkstar_bench import zoo
+
+    text = resources.files("chunkstar_bench.data").joinpath("paper_results.csv").read_text()
+    sizes = {label: zoo.n_params(spec) for spec in zoo.ZOO.values() if (label := zoo.paper_label(spec))}
+    return published_frame(text, sizes)
+
+
+@st.cache_data(show_spinner="Planning...")
+def planned_max(hardware: tuple[str, ...]) -> pd.DataFrame:
+    """The capacity planner's largest model per system on each preset node in ``hardware`` (others skipped).
+
+    Default workload: micro-batch 8 per GPU, activation checkpointing, all the
+    node's GPUs, chunkstar's auto chunk size.
+    """
+    from chunkstar_bench import plan
+
+    rows = []
+    for name in hardware:
+        hw = plan.HARDWARE.get(name)
+        if hw is None:
+            continue
+        for system in plan.SYSTEMS:
+            best = plan.predict_max(system, hw).best
+            if best is not None:
+                rows.append({"hardware": name, "system": PLANNER_AS.get(system, system), "model": best.model, "n_params": best.n_params})
+    return pd.DataFrame(rows, columns=["hardware", "system", "model", "n_params"])

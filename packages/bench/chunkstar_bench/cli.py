@@ -1,0 +1,165 @@
+"""``chunkstar-bench``: run suites, search the max scale, print reports.
+
+Entry point only: parses arguments and calls the library. Subcommands register
+themselves through :data:`COMMANDS` (``name -> register(subparsers)``), so
+another module can add one (``plan``, say) without editing ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["COMMANDS", "main", "parse_size"]
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """``"8GiB"`` -> bytes (also KB/MB/GB decimal, KiB/MiB/GiB binary, or a plain number)."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (say 8GiB, 6000MiB or 8589934592)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- run
+
+
+def _register_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from chunkstar_bench.suites import SUITES
+
+    p = sub.add_parser("run", help="run a suite, one subprocess per run, appending rows to a results DB")
+    p.add_argument("--suite", required=True, choices=sorted(SUITES))
+    p.add_argument("--db", required=True, type=Path, help="SQLite results file (created if missing)")
+    p.add_argument("--hardware", help="label for this machine (default: the suite's own, 'cpu' for CPU suites)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per run")
+    p.add_argument("--system", action="append", help="only these systems (repeatable)")
+    p.add_argument("--model", action="append", help="only these models (repeatable)")
+    p.set_defaults(func=_cmd_run)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from chunkstar_bench.report import runs_table
+    from chunkstar_bench.results import ResultsDB
+    from chunkstar_bench.runner import run
+    from chunkstar_bench.suites import get_suite, with_hardware
+
+    db = ResultsDB(args.db)
+    specs = with_hardware(get_suite(args.suite), args.hardware)
+    specs = [s for s in specs if (not args.system or s.system in args.system) and (not args.model or s.model in args.model)]
+    ids: list[int] = []
+    start = time.monotonic()
+    for i, spec in enumerate(specs, 1):
+        _progress(f"[{i}/{len(specs)}] {spec.system} {spec.model} x{spec.nprocs} batch {spec.batch} on {spec.hardware} ...")
+        record = run(spec, args.timeout)
+        ids.append(db.append(record, suite=args.suite))
+        what = f"{record.step_time_s:.3f} s/step, {record.tokens_per_s:,.0f} tokens/s" if record.status == "ok" else record.message
+        _progress(f"[{i}/{len(specs)}] {spec.system} {spec.model}: {record.status} {what} ({record.wall_s:.0f} s)")
+    df = db.runs()
+    print(runs_table(df[df["id"].isin(ids)]))
+    print(f"\n{len(ids)} runs of suite {args.suite!r} appended to {args.db} in {time.monotonic() - start:.0f} s")
+    return 0
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _register_report(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("report", help="print tables shaped like the paper's, beside the published numbers")
+    p.add_argument("--db", required=True, type=Path)
+    p.add_argument("--hardware", help="only this hardware label")
+    p.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from chunkstar_bench.report import report
+    from chunkstar_bench.results import ResultsDB
+
+    if not args.db.exists():
+        print(f"chunkstar-bench report: no results file at {args.db}", file=sys.stderr)
+        return 2
+    print(report(ResultsDB(args.db).runs(), args.hardware))
+    return 0
+
+
+# --------------------------------------------------------------------------- max-scale
+
+
+def _register_maxscale(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from chunkstar_bench.runner import SYSTEMS
+
+    p = sub.add_parser("max-scale", help="largest zoo model a system trains under a host-memory cap")
+    p.add_argument("--system", required=True, choices=SYSTEMS)
+    p.add_argument("--cap", required=True, type=parse_size, help="host-memory cap, e.g. 8GiB")
+    p.add_argument("--db", required=True, type=Path)
+    p.add_argument("--models", help="comma-separated ladder (default: the cpu-* models)")
+    p.add_argument("--strategy", choices=("bisect", "ascending"), default="bisect")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--hardware", default="cpu")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per attempt")
+    p.set_defaults(func=_cmd_maxscale)
+
+
+def _cmd_maxscale(args: argparse.Namespace) -> int:
+    from chunkstar_bench.maxscale import search
+    from chunkstar_bench.results import ResultsDB
+    from chunkstar_bench.zoo import get, n_params
+
+    models = [m.strip() for m in args.models.split(",")] if args.models else None
+    best, records = search(
+        args.system, models, args.cap, db=ResultsDB(args.db), strategy=args.strategy,
+        batch=args.batch, seq_len=args.seq, hardware=args.hardware, timeout_s=args.timeout,
+    )
+    for r in records:
+        peak = f"{r.peak_host_bytes / 2**30:.2f} GiB" if r.peak_host_bytes else "?"
+        print(f"  {r.spec.model:>10} {(r.n_params or 0) / 1e6:>8,.1f}M  {r.status:5}  peak RSS {peak}  {r.message}")
+    size = "none" if best is None else f"{best} ({n_params(get(best)) / 1e6:,.1f}M parameters)"
+    print(f"max-scale {args.system} under a host-memory cap of {args.cap / 2**30:.2f} GiB: largest trained = {size}")
+    return 0
+
+
+def _register_plan(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    # `plan` lives in its own module (written separately); imported here only when the CLI is built.
+    # It needs chunkstar itself; when that import fails, `plan` says why and the other commands still work.
+    try:
+        from chunkstar_bench.plan import add_plan_command
+    except ImportError as exc:
+        broken = f"chunkstar-bench plan is unavailable: {type(exc).__name__}: {exc}"
+        p = sub.add_parser("plan", help="(unavailable here; run it to see why)")
+        p.set_defaults(func=lambda _args: (print(broken, file=sys.stderr), 2)[1])
+        return
+    add_plan_command(sub)
+
+
+COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {  # type: ignore[type-arg]
+    "run": _register_run,
+    "report": _register_report,
+    "max-scale": _register_maxscale,
+    "plan": _register_plan,
+}
+"""Subcommand name -> function adding its parser to the subparsers (and ``set_defaults(func=...)``)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="chunkstar-bench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for register in COMMANDS.values():
+        register(sub)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

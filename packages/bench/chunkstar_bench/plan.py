@@ -1,0 +1,583 @@
+"""Capacity planning: the largest zoo model each system should fit on a machine. A PREDICTION.
+
+``chunkstar-bench plan --hardware v100x8_240gb`` answers "how big a model can
+chunkstar, DeepSpeed ZeRO-3 offload and plain PyTorch (DDP, FSDP) train on this
+node?" from bytes-per-parameter accounting, without running anything, and
+prints it beside the paper's published maximum scales and, given a results
+database, the largest model each system actually trained. It is arithmetic on
+parameter shapes, not a measurement; every figure it prints says so.
+
+Note [the memory model]. Per system, for a model of ``P`` parameters on a node
+of ``n`` GPUs with ``C`` usable bytes each and ``H`` usable host bytes:
+
+* activations ``A`` per GPU (bf16), after Korthikanti et al. 2022 ("Reducing
+  activation recomputation in large transformer models"): one layer's full
+  activations are ``B*s*(34h + 5*a*s)`` bytes. With activation checkpointing the
+  device keeps every layer's input (``2*B*s*h`` bytes each, ``L`` of them) plus
+  one layer being recomputed; without, all ``L`` layers. Both add the LM head's
+  logits, ``B*s*V*6`` bytes (bf16 logits and the fp32 log-softmax of the loss),
+  which Korthikanti's per-layer figure leaves out and which dominates small models.
+* **chunkstar** (DESIGN §3, §7): model data is 14 bytes per *chunk element*
+  (bf16 param/grad 2 + fp32 master 4 + exp_avg 4 + exp_avg_sq 4), and the
+  elements are those of the real chunk layout (``build_layout`` with the
+  ``search_chunk_size`` choice for ``n`` ranks, so packing waste and the padding
+  of the last group count). Each rank owns 1/n of the chunks of all four lists.
+  The device must hold ``A`` plus the working set (two gathered groups of ``n``
+  param chunks: the current one and the prefetched one); whatever device memory
+  is left holds model data (resident param chunks, then hybrid-Adam state
+  chunks, ``chunkstar.placement.optimizer``); the host holds the rest.
+* **deepspeed** (ZeRO-3, ``offload_param`` + ``offload_optimizer`` to CPU): 18
+  bytes per parameter on the host: the fp16/bf16 parameter partition (2, since
+  the parameters are offloaded), the fp32 gradient partition that DeepSpeedCPUAdam
+  reads (4), the fp32 master (4) and Adam's two moments (8). (16 is the figure
+  without parameter offload, with the 2-byte partition left on the GPU.) None of
+  it can use spare GPU memory. The device holds ``A`` plus its working set:
+  two layers' gathered 16-bit parameters and gradients (fetch + prefetch) and the
+  default ``reduce_bucket_size`` (5e8 elements, 16-bit).
+* **fsdp2-offload** (FSDP2 with ``CPUOffloadPolicy``, as the runner's ``fsdp2``):
+  16 bytes per parameter on the host (fp32 sharded params, grads, Adam's two
+  moments); the device holds ``A`` plus two layers' unsharded fp32 parameters
+  and gradients.
+* **pytorch-ddp**: every GPU holds 16 bytes per parameter (fp32 weights 4,
+  fp32 gradients 4, Adam 8; autocast runs the maths in bf16) plus ``A``.
+* **pytorch-fsdp** (FULL_SHARD, no CPU offload): 16 bytes per parameter split
+  over ``n`` GPUs, plus ``A`` and two layers' unsharded bf16 parameters and
+  gradients.
+
+Fixed overheads (``DEVICE_RESERVED_BYTES``, ``DEVICE_FRAGMENTATION``,
+``HOST_RESERVED_BYTES``, ``HOST_PER_PROCESS_BYTES``) are taken off the
+capacities first. A model fits a system when both its device need and its host
+need fit; the predicted maximum is the largest zoo model that fits, and the
+*binding* constraint is the one the next larger zoo model breaks.
+
+What this is not: a throughput model, or a check that a run will succeed (a
+run can also fail on pinned-memory limits, allocator fragmentation beyond the
+margin, or bugs). The ``maxscale`` suite measures; this predicts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import io
+import math
+import re
+from dataclasses import dataclass, replace
+from importlib import resources
+from typing import Any, Iterable, Sequence
+
+from chunkstar.chunk.layout import ChunkLayout, build_layout, search_chunk_size
+
+from . import zoo
+from .zoo import ModelSpec
+
+__all__ = [
+    "HARDWARE",
+    "MEASURED_SYSTEM",
+    "SYSTEMS",
+    "Footprint",
+    "Hardware",
+    "PlanRow",
+    "Prediction",
+    "Workload",
+    "activation_bytes",
+    "add_plan_command",
+    "chunk_layout",
+    "footprint",
+    "format_plan",
+    "gpt2_param_shapes",
+    "measured_max",
+    "model_data_bytes_per_param",
+    "models_named",
+    "plan",
+    "predict_max",
+    "published_max",
+    "run_plan",
+]
+
+GIB = 2**30
+SYSTEMS = ("chunkstar", "deepspeed", "fsdp2-offload", "pytorch-ddp", "pytorch-fsdp")
+"""Systems the planner predicts for (Note [the memory model])."""
+MEASURED_SYSTEM = {"chunkstar": "chunkstar", "deepspeed": "deepspeed", "fsdp2": "fsdp2-offload", "pytorch": "pytorch-ddp"}
+"""The runner's system names (``chunkstar_bench.runner.SYSTEMS``) -> the planner's."""
+
+CHUNKSTAR_BYTES_PER_ELEMENT = 2 + 4 + 4 + 4
+"""bf16 param (its gradient overwrites it) + fp32 master + exp_avg + exp_avg_sq (DESIGN §3)."""
+DEEPSPEED_OFFLOAD_BYTES_PER_PARAM = 2 + 4 + 4 + 4 + 4
+"""Host bytes of ZeRO-3 with params and optimizer offloaded: 16-bit param partition,
+fp32 grad partition, fp32 master, exp_avg, exp_avg_sq (Note [the memory model])."""
+TORCH_BYTES_PER_PARAM = 4 + 4 + 4 + 4
+"""fp32 weights + fp32 grads + Adam's two fp32 moments (autocast keeps weights fp32)."""
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's default ``reduce_bucket_size``; the bucket is 16-bit."""
+LOGIT_BYTES = 2 + 4
+"""Per logit element at the loss: the bf16 logits and their fp32 log-softmax."""
+
+DEVICE_RESERVED_BYTES = 1 * GIB
+"""Per GPU, never available to the model: CUDA context, cuBLAS/NCCL workspaces."""
+DEVICE_FRAGMENTATION = 0.05
+"""Fraction of each GPU's memory the caching allocator loses to fragmentation."""
+HOST_RESERVED_BYTES = 8 * GIB
+"""Per node: the operating system and everything else running on it."""
+HOST_PER_PROCESS_BYTES = 3 * GIB
+"""Per training process (one per GPU): Python, torch, the CUDA runtime's host side."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One node: ``gpus`` GPUs of ``gpu_mem_bytes`` each and ``host_mem_bytes`` of CPU memory."""
+
+    name: str
+    gpus: int
+    gpu_mem_bytes: int
+    host_mem_bytes: int
+    note: str = ""
+
+    @property
+    def device_usable(self) -> int:
+        """Bytes per GPU left for a training process after the fixed reservations."""
+        return max(0, int(self.gpu_mem_bytes * (1 - DEVICE_FRAGMENTATION)) - DEVICE_RESERVED_BYTES)
+
+    def host_usable(self, processes: int) -> int:
+        """Host bytes left for model data with ``processes`` training processes running."""
+        return max(0, self.host_mem_bytes - HOST_RESERVED_BYTES - processes * HOST_PER_PROCESS_BYTES)
+
+
+HARDWARE: dict[str, Hardware] = {
+    "v100x8_240gb": Hardware("v100x8_240gb", 8, 32 * GIB, 240 * GIB, "8 x V100 32 GB, 240 GB host (the paper's node)"),
+    "a100x8_1tb": Hardware("a100x8_1tb", 8, 80 * GIB, 1024 * GIB, "8 x A100 80 GB, 1 TB host (the paper's node)"),
+    "h200x1_128gb": Hardware("h200x1_128gb", 1, 139 * GIB, 128 * GIB, "1 x H200 (139 GiB usable), 128 GiB host"),
+}
+"""Preset nodes. The paper's "GB" are read as GiB (a V100 "32 GB" has 32 GiB)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained and how: per-GPU micro-batch, sequence length (None: the model's own),
+    activation checkpointing, and chunkstar's chunk size in elements (None: the engine's ``"auto"``)."""
+
+    batch: int = 8
+    seq_len: int | None = None
+    checkpointing: bool = True
+    chunk_size: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+
+
+def gpt2_param_shapes(spec: ModelSpec, seq_len: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """The unique parameters of ``zoo.build_hf(spec)`` in registration order, computed, not allocated.
+
+    HF GPT-2 uses ``Conv1D`` (weight ``(in, out)``); ``lm_head`` is tied to ``wte``.
+    """
+    h, s = spec.hidden, seq_len or spec.seq_len
+    shapes: list[tuple[str, tuple[int, ...]]] = [("transformer.wte.weight", (spec.vocab, h)), ("transformer.wpe.weight", (s, h))]
+    for i in range(spec.layers):
+        p = f"transformer.h.{i}."
+        shapes += [
+            (p + "ln_1.weight", (h,)), (p + "ln_1.bias", (h,)),
+            (p + "attn.c_attn.weight", (h, 3 * h)), (p + "attn.c_attn.bias", (3 * h,)),
+            (p + "attn.c_proj.weight", (h, h)), (p + "attn.c_proj.bias", (h,)),
+            (p + "ln_2.weight", (h,)), (p + "ln_2.bias", (h,)),
+            (p + "mlp.c_fc.weight", (h, 4 * h)), (p + "mlp.c_fc.bias", (4 * h,)),
+            (p + "mlp.c_proj.weight", (4 * h, h)), (p + "mlp.c_proj.bias", (h,)),
+        ]  # fmt: skip
+    shapes += [("transformer.ln_f.weight", (h,)), ("transformer.ln_f.bias", (h,))]
+    return shapes
+
+
+def _layer_params(spec: ModelSpec) -> int:
+    h = spec.hidden
+    return 12 * h * h + 13 * h
+
+
+@functools.lru_cache(maxsize=256)
+def chunk_layout(spec: ModelSpec, world_size: int = 1, chunk_size: int | None = None) -> ChunkLayout:
+    """chunkstar's layout of ``spec`` for ``world_size`` ranks; ``chunk_size`` None is the engine's ``"auto"``.
+
+    Note: ``"auto"`` keeps 16-256 chunks, so for tens of billions of parameters
+    a chunk holds billions of elements and a gathered group of 8 is a large
+    share of the model; the working set (and the plan) then binds on the
+    device. A fixed ``chunk_size`` (PatrickStar used tens to hundreds of
+    millions of elements) shows what a tuned run would fit.
+    """
+    shapes = gpt2_param_shapes(spec)
+    numels = [math.prod(s) for _, s in shapes]
+    size = chunk_size or search_chunk_size(numels, world_size=world_size)
+    return build_layout([n for n, _ in shapes], [s for _, s in shapes], size, world_size=world_size)
+
+
+def model_data_bytes_per_param(system: str, n_gpus: int = 1) -> float:
+    """Model-data bytes per parameter the system keeps in total on one node (all tiers, all GPUs).
+
+    chunkstar's 14 is per chunk element (padding included in :func:`footprint`);
+    DDP replicates its 16 on every GPU.
+    """
+    return {
+        "chunkstar": float(CHUNKSTAR_BYTES_PER_ELEMENT),
+        "deepspeed": float(DEEPSPEED_OFFLOAD_BYTES_PER_PARAM),
+        "fsdp2-offload": float(TORCH_BYTES_PER_PARAM),
+        "pytorch-ddp": float(TORCH_BYTES_PER_PARAM * n_gpus),
+        "pytorch-fsdp": float(TORCH_BYTES_PER_PARAM),
+    }[system]
+
+
+def activation_bytes(spec: ModelSpec, batch: int, seq_len: int | None = None, checkpointing: bool = True) -> int:
+    """Peak activation bytes per GPU (bf16) for one micro-batch (Note [the memory model])."""
+    s = seq_len or spec.seq_len
+    h, layers, a = spec.hidden, spec.layers, spec.heads
+    per_layer = batch * s * (34 * h + 5 * a * s)
+    logits = batch * s * spec.vocab * LOGIT_BYTES
+    if checkpointing:
+        return 2 * batch * s * h * layers + per_layer + logits
+    return layers * per_layer + logits
+
+
+# ---------------------------------------------------------------------------------------------- footprints
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one system needs to train one model on one node, against what the node has."""
+
+    system: str
+    model: str
+    n_params: int
+    device_need: int
+    """Bytes per GPU that must be on the device at the peak (activations + working set [+ model data])."""
+    host_need: int
+    """Bytes of model data on the node's host memory (after using spare device memory where the system can)."""
+    device_usable: int
+    host_usable: int
+    activations: int
+    """The ``device_need`` share that is activations."""
+    chunk_elements: int = 0
+    """chunkstar only: the layout's largest chunk, in elements."""
+
+    @property
+    def device_fits(self) -> bool:
+        return self.device_need <= self.device_usable
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_need <= self.host_usable
+
+    @property
+    def fits(self) -> bool:
+        return self.device_fits and self.host_fits
+
+    @property
+    def binding(self) -> str | None:
+        """``"device"`` or ``"host"`` when the model does not fit (device first), else None."""
+        if not self.device_fits:
+            return "device"
+        if not self.host_fits:
+            return "host"
+        return None
+
+
+def footprint(system: str, spec: ModelSpec, hw: Hardware, workload: Workload = Workload()) -> Footprint:
+    """Device and host bytes ``system`` needs for ``spec`` on ``hw`` (Note [the memory model])."""
+    n = hw.gpus
+    params = zoo.n_params(spec)
+    act = activation_bytes(spec, workload.batch, workload.seq_len, workload.checkpointing)
+    dev_cap, host_cap = hw.device_usable, hw.host_usable(n)
+    layer16 = 2 * 2 * _layer_params(spec)  # one layer's 16-bit params + grads
+    chunk_elements = 0
+    if system == "chunkstar":
+        layout = chunk_layout(spec, n, workload.chunk_size)
+        chunk_elements = max(layout.chunk_sizes)
+        param_chunk = 2 * chunk_elements
+        working = 2 * n * param_chunk  # two gathered groups: the current one and the prefetched one
+        device_need = act + working
+        total = CHUNKSTAR_BYTES_PER_ELEMENT * layout.total_elements
+        spare = max(0, dev_cap - device_need) * n  # resident param chunks, then hybrid-Adam state
+        host_need = max(0, total - spare)
+    elif system == "deepspeed":
+        device_need = act + 2 * layer16 + 2 * DEEPSPEED_REDUCE_BUCKET_ELEMENTS
+        host_need = DEEPSPEED_OFFLOAD_BYTES_PER_PARAM * params
+    elif system == "fsdp2-offload":
+        device_need = act + 2 * 2 * layer16  # two layers' fp32 params + grads, unsharded
+        host_need = TORCH_BYTES_PER_PARAM * params
+    elif system == "pytorch-ddp":
+        device_need = act + TORCH_BYTES_PER_PARAM * params
+        host_need = 0
+    elif system == "pytorch-fsdp":
+        device_need = act + math.ceil(TORCH_BYTES_PER_PARAM * params / n) + 2 * layer16
+        host_need = 0
+    else:
+        raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    return Footprint(system, spec.name, params, device_need, host_need, dev_cap, host_cap, act, chunk_elements)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The largest zoo model ``system`` fits, and what stops the next one."""
+
+    system: str
+    best: Footprint | None
+    """Footprint of the largest fitting model; None when not even the smallest fits."""
+    blocked: Footprint | None
+    """Footprint of the next larger zoo model (it does not fit); None when the largest zoo model fits."""
+
+    @property
+    def binding(self) -> str:
+        if self.blocked is None:
+            return "none: the largest zoo model fits"
+        return str(self.blocked.binding)
+
+
+def _by_size(models: Iterable[ModelSpec]) -> list[ModelSpec]:
+    return sorted(models, key=zoo.n_params)
+
+
+def models_named(which: str) -> list[ModelSpec]:
+    """``paper`` (the paper's GPT configs, seq 1024: the default for GPU nodes), ``cpu`` (the CPU
+    ladder, seq 128), ``all``, or comma-separated zoo names."""
+    if which == "paper":
+        return [m for m in zoo.ZOO.values() if zoo.paper_label(m) is not None]
+    if which == "cpu":
+        return [zoo.get(n) for n in zoo.cpu_ladder()]
+    if which == "all":
+        return list(zoo.ZOO.values())
+    return [zoo.get(n.strip()) for n in which.split(",") if n.strip()]
+
+
+def predict_max(
+    system: str, hw: Hardware, workload: Workload = Workload(), models: Sequence[ModelSpec] | None = None
+) -> Prediction:
+    """Scan ``models`` (default: the paper's models) smallest first; the last that fits is the maximum.
+
+    A model that fits after a larger one failed (possible: activations grow with
+    ``h`` and ``s``, not with ``P``) does not count: the maximum is where the
+    ladder first breaks, as a max-scale search would find it.
+    """
+    best: Footprint | None = None
+    for spec in _by_size(models if models is not None else models_named("paper")):
+        fp = footprint(system, spec, hw, workload)
+        if not fp.fits:
+            return Prediction(system, best, fp)
+        best = fp
+    return Prediction(system, best, None)
+
+
+# ---------------------------------------------------------------------------------------------- published / measured
+
+_PUBLISHED_SYSTEM = {"patrickstar": "chunkstar", "deepspeed": "deepspeed", "pytorch": "pytorch-ddp"}
+"""Published system -> the planner's system it is compared with (PatrickStar is what chunkstar re-creates)."""
+
+
+def _label_params(label: str) -> float:
+    m = re.fullmatch(r"([0-9.]+)\s*([MBT])", label.strip(), re.IGNORECASE)
+    if not m:
+        return float("nan")
+    return float(m.group(1)) * {"M": 1e6, "B": 1e9, "T": 1e12}[m.group(2).upper()]
+
+
+@functools.lru_cache(maxsize=1)
+def _published_rows() -> tuple[dict[str, str], ...]:
+    text = resources.files("chunkstar_bench.data").joinpath("paper_results.csv").read_text()
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    return tuple(csv.DictReader(io.StringIO("\n".join(lines))))
+
+
+def published_max(hardware: str, gpus: int | None = None) -> dict[str, dict[str, Any]]:
+    """The paper's largest trained model per published system on ``hardware`` ("published", not ours).
+
+    With ``gpus``, only runs on that many GPUs count. Keys are the published
+    system names (``patrickstar``, ``deepspeed``, ``deepspeed_mp2``, ...); values
+    hold ``label`` ("18B"), ``nominal_params`` (18e9, from the label) and ``gpus``.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for row in _published_rows():
+        if row["hardware"] != hardware or (gpus is not None and int(row["gpus"]) != gpus):
+            continue
+        size = _label_params(row["model"])
+        cur = out.get(row["system"])
+        if cur is None or size > cur["nominal_params"]:
+            out[row["system"]] = {"label": row["model"], "nominal_params": size, "gpus": int(row["gpus"])}
+    return out
+
+
+def measured_max(db_path: str, hardware: str, gpus: int | None = None) -> dict[str, dict[str, Any]]:
+    """The largest model each system trained with status ``ok`` in a results database (ours, measured).
+
+    Keys are the planner's system names (``MEASURED_SYSTEM``)."""
+    from .results import ResultsDB
+
+    runs = ResultsDB(db_path).runs()
+    if runs.empty:
+        return {}
+    runs = runs[(runs["status"] == "ok") & (runs["hardware"] == hardware)]
+    if gpus is not None:
+        runs = runs[runs["nprocs"] == gpus]
+    out: dict[str, dict[str, Any]] = {}
+    for system, group in runs.groupby("system"):
+        top = group.sort_values("n_params").iloc[-1]
+        out[MEASURED_SYSTEM.get(str(system), str(system))] = {"model": str(top["model"]), "n_params": int(top["n_params"]), "nprocs": int(top["nprocs"])}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    system: str
+    checkpointing: bool
+    prediction: Prediction
+    published: dict[str, Any] | None
+    """The published system compared with this one (see ``_PUBLISHED_SYSTEM``), or None."""
+    measured: dict[str, Any] | None
+
+
+def plan(
+    hw: Hardware,
+    workloads: Sequence[Workload] = (Workload(checkpointing=True), Workload(checkpointing=False)),
+    systems: Sequence[str] = SYSTEMS,
+    db_path: str | None = None,
+    measured_hardware: str | None = None,
+    models: Sequence[ModelSpec] | None = None,
+) -> list[PlanRow]:
+    """One row per system and workload: the prediction, the published maximum and, with a DB, the measured one."""
+    published = {
+        _PUBLISHED_SYSTEM[k]: {**v, "system": k} for k, v in published_max(hw.name, hw.gpus).items() if k in _PUBLISHED_SYSTEM
+    }
+    measured = measured_max(db_path, measured_hardware or hw.name, hw.gpus) if db_path else {}
+    return [
+        PlanRow(system, wl.checkpointing, predict_max(system, hw, wl, models), published.get(system), measured.get(system))
+        for system in systems
+        for wl in workloads
+    ]
+
+
+def _fmt_params(n: float) -> str:
+    if n != n:  # NaN
+        return "?"
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def _fmt_gib(n: int) -> str:
+    return f"{n / GIB:,.1f}"
+
+
+def format_plan(hw: Hardware, rows: Sequence[PlanRow], workload: Workload) -> str:
+    """The plan as a plain-text table, headed by what it is (a prediction) and what it assumed."""
+    head = [
+        f"PREDICTION (bytes-per-parameter accounting, not a measurement) for {hw.name}: {hw.note or 'custom node'}",
+        f"  {hw.gpus} GPU(s) x {_fmt_gib(hw.gpu_mem_bytes)} GiB ({_fmt_gib(hw.device_usable)} usable each), "
+        f"host {_fmt_gib(hw.host_mem_bytes)} GiB ({_fmt_gib(hw.host_usable(hw.gpus))} usable); "
+        f"micro-batch {workload.batch} per GPU, seq {workload.seq_len or 'model default'}, bf16",
+        "  bytes/param: chunkstar 14 per chunk element (2 param/grad + 4 master + 4 + 4 Adam), sharded over ranks; "
+        "deepspeed ZeRO-3 offload 18 on host; fsdp2-offload 16 on host; pytorch-ddp 16 per GPU; pytorch-fsdp 16/n per GPU",
+        "",
+    ]
+    cols = (
+        "system", "act.ckpt", "predicted max", "params", "binding", "device GiB/GPU", "host GiB", "chunk elems",
+        "published max", "measured max",
+    )  # fmt: skip
+    table: list[tuple[str, ...]] = []
+    for r in rows:
+        best = r.prediction.best
+        pub = f"{r.published['label']} ({r.published['system']}, published)" if r.published else "-"
+        meas = f"{r.measured['model']} ({_fmt_params(r.measured['n_params'])})" if r.measured else "-"
+        table.append(
+            (
+                r.system,
+                "on" if r.checkpointing else "off",
+                best.model if best else "(none fits)",
+                _fmt_params(best.n_params) if best else "-",
+                r.prediction.binding,
+                f"{_fmt_gib(best.device_need)}/{_fmt_gib(best.device_usable)}" if best else "-",
+                f"{_fmt_gib(best.host_need)}/{_fmt_gib(best.host_usable)}" if best else "-",
+                f"{best.chunk_elements / 1e6:,.0f}M" if best and best.chunk_elements else "-",
+                pub,
+                meas,
+            )
+        )
+    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = head + [fmt.format(*cols), fmt.format(*("-" * w for w in widths))] + [fmt.format(*t) for t in table]
+    lines += [
+        "",
+        "binding: the constraint the next larger zoo model breaks (device: activations + working set [+ model data] "
+        "per GPU; host: model data the GPUs cannot hold).",
+        "published: the largest model the paper reports per system on this node at this GPU count (read off its figures).",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def add_plan_command(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``plan`` to a ``chunkstar-bench`` argparse sub-parser set (dispatch: ``args.func(args)``)."""
+    p = subparsers.add_parser(
+        "plan",
+        help="predict the largest zoo model each system fits on a node (a prediction, not a measurement)",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("--hardware", default="v100x8_240gb", choices=[*HARDWARE, "custom"])
+    p.add_argument("--gpus", type=int, default=None, help="GPUs (default: the preset's; required for custom)")
+    p.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU (custom, or override the preset)")
+    p.add_argument("--host-mem", type=float, default=None, help="host GiB (custom, or override the preset)")
+    p.add_argument("--batch", type=int, default=Workload.batch, help="micro-batch per GPU (default %(default)s)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: each model's own)")
+    p.add_argument("--checkpointing", choices=("on", "off", "both"), default="both", help="activation checkpointing")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of %(default)s")
+    p.add_argument("--models", default="paper", help="paper (default), cpu, all, or comma-separated zoo names")
+    p.add_argument("--chunk-size", type=int, default=None, help="chunkstar elements per chunk (default: the engine's auto)")
+    p.add_argument("--db", default=None, help="results SQLite: add the largest model measured ok per system")
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def _hardware_from_args(args: argparse.Namespace) -> Hardware:
+    if args.hardware == "custom":
+        missing = [f"--{k}" for k in ("gpus", "gpu-mem", "host-mem") if getattr(args, k.replace("-", "_")) is None]
+        if missing:
+            raise SystemExit(f"chunkstar-bench plan --hardware custom needs {', '.join(missing)}")
+        return Hardware("custom", args.gpus, int(args.gpu_mem * GIB), int(args.host_mem * GIB), "custom node")
+    hw = HARDWARE[args.hardware]
+    changes: dict[str, Any] = {}
+    if args.gpus is not None:
+        changes["gpus"] = args.gpus
+    if args.gpu_mem is not None:
+        changes["gpu_mem_bytes"] = int(args.gpu_mem * GIB)
+    if args.host_mem is not None:
+        changes["host_mem_bytes"] = int(args.host_mem * GIB)
+    return replace(hw, **changes) if changes else hw
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """The ``plan`` subcommand: print the prediction table; exit status 0."""
+    hw = _hardware_from_args(args)
+    if hw.gpus < 1:
+        raise SystemExit("--gpus must be at least 1")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    ckpt = {"on": (True,), "off": (False,), "both": (True, False)}[args.checkpointing]
+    workloads = [Workload(args.batch, args.seq, c, args.chunk_size) for c in ckpt]
+    try:
+        models = models_named(args.models)
+    except KeyError as err:
+        raise SystemExit(str(err.args[0])) from None
+    rows = plan(hw, workloads, systems, db_path=args.db, models=models)
+    print(format_plan(hw, rows, workloads[0]))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m chunkstar_bench.plan plan ...``: the subcommand on its own (``chunkstar-bench plan`` is the same)."""
+    ap = argparse.ArgumentParser(prog="chunkstar-bench")
+    sub = ap.add_subparsers(dest="command", required=True)
+    add_plan_command(sub)
+    args = ap.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,345 @@
+"""One benchmark run = one subprocess: what to run (``RunSpec``), how, and what came out (``RunRecord``).
+
+:func:`run` starts ``python -m chunkstar_bench.child`` (or ``torchrun
+--standalone --nproc_per_node N -m chunkstar_bench.child`` for several
+processes) in a fresh process group, echoes its progress, watches its memory
+from outside, and turns the per-rank JSON lines it prints into one
+:class:`RunRecord` with the derived metrics (tokens/s, TFLOPS under both FLOP
+counts, MFU). A crash, an out-of-memory or a hang in one run therefore cannot
+poison the next (DESIGN §9).
+
+Note: the host-memory cap
+    ``RLIMIT_AS`` is not usable: torch and DeepSpeed reserve far more virtual
+    address space than they touch, so a cap on it fails runs that would fit.
+    Instead the parent samples the resident set size of every process in the
+    child's process group (``/proc``, every 50 ms) and kills the group when the
+    sum passes the cap; the run's status is then ``oom``. A short spike between
+    two samples could slip past the sampler, so a run that finishes is also
+    checked against its ranks' own ``ru_maxrss`` (summed over ranks): over the
+    cap means ``oom`` too. The cap is the same rule for every system, which is
+    what a max-scale comparison needs.
+
+This module imports only the standard library and the torch-free parts of this
+package (the parent stays light; the child pays for torch).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from chunkstar_bench import flops
+from chunkstar_bench.zoo import get, n_params
+
+__all__ = ["DEVICES", "RESULT_PREFIX", "STATUSES", "SYSTEMS", "RunRecord", "RunSpec", "git_commit", "run", "versions"]
+
+SYSTEMS: tuple[str, ...] = ("chunkstar", "deepspeed", "fsdp2", "pytorch")
+"""Every system the suite knows."""
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+STATUSES: tuple[str, ...] = ("ok", "oom", "error")
+
+RESULT_PREFIX = "CHUNKSTAR_BENCH_RESULT "
+"""A child's stdout line that starts with this carries one rank's JSON result."""
+
+System = Literal["chunkstar", "deepspeed", "fsdp2", "pytorch"]
+Device = Literal["cpu", "cuda"]
+Status = Literal["ok", "oom", "error"]
+
+_POLL_S = 0.05
+_PACKAGE_PARENT = Path(__file__).resolve().parent.parent  # .../packages/bench
+_REPO_ROOT = _PACKAGE_PARENT.parent.parent
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """Everything that defines one run; two equal specs are the same experiment."""
+
+    system: System
+    """``chunkstar``, ``deepspeed`` (ZeRO-3, params + optimizer offloaded to CPU), ``fsdp2``
+    (CPU offload) or ``pytorch`` (plain, DDP when several processes)."""
+    model: str
+    """A zoo name (:data:`chunkstar_bench.zoo.ZOO`)."""
+    batch: int
+    """Sequences per step *per process* (per GPU)."""
+    steps: int
+    """Timed steps; the reported step time is their median."""
+    warmup: int
+    """Untimed steps before the timed ones."""
+    nprocs: int = 1
+    """Processes (GPUs); more than one runs under torchrun."""
+    seq_len: int | None = None
+    """Tokens per sequence; None: the model's own."""
+    seed: int = 0
+    """Seeds the weights (same for every system) and the token batches."""
+    device: Device = "cpu"
+    host_mem_cap_bytes: int | None = None
+    """Kill the run (status ``oom``) when its processes' resident memory passes this."""
+    chunkstar_budget: str | int | None = None
+    """chunkstar's device budget: bytes, ``"2GiB"``, ``"params:0.6"`` or None/``"auto"``
+    (see :func:`chunkstar_bench.child.chunkstar_budget_bytes`)."""
+    hardware: str = "cpu"
+    """A label for the machine (``v100x8_240gb``, ``a100x8_1tb``, ``cpu-2core``); picks the MFU peak."""
+    threads: int | None = None
+    """torch threads per process on CPU; None: the cores shared evenly among the processes."""
+
+    def __post_init__(self) -> None:
+        if self.system not in SYSTEMS:
+            raise ValueError(f"system {self.system!r} is not one of {', '.join(SYSTEMS)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
+        get(self.model)  # a KeyError listing the zoo
+        for name in ("batch", "steps", "nprocs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.seq_len is not None and self.seq_len > get(self.model).seq_len:
+            raise ValueError(f"seq_len {self.seq_len} exceeds {self.model}'s {get(self.model).seq_len} positions")
+
+    @property
+    def seq(self) -> int:
+        """The sequence length this run uses."""
+        return self.seq_len or get(self.model).seq_len
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunSpec:
+        return cls(**json.loads(text))
+
+
+@dataclasses.dataclass
+class RunRecord:
+    """What one run produced: its status, metrics, and where and with what it ran."""
+
+    spec: RunSpec
+    status: Status
+    message: str = ""
+    """Empty when ok; the error (or why it counts as out of memory) otherwise."""
+    step_time_s: float | None = None
+    """Median timed step, slowest rank."""
+    tokens_per_s: float | None = None
+    """All processes together."""
+    tflops_per_gpu_patrickstar: float | None = None
+    tflops_per_gpu_megatron: float | None = None
+    flops_formulas: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Which formula each TFLOPS/MFU figure used (names from :mod:`chunkstar_bench.flops`)."""
+    mfu: float | None = None
+    peak_device_bytes: int | None = None
+    peak_device_kind: str | None = None
+    """How ``peak_device_bytes`` was measured (CUDA allocator, or chunkstar's virtual device)."""
+    peak_host_bytes: int | None = None
+    """Peak RSS, the maximum over ranks (``ru_maxrss``; the sampler's when no rank reported)."""
+    n_params: int | None = None
+    wall_s: float | None = None
+    created_utc: str = ""
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    git_commit: str = ""
+    host: str = ""
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Per-system detail from rank 0 (losses, step times, chunkstar stats, DeepSpeed config ...)."""
+
+    def config(self) -> dict[str, Any]:
+        """The full configuration of the run: the spec plus the system's own settings."""
+        return {"spec": dataclasses.asdict(self.spec), "details": self.details, "flops_formulas": self.flops_formulas}
+
+
+def versions() -> dict[str, str]:
+    """Installed versions of everything that shapes a result (``importlib.metadata``)."""
+    found = {"python": platform.python_version()}
+    for dist in ("torch", "transformers", "deepspeed", "chunkstar"):
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = "not installed"
+    return found
+
+
+def git_commit() -> str:
+    """HEAD of the checkout this package runs from, ``+dirty`` with local changes; "" outside git."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+dirty" if dirty else "")
+
+
+def _group_rss_bytes(pgid: int) -> int:
+    """Resident bytes of every live process in process group ``pgid`` (Linux ``/proc``)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) != pgid:  # state, ppid, pgrp
+                continue
+            total += int(Path(entry.path, "statm").read_text().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+    return total
+
+
+def _command(spec: RunSpec) -> list[str]:
+    child = ["-m", "chunkstar_bench.child", "--spec", spec.to_json()]
+    if spec.nprocs == 1:
+        return [sys.executable, *child]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(spec.nprocs), *child]
+
+
+def _is_progress(line: str) -> bool:
+    return line.startswith("[") and "] step " in line
+
+
+def run(spec: RunSpec, timeout_s: float = 1800.0, *, echo: bool = True) -> RunRecord:
+    """Run ``spec`` in a fresh subprocess and return its record; never raises for a failed run.
+
+    ``echo`` forwards the child's per-step progress lines to this process's stderr.
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_PARENT), env.get("PYTHONPATH", "")) if p)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    results: list[dict[str, Any]] = []
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    start = time.monotonic()
+    killed_for: str | None = None
+    sampled_peak = 0
+
+    # stderr folded into stdout: one pipe, read by a thread, cannot deadlock.
+    proc = subprocess.Popen(
+        _command(spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        env=env, start_new_session=True,
+    )
+
+    def reader() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip("\n")
+            if line.startswith(RESULT_PREFIX):
+                try:
+                    results.append(json.loads(line[len(RESULT_PREFIX) :]))
+                except json.JSONDecodeError:
+                    tail.append(line)
+                continue
+            if echo and _is_progress(line):
+                print(f"  {line}", file=sys.stderr, flush=True)
+            tail.append(line)
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    try:
+        while proc.poll() is None:
+            rss = _group_rss_bytes(proc.pid)
+            sampled_peak = max(sampled_peak, rss)
+            if spec.host_mem_cap_bytes is not None and rss > spec.host_mem_cap_bytes:
+                killed_for = f"host memory {rss / 2**30:.2f} GiB passed the cap of {spec.host_mem_cap_bytes / 2**30:.2f} GiB"
+            elif time.monotonic() - start > timeout_s:
+                killed_for = "timeout"
+            if killed_for is not None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+            time.sleep(_POLL_S)
+    finally:
+        if proc.poll() is None and killed_for is None:  # interrupted: leave nothing behind
+            os.killpg(proc.pid, signal.SIGKILL)
+        returncode = proc.wait()
+        thread.join(timeout=10)
+    wall = time.monotonic() - start
+    record = RunRecord(
+        spec=spec, status="error", n_params=n_params(get(spec.model)), wall_s=wall, created_utc=created,
+        versions=versions(), git_commit=git_commit(), host=socket.gethostname(),
+    )
+    record.details["sampled_peak_group_rss_bytes"] = sampled_peak
+    return _finish(record, results, killed_for, returncode, list(tail), timeout_s)
+
+
+def _finish(
+    record: RunRecord, results: list[dict[str, Any]], killed_for: str | None, returncode: int,
+    tail: list[str], timeout_s: float,
+) -> RunRecord:
+    """Fill ``record`` from the ranks' results, or explain why there are none."""
+    spec = record.spec
+    sampled = record.details["sampled_peak_group_rss_bytes"]
+    rank_peaks = [int(r["peak_host_bytes"]) for r in results if r.get("peak_host_bytes")]
+    record.peak_host_bytes = max(rank_peaks) if rank_peaks else (sampled or None)
+    if killed_for == "timeout":
+        record.status, record.message = "error", f"timeout after {timeout_s:.0f} s"
+        return record
+    if killed_for is not None:
+        record.status, record.message = "oom", f"{killed_for} (killed by the runner's watchdog)"
+        return record
+    results.sort(key=lambda r: r.get("rank", 0))
+    if len(results) < spec.nprocs:
+        # No (or not every) rank reported: a crash outside the child's own handler.
+        last = next((line for line in reversed(tail) if line.strip()), "")
+        if returncode == -signal.SIGKILL:
+            record.status = "oom"
+            record.message = f"killed by SIGKILL (most likely the kernel's OOM killer); last output: {last}"[:500]
+        else:
+            record.status = "error"
+            record.message = f"exit status {returncode}, {len(results)}/{spec.nprocs} ranks reported; last output: {last}"[:500]
+        if not results:
+            return record
+    failed = [r for r in results if r.get("status") != "ok"]
+    if failed:
+        worst = next((r for r in failed if r["status"] == "oom"), failed[0])
+        record.status, record.message = worst["status"], f"rank {worst.get('rank', 0)}: {worst.get('message', '')}"
+        return record
+    if len(results) < spec.nprocs:
+        return record
+    cap = spec.host_mem_cap_bytes
+    if cap is not None and sum(rank_peaks) > cap:
+        record.status = "oom"
+        record.message = (
+            f"peak RSS {sum(rank_peaks) / 2**30:.2f} GiB (ru_maxrss, summed over ranks) passed the cap of "
+            f"{cap / 2**30:.2f} GiB between two samples"
+        )
+        return record
+
+    first = results[0]
+    record.status, record.message = "ok", ""
+    step = max(float(r["step_time_s"]) for r in results)
+    n = record.n_params or 0
+    model = get(spec.model)
+    record.step_time_s = step
+    record.tokens_per_s = spec.nprocs * spec.batch * spec.seq / step
+    record.tflops_per_gpu_patrickstar = flops.tflops(flops.patrickstar_flops(n, spec.batch, spec.seq), step)
+    record.tflops_per_gpu_megatron = flops.tflops(flops.megatron_flops(model, spec.batch, False, seq=spec.seq), step)
+    record.mfu = None if spec.device == "cpu" else flops.mfu(record.tflops_per_gpu_megatron, spec.hardware)
+    record.flops_formulas = {
+        "tflops_per_gpu_patrickstar": flops.FORMULA_PATRICKSTAR,
+        "tflops_per_gpu_megatron": flops.FORMULA_MEGATRON,
+        "mfu": flops.FORMULA_MFU,
+    }
+    peaks = [int(r["peak_device_bytes"]) for r in results if r.get("peak_device_bytes") is not None]
+    record.peak_device_bytes = max(peaks) if peaks else None
+    record.peak_device_kind = first.get("peak_device_kind")
+    skip = {"rank", "status", "message", "peak_device_bytes", "peak_device_kind", "peak_host_bytes", "n_params", "step_time_s"}
+    record.details.update({k: v for k, v in first.items() if k not in skip})
+    record.details["per_rank_peak_host_bytes"] = rank_peaks
+    return record

@@ -1,0 +1,69 @@
+"""Report tables: ours beside published (always labelled so), max-scale summary, CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from chunkstar_bench.cli import main, parse_size
+from chunkstar_bench.report import PUBLISHED_LABEL, maxscale_table, paper_tables, published_table, report
+from chunkstar_bench.results import ResultsDB
+from tests.bench._records import record
+
+
+def test_published_table_is_per_gpu() -> None:
+    table = published_table("a100x8_1tb", "patrickstar")
+    assert table is not None
+    assert table.loc["6B", 1] == pytest.approx(114.0)
+    assert table.loc["6B", 8] == pytest.approx(1180 / 8)
+    assert published_table("cpu", "chunkstar") is None
+
+
+def test_paper_tables_put_ours_beside_published(tmp_path: Path) -> None:
+    db = ResultsDB(tmp_path / "r.sqlite")
+    db.append(record("chunkstar", "GPT3_6B", hardware="a100x8_1tb", step=2.0), suite="paper-a100")
+    db.append(record("chunkstar", "GPT3_6B", hardware="a100x8_1tb", nprocs=2, status="oom"), suite="paper-a100")
+    text = paper_tables(db.runs())
+    assert "a100x8_1tb / chunkstar" in text and "ours:" in text
+    assert f"{PUBLISHED_LABEL}, patrickstar" in text
+    assert f"{PUBLISHED_LABEL}, deepspeed" in text
+    assert "6B" in text
+
+
+def test_cpu_tables_say_there_is_nothing_published(tmp_path: Path) -> None:
+    db = ResultsDB(tmp_path / "r.sqlite")
+    db.append(record("pytorch", "cpu-small"), suite="cpu")
+    db.append(record("fsdp2", "cpu-small", status="error"), suite="cpu")
+    text = report(db.runs())
+    assert "no published numbers for this hardware" in text
+    assert "fsdp2 cpu-small x1: error" in text
+    assert PUBLISHED_LABEL not in text
+
+
+def test_maxscale_table(tmp_path: Path) -> None:
+    db = ResultsDB(tmp_path / "r.sqlite")
+    cap = 8 * 2**30
+    db.append(record("chunkstar", "cpu-355m", cap=cap), suite="max-scale")
+    db.append(record("chunkstar", "cpu-430m", cap=cap, status="oom"), suite="max-scale")
+    db.append(record("deepspeed", "cpu-250m", cap=cap), suite="max-scale")
+    text = maxscale_table(db.runs())
+    assert "cpu-355m (353.9M)" in text and "cpu-430m (429.5M, oom)" in text and "cpu-250m (253.1M)" in text
+    assert "8.00" in text
+
+
+def test_cli_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "r.sqlite"
+    ResultsDB(path).append(record("pytorch", "cpu-small"), suite="cpu")
+    assert main(["report", "--db", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "# Runs" in out and "cpu-small" in out and "# Max-scale search" in out
+    assert main(["report", "--db", str(tmp_path / "missing.sqlite")]) == 2
+
+
+def test_parse_size() -> None:
+    assert parse_size("8GiB") == 8 * 2**30
+    assert parse_size("1.5 GB") == 1_500_000_000
+    assert parse_size("4096") == 4096
+    with pytest.raises(Exception, match="not a size"):
+        parse_size("lots")

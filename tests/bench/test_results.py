@@ -1,0 +1,91 @@
+"""The SQLite results file: round trip, schema version, concurrent appends."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+
+from chunkstar_bench.results import COLUMNS, SCHEMA_VERSION, ResultsDB, SchemaVersionError
+from tests.bench._records import record
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    db = ResultsDB(tmp_path / "r.sqlite")
+    rid = db.append(record("chunkstar", "cpu-small"), suite="cpu")
+    db.append(record("deepspeed", "cpu-small", status="oom"), suite="cpu")
+    df = db.runs()
+    assert list(df.columns) == [name for name, _ in COLUMNS]
+    assert len(df) == 2 and df.iloc[0]["id"] == rid
+    row = df.iloc[0]
+    assert (row["system"], row["model"], row["status"], row["suite"], row["seq_len"]) == ("chunkstar", "cpu-small", "ok", "cpu", 128)
+    assert row["step_time_s"] == pytest.approx(0.5)
+    config = json.loads(row["config_json"])
+    assert config["spec"]["system"] == "chunkstar" and config["details"]["losses"] == [1.0, 0.9]
+    assert "8*N*B*s" in config["flops_formulas"]["tflops_per_gpu_patrickstar"]
+    assert json.loads(row["versions_json"]) == {"torch": "x"}
+    assert df.iloc[1]["status"] == "oom" and df.iloc[1]["message"].startswith("MemoryError")
+    assert df.iloc[1]["step_time_s"] != df.iloc[1]["step_time_s"]  # NaN: no figure for a failed run
+    assert list(db.runs(system="deepspeed")["status"]) == ["oom"]
+    assert len(db.runs(system=["deepspeed", "chunkstar"], suite="cpu")) == 2
+    assert db.runs(model="cpu-base").empty
+    with pytest.raises(KeyError, match="config_json"):
+        db.runs(config_json="{}")
+
+
+def test_reopen_keeps_rows_and_version(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite"
+    ResultsDB(path).append(record(), suite="a")
+    ResultsDB(path).append(record(), suite="b")
+    assert list(ResultsDB(path).runs()["suite"]) == ["a", "b"]
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite"
+    ResultsDB(path)
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(SchemaVersionError, match="newer"):
+        ResultsDB(path)
+
+
+def test_foreign_sqlite_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "other.sqlite"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE things (x)")
+    with pytest.raises(SchemaVersionError, match="things"):
+        ResultsDB(path)
+
+
+def test_status_must_be_known(tmp_path: Path) -> None:
+    db = ResultsDB(tmp_path / "r.sqlite")
+    with pytest.raises(sqlite3.IntegrityError):
+        db.append(record(status="maybe"), suite="x")
+
+
+def test_appends_from_two_connections_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite"
+    first, second = ResultsDB(path), ResultsDB(path)
+    errors: list[BaseException] = []
+
+    def writer(db: ResultsDB, suite: str) -> None:
+        try:
+            for _ in range(25):
+                db.append(record(), suite=suite)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(first, "one")), threading.Thread(target=writer, args=(second, "two"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    df = ResultsDB(path).runs()
+    assert len(df) == 50 and sorted(df["id"]) == list(range(1, 51))
+    assert (df["suite"] == "one").sum() == 25

@@ -1,0 +1,93 @@
+"""The Benchmarks page, run headless by ``AppTest`` on a real results SQLite (``_bench_db``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from streamlit.testing.v1 import AppTest
+
+from ._bench_db import COMMITS, MAXSCALE_OK
+from .conftest import APP
+
+PAGE = "views/benchmarks.py"
+
+
+def _page(db: Path | str | None = None) -> AppTest:
+    at = AppTest.from_file(str(APP), default_timeout=90)
+    if db is not None:
+        at.session_state["bench_db_path"] = str(db)  # as `-- --bench-db PATH` would
+    at.run()
+    return at.switch_page(PAGE).run()
+
+
+def _assert_clean(at: AppTest) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+
+
+def test_without_a_database_shows_published_and_planned(tmp_path: Path) -> None:
+    at = _page()
+    _assert_clean(at)
+    assert at.title[0].value == "Benchmarks"
+    assert any("No results database loaded" in i.value for i in at.info)
+    charts = at.get("plotly_chart")
+    assert len(charts) == 2  # throughput (published overlay) + max scale (published, planned); no trends
+    assert any("No successful runs" in i.value for i in at.info)
+    table = at.dataframe[0].value
+    assert set(table["source"]) == {"published", "planned"}
+    v100 = table[(table["hardware"] == "v100x8_240gb") & (table["system"] == "chunkstar")].set_index("source")
+    assert v100.loc["published", "model"] == "18B (PatrickStar)"
+    assert v100.loc["planned", "model"].startswith("GPT")
+
+
+def test_with_a_results_database(bench_db_path: Path) -> None:
+    at = _page(bench_db_path)
+    _assert_clean(at)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Runs"] == "63" and metrics["Out of memory / error"] == "2 / 0"
+    assert metrics["Regressions flagged"] == "1"
+    assert len(at.get("plotly_chart")) == 3
+    assert at.selectbox(key="bench_hardware").value == "cpu-2core"
+    # max scale: measured bars for the CPU node, published and planned beside them
+    table = at.dataframe[0].value
+    measured = table[table["source"] == "measured"].set_index("system")["model"].to_dict()
+    assert measured["chunkstar"] == MAXSCALE_OK["chunkstar"] and measured["deepspeed"] == MAXSCALE_OK["deepspeed"]
+    assert {"measured", "published", "planned"} == set(table["source"])
+    # trends: the nightly suite, the one regressed run named with its commit
+    assert at.selectbox(key="bench_suite").value == "nightly"
+    assert any("1 run(s) flagged" in w.value for w in at.warning)
+    flagged = at.dataframe[1].value
+    assert set(flagged["git_commit"]) == {COMMITS[-1]}
+    assert set(flagged["metric"]) == {"tokens_per_s", "tflops_per_gpu_patrickstar", "peak_device_bytes", "peak_host_bytes"}
+    assert (flagged.loc[flagged["metric"] == "tokens_per_s", "change_pct"] < -25).all()
+    # widgets: no overlay, one node, one series
+    at.selectbox(key="bench_overlay").set_value("(none)").run()
+    at.multiselect(key="bench_scale_nodes").set_value(["cpu-2core"]).run()
+    at.multiselect(key="bench_series").set_value(["deepspeed cpu-tiny x1 b4 (cpu-2core)"]).run()
+    _assert_clean(at)
+    assert len(at.get("plotly_chart")) == 3
+    assert any("1 run(s) flagged" in w.value for w in at.warning)  # the list covers the suite, not the chart's pick
+    # the max-scale suite's runs are one run per series: nothing to flag there
+    at.selectbox(key="bench_suite").set_value("maxscale").run()
+    _assert_clean(at)
+    assert any("No regressions flagged" in s.value for s in at.success)
+
+
+def test_bad_database_shows_an_error(tmp_path: Path) -> None:
+    bad = tmp_path / "not.sqlite"
+    bad.write_bytes(b"not a database\n" * 100)
+    at = _page(bad)
+    assert not at.exception
+    assert len(at.error) == 1 and "not a readable chunkstar-bench results database" in at.error[0].value
+    assert not at.get("plotly_chart")
+    at.text_input(key="bench_db_path").input(str(tmp_path / "missing.sqlite")).run()
+    assert not at.exception and "Cannot open" in at.error[0].value
+
+
+def test_profile_pages_still_work_with_the_benchmarks_page(profile_path: Path, bench_db_path: Path) -> None:
+    at = AppTest.from_file(str(APP), default_timeout=90)
+    at.session_state["profile_path"] = str(profile_path)
+    at.session_state["bench_db_path"] = str(bench_db_path)
+    at.run()
+    _assert_clean(at)
+    assert at.title[0].value == "Memory timeline" and len(at.get("plotly_chart")) == 1
