@@ -42,7 +42,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from chunkstar_bench.runner import RESULT_PREFIX, RunSpec
+from chunkstar_bench.runner import RESULT_DIR_ENV, RESULT_PREFIX, RunSpec
 from chunkstar_bench.zoo import ModelSpec, build_hf, get, n_params
 
 __all__ = ["main"]
@@ -474,7 +474,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     spec = RunSpec.from_json(args.spec)
     result = run_in_this_process(spec)
-    print(RESULT_PREFIX + json.dumps(result, default=str), flush=True)
+    line = json.dumps(result, default=str)
+    out_dir = os.environ.get(RESULT_DIR_ENV)
+    if out_dir:
+        # a file per rank: under torchrun the ranks share one stdout pipe, and a long
+        # line from one rank can be cut by another's writes
+        rank = result.get("rank", 0)
+        tmp = os.path.join(out_dir, f"rank{rank}.json.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(line)
+        os.replace(tmp, os.path.join(out_dir, f"rank{rank}.json"))
+    else:
+        print(RESULT_PREFIX + line, flush=True)
     try:
         import torch.distributed as dist
 

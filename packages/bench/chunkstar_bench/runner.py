@@ -32,10 +32,12 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -52,6 +54,7 @@ DEVICES: tuple[str, ...] = ("cpu", "cuda")
 STATUSES: tuple[str, ...] = ("ok", "oom", "error")
 
 RESULT_PREFIX = "CHUNKSTAR_BENCH_RESULT "
+RESULT_DIR_ENV = "CHUNKSTAR_BENCH_RESULT_DIR"  # children write rank<r>.json there (stdout line as fallback)
 """A child's stdout line that starts with this carries one rank's JSON result."""
 
 System = Literal["chunkstar", "deepspeed", "fsdp2", "pytorch"]
@@ -223,6 +226,8 @@ def run(spec: RunSpec, timeout_s: float = 1800.0, *, echo: bool = True) -> RunRe
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    result_dir = tempfile.mkdtemp(prefix="chunkstar-bench-")
+    env[RESULT_DIR_ENV] = result_dir
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     results: list[dict[str, Any]] = []
     tail: collections.deque[str] = collections.deque(maxlen=40)
@@ -275,6 +280,12 @@ def run(spec: RunSpec, timeout_s: float = 1800.0, *, echo: bool = True) -> RunRe
         versions=versions(), git_commit=git_commit(), host=socket.gethostname(),
     )
     record.details["sampled_peak_group_rss_bytes"] = sampled_peak
+    for f in sorted(Path(result_dir).glob("rank*.json")):
+        try:
+            results.append(json.loads(f.read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError) as e:
+            tail.append(f"unreadable result file {f.name}: {e}")
+    shutil.rmtree(result_dir, ignore_errors=True)
     return _finish(record, results, killed_for, returncode, list(tail), timeout_s)
 
 
