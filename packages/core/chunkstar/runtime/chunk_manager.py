@@ -120,18 +120,19 @@ class ChunkManager:
         """Whether this rank owns the chunk (always, in a single process)."""
         return self.layout.owner(chunk_id) == self.comm.rank
 
-    def allocate_all_on_host(self) -> None:
-        """Own chunks of every list start on the host; other ranks' chunks have no
-        payload here (param chunks are gathered when used, state chunks never exist)."""
+    def allocate_on_host(self, chunk_id: int) -> None:
+        """Chunk ``chunk_id`` of every list starts on the host, if this rank owns it;
+        other ranks' chunks have no payload here (param chunks are gathered when
+        used, state chunks never exist)."""
+        if not self.own(chunk_id):
+            return
         with self.probe.paused():
             for name in CHUNK_LISTS:
-                for c in self.chunks[name]:
-                    if not self.own(c.chunk_id):
-                        continue
-                    c.allocate(Tier.HOST)
-                    self.host_chunk_bytes += c.nbytes
-                    if self.events.active:
-                        self.events.emit(ChunkAllocated(c.chunk_id, name, Tier.HOST, c.nbytes, time.perf_counter_ns()))
+                c = self.chunks[name][chunk_id]
+                c.allocate(Tier.HOST)
+                self.host_chunk_bytes += c.nbytes
+                if self.events.active:
+                    self.events.emit(ChunkAllocated(c.chunk_id, name, Tier.HOST, c.nbytes, time.perf_counter_ns()))
 
     def resident(self, key: Key) -> bool:
         return self.chunks[key[0]][key[1]].location is ChunkLocation.DEVICE

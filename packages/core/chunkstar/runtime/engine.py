@@ -83,19 +83,22 @@ class ChunkEngine:
             layout, dtype, cfg.device, _device_capacity(cfg), cfg.eviction_policy, make_probe(cfg.device), self.events,
             self.comm,
         )  # fmt: skip
-        self.mgr.allocate_all_on_host()
+        # Chunk by chunk: copy the parameters in, then point them at their views, which
+        # frees the model's own (fp32) storage as we go, so host memory peaks at about
+        # one chunk above the chunks' own bytes, not at model + chunks.
         with torch.no_grad():
             for s, p in zip(layout.slots, self._params):
-                src = p.detach().reshape(-1)
-                if not src.is_floating_point():
+                if not p.is_floating_point():
                     raise TypeError(f"parameter '{s.name}' has dtype {p.dtype}; chunkstar manages floating-point parameters")
-                self.mgr.set_state(s.index, TensorState.HOLD)
-                if not self.mgr.own(s.chunk_id):
-                    continue  # another rank keeps it; every rank built the same model from the same seed
-                self.mgr.chunks[MASTER][s.chunk_id].payload[s.offset : s.end].copy_(src)
-                self.mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end].copy_(src)
             for cid in range(layout.n_chunks):
+                self.mgr.allocate_on_host(cid)
                 slots = self.mgr.slots_of(cid)
+                for s in slots:
+                    self.mgr.set_state(s.index, TensorState.HOLD)
+                    if self.mgr.own(cid):  # other ranks keep the rest; all built the same model from one seed
+                        src = self._params[s.index].detach().reshape(-1)
+                        self.mgr.chunks[MASTER][cid].payload[s.offset : s.end].copy_(src)
+                        self.mgr.chunks[PARAM][cid].payload[s.offset : s.end].copy_(src)
                 views = self.mgr.chunks[PARAM][cid].device_views([(s.offset, s.end, s.shape) for s in slots])
                 for s, view in zip(slots, views):
                     self._params[s.index].data = view
