@@ -8,9 +8,9 @@ step is two passes over the chunks that hold gradients:
    host for host Adam, the device with its state chunks for device Adam,
    see :mod:`chunkstar.placement.optimizer`) and take the L2 norm of its
    gradient ranges (the global norm for clipping; inf/nan means fp16 overflow);
-2. *update*: one fused Adam call per run of slots that share a parameter
-   group and a step count, over fp32 views of the chunks, then cast the new
-   master back into the param slots.
+2. *update*: one fused Adam call per device, parameter group and step count,
+   over the fp32 views of every chunk's runs of slots, then one foreach cast of
+   the new masters back into the param slots.
 
 It subclasses ``torch.optim.Optimizer`` so LR schedulers work through
 ``param_groups``. Parameters that got no gradient are skipped, as
@@ -99,13 +99,15 @@ class ChunkAdam(torch.optim.Optimizer):
         if not grad_slots and not comm.distributed:
             return
 
-        # pass 1: place, then norm of every contiguous gradient range
-        norms: list[torch.Tensor] = []
+        # pass 1: place, then the norm of every contiguous gradient range, one foreach
+        # call per device (a model of many chunks must not pay a kernel call per chunk)
+        ranges: dict[torch.device, list[torch.Tensor]] = {}
         for cid, slots in grad_slots.items():
             self._place(cid)
             g = mgr.chunks[PARAM][cid].payload
             for _, a, b in _runs(slots, lambda s: 0):
-                norms.append(torch.linalg.vector_norm(g[a:b], dtype=torch.float32).to("cpu"))
+                ranges.setdefault(g.device, []).append(g[a:b])
+        norms = [n.to("cpu") for rs in ranges.values() for n in torch._foreach_norm(rs, 2, dtype=torch.float32)]
         if comm.distributed:
             # every rank joins, even one without gradients (Note [collective schedule])
             sq = torch.stack(norms).square().sum() if norms else torch.zeros(())
@@ -129,10 +131,7 @@ class ChunkAdam(torch.optim.Optimizer):
             factor = torch.clamp(torch.tensor(clip) / (total / scaler.scale + 1e-6), max=1.0)
         if scaler.enabled:
             factor = factor / scaler.scale
-
-        # pass 2: fused Adam per (group, step) run, then cast master -> param
-        for cid, slots in grad_slots.items():
-            self._update_chunk(cid, slots, factor, apply_factor=clip > 0 or scaler.enabled)
+        self._update(grad_slots, factor, apply_factor=clip > 0 or scaler.enabled)
         scaler.update(overflow=False)
 
     def _place(self, cid: int) -> None:
@@ -145,31 +144,41 @@ class ChunkAdam(torch.optim.Optimizer):
             for name in (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ):
                 mgr.to_host((name, cid), MoveReason.OPTIMIZER)
 
-    def _update_chunk(self, cid: int, slots: list[TensorSlot], factor: torch.Tensor, apply_factor: bool) -> None:
+    def _update(self, grad_slots: dict[int, list[TensorSlot]], factor: torch.Tensor, apply_factor: bool) -> None:
+        """Pass 2: one fused Adam call per (device, parameter group, step count) over the
+        fp32 views of every chunk's runs, then one foreach cast of the masters back
+        into the param slots."""
         mgr = self._engine.mgr
-        p = mgr.chunks[PARAM][cid].payload
-        master = mgr.chunks[MASTER][cid].payload
-        m = mgr.chunks[EXP_AVG][cid].payload
-        v = mgr.chunks[EXP_AVG_SQ][cid].payload
         fused = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
-        if apply_factor:
-            factor = factor.to(p.device)
-        for (gi, step), a, b in _runs(slots, lambda s: (self._group_of[s.index], self._steps[s.index])):
+        buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]] = {}
+        for cid, slots in grad_slots.items():
+            p = mgr.chunks[PARAM][cid].payload
+            master = mgr.chunks[MASTER][cid].payload
+            m = mgr.chunks[EXP_AVG][cid].payload
+            v = mgr.chunks[EXP_AVG_SQ][cid].payload
+            for (gi, step), a, b in _runs(slots, lambda s: (self._group_of[s.index], self._steps[s.index])):
+                lists = buckets.setdefault((p.device, gi, step), ([], [], [], [], []))
+                lists[0].append(master[a:b])
+                lists[1].append(p[a:b] if p.dtype == torch.float32 else p[a:b].float())  # fp32 gradient
+                lists[2].append(m[a:b])
+                lists[3].append(v[a:b])
+                lists[4].append(p[a:b])
+        for (device, gi, step), (masters, grads, ms, vs, params) in buckets.items():
             group = self.param_groups[gi]
             beta1, beta2 = group["betas"]
-            grad = p[a:b] if p.dtype == torch.float32 else p[a:b].float()
             if apply_factor:
-                grad.mul_(factor)
-            step_t = torch.tensor(float(step + 1), device=p.device)
+                torch._foreach_mul_(grads, factor.to(device))
+            step_t = torch.tensor(float(step + 1), device=device)  # read-only in the kernel: shared
             fused(
-                [master[a:b]], [grad], [m[a:b]], [v[a:b]], [], [step_t],
+                masters, grads, ms, vs, [], [step_t] * len(masters),
                 lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
                 amsgrad=False, maximize=False,
             )  # fmt: skip
-            p[a:b].copy_(master[a:b])
-        for s in slots:
-            self._steps[s.index] += 1
-            mgr.set_state(s.index, TensorState.HOLD)
+            torch._foreach_copy_(params, masters)
+        for slots in grad_slots.values():
+            for s in slots:
+                self._steps[s.index] += 1
+                mgr.set_state(s.index, TensorState.HOLD)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
