@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["ChunkAdam"]
 
 _FORMAT = "chunkstar.ChunkAdam/1"
+_BATCH_ELEMENTS = 1 << 22  # gradient elements per batch of fused calls (16 MiB of fp32 copies)
 
 
 def _runs(slots: list[TensorSlot], key: Callable[[TensorSlot], Any]) -> list[tuple[Any, int, int]]:
@@ -145,12 +146,31 @@ class ChunkAdam(torch.optim.Optimizer):
                 mgr.to_host((name, cid), MoveReason.OPTIMIZER)
 
     def _update(self, grad_slots: dict[int, list[TensorSlot]], factor: torch.Tensor, apply_factor: bool) -> None:
-        """Pass 2: one fused Adam call per (device, parameter group, step count) over the
-        fp32 views of every chunk's runs, then one foreach cast of the masters back
-        into the param slots."""
+        """Pass 2: fused Adam over the fp32 views of many chunks' runs at once, one call
+        per (device, parameter group, step count), then a foreach cast of the masters
+        back into the param slots. Chunks are taken in batches of at most
+        ``_BATCH_ELEMENTS`` gradient elements: bf16/fp16 gradients need fp32 copies,
+        and all of them at once would cost 4 bytes per parameter of extra memory."""
         mgr = self._engine.mgr
         fused = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
         buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]] = {}
+        pending = 0
+
+        def flush() -> None:
+            for (device, gi, step), (masters, grads, ms, vs, params) in buckets.items():
+                group = self.param_groups[gi]
+                beta1, beta2 = group["betas"]
+                if apply_factor:
+                    torch._foreach_mul_(grads, factor.to(device))
+                step_t = torch.tensor(float(step + 1), device=device)  # read-only in the kernel: shared
+                fused(
+                    masters, grads, ms, vs, [], [step_t] * len(masters),
+                    lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                    amsgrad=False, maximize=False,
+                )  # fmt: skip
+                torch._foreach_copy_(params, masters)
+            buckets.clear()
+
         for cid, slots in grad_slots.items():
             p = mgr.chunks[PARAM][cid].payload
             master = mgr.chunks[MASTER][cid].payload
@@ -163,18 +183,11 @@ class ChunkAdam(torch.optim.Optimizer):
                 lists[2].append(m[a:b])
                 lists[3].append(v[a:b])
                 lists[4].append(p[a:b])
-        for (device, gi, step), (masters, grads, ms, vs, params) in buckets.items():
-            group = self.param_groups[gi]
-            beta1, beta2 = group["betas"]
-            if apply_factor:
-                torch._foreach_mul_(grads, factor.to(device))
-            step_t = torch.tensor(float(step + 1), device=device)  # read-only in the kernel: shared
-            fused(
-                masters, grads, ms, vs, [], [step_t] * len(masters),
-                lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                amsgrad=False, maximize=False,
-            )  # fmt: skip
-            torch._foreach_copy_(params, masters)
+                pending += b - a
+            if pending >= _BATCH_ELEMENTS:
+                flush()
+                pending = 0
+        flush()
         for slots in grad_slots.values():
             for s in slots:
                 self._steps[s.index] += 1
