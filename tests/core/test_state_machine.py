@@ -47,21 +47,3 @@ def test_chunk_moves_keep_views_valid_and_free_the_other_tier() -> None:
     assert view[0, 0].item() == 42.0  # the same view sees the data again
     with pytest.raises(ChunkStateError):
         c.move_to(Tier.DEVICE)
-
-
-def test_host_buffers_are_reused_and_the_pool_is_bounded() -> None:
-    from chunkstar.chunk.chunk import HostBufferPool
-
-    pool = HostBufferPool(per_size=2)
-    c = Chunk(0, "param", 8, torch.float32, torch.device("cpu"), pool)
-    c.allocate(Tier.HOST)
-    c.payload.copy_(torch.arange(8.0))
-    first_host = c.payload.data_ptr()
-    c.move_to(Tier.DEVICE)
-    assert pool.nbytes == 8 * 4  # the host buffer waits in the pool
-    c.move_to(Tier.HOST)
-    assert c.payload.data_ptr() == first_host and pool.nbytes == 0  # and is taken again
-    assert torch.equal(c.payload, torch.arange(8.0))
-    for _ in range(5):
-        pool.give(torch.empty(8))
-    assert pool.nbytes == 2 * 8 * 4

@@ -19,42 +19,11 @@ import torch
 from chunkstar.chunk.state import ChunkLocation, check_location_transition
 from chunkstar.events import Tier
 
-__all__ = ["Chunk", "HostBufferPool"]
-
-
-class HostBufferPool:
-    """Freed host payloads, kept for the next move to the host.
-
-    A fresh multi-megabyte CPU allocation page-faults on its first touch: on this
-    project's machine allocating and filling 64 MB took 19.6 ms against 2.7 ms for
-    copying into memory already touched. Keeping a few freed buffers per size makes
-    a move cost about a memcpy. On CUDA host buffers are pinned and torch's own
-    caching host allocator already reuses them, so the pool is not used there.
-    """
-
-    def __init__(self, per_size: int = 4) -> None:
-        self.per_size = per_size
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-
-    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        bucket = self._free.get((numel, dtype))
-        return bucket.pop() if bucket else torch.empty(numel, dtype=dtype)
-
-    def give(self, t: torch.Tensor) -> None:
-        bucket = self._free.setdefault((t.numel(), t.dtype), [])
-        if len(bucket) < self.per_size:
-            bucket.append(t)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for b in self._free.values() for t in b)
+__all__ = ["Chunk"]
 
 
 class Chunk:
-    def __init__(
-        self, chunk_id: int, list_name: str, numel: int, dtype: torch.dtype, device: torch.device,
-        pool: HostBufferPool | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, chunk_id: int, list_name: str, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.chunk_id = chunk_id
         self.list_name = list_name
         self.numel = numel
@@ -63,7 +32,6 @@ class Chunk:
         self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.location = ChunkLocation.RELEASED
         self._pin = device.type == "cuda"
-        self._pool = None if self._pin else pool
         # 1-D, on `device`; storage is 0 bytes unless location is DEVICE (Note [persistent device storage])
         self._device_buf = torch.empty(numel, dtype=dtype, device=device)
         self._device_buf.untyped_storage().resize_(0)
@@ -120,8 +88,6 @@ class Chunk:
         self._device_buf.untyped_storage().resize_(self.nbytes)
 
     def _new_host(self) -> torch.Tensor:
-        if self._pool is not None:
-            return self._pool.take(self.numel, self.dtype)
         return torch.empty(self.numel, dtype=self.dtype, pin_memory=self._pin)
 
     def allocate(self, tier: Tier) -> None:
@@ -163,8 +129,6 @@ class Chunk:
                 # kernels on that stream are ordered after it, and the caching host
                 # allocator keeps the pinned block alive until the copy is done.
                 self._device_buf.copy_(self._host_buf, non_blocking=self._pin)
-            if self._pool is not None:
-                self._pool.give(self._host_buf)
             self._host_buf = None
             self.location = ChunkLocation.DEVICE
         else:

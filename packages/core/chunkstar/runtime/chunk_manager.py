@@ -20,7 +20,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from chunkstar.chunk.chunk import Chunk, HostBufferPool
+from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.layout import ChunkLayout, TensorSlot
 from chunkstar.chunk.state import ChunkLocation, TensorState, check_tensor_transition
 from chunkstar.config import EvictionPolicyName
@@ -59,10 +59,9 @@ class ChunkManager:
         self.policy = policy
         self.probe = probe
         self.events = events
-        self.host_pool = HostBufferPool()  # freed host payloads, reused by later moves (CPU device only)
         self.chunks: dict[str, list[Chunk]] = {
             name: [
-                Chunk(i, name, n, compute_dtype if name == PARAM else torch.float32, device, self.host_pool)
+                Chunk(i, name, n, compute_dtype if name == PARAM else torch.float32, device)
                 for i, n in enumerate(layout.chunk_sizes)
             ]
             for name in CHUNK_LISTS

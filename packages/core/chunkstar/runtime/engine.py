@@ -568,7 +568,6 @@ class ChunkEngine:
             "moves_by_reason": dict(mgr.moves_by_reason),
             "model_data_bytes": mgr.model_data_bytes(),
             "master_and_adam_bytes": mgr.state_bytes(),
-            "host_pool_bytes": mgr.host_pool.nbytes,  # freed host payloads kept for reuse
             "world_size": self.comm.world_size,
             "rank": self.comm.rank,
             "all_gathers": mgr.gathers,
