@@ -142,7 +142,7 @@ def main() -> None:
     print(f"  moves by reason      {s['moves_by_reason']}")
     print(f"  Adam on the device   {s['device_adam_chunks']} of {s['n_chunks']} chunks")
     if profiler is not None:
-        print(f"\nprofile written to {saved}; look at it with")
+        print(f"\nprofile written to {saved}; look at it with (in the environment ./dev set up, e.g. `. .venv/bin/activate`)")
         print(f"  chunkstar-profile summary {saved}")
         print(f"  chunkstar-profile export-chrome {saved} {saved}.trace.json   # then open it in ui.perfetto.dev")
         print(f"  streamlit run dashboards/app.py -- --profile {saved}")
