@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import importlib.metadata
 import json
 import os
 import platform
@@ -250,13 +249,9 @@ def _merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _versions() -> dict[str, str]:
-    found: dict[str, str] = {}
-    for dist in ("torch", "transformers", "deepspeed", "chunkstar"):
-        try:
-            found[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            found[dist] = "not installed"
-    return found
+    from chunkstar_bench.runner import versions
+
+    return versions()
 
 
 def _machine() -> dict[str, Any]:

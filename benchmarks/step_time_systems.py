@@ -328,31 +328,12 @@ def _free_port() -> int:
 
 
 def _deepspeed_config(spec: RunSpec, *, ds_cpu_adam: bool) -> dict[str, Any]:
-    """ZeRO-3 with params and optimizer offloaded to CPU, bf16, the shared AdamW settings."""
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": spec.batch,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
-        "bf16": {"enabled": True},
-        "zero_optimization": {
-            "stage": 3,
-            # pin_memory: there is no device to DMA to; pinning CPU memory for a
-            # CPU "device" would only cost page-locked RAM.
-            "offload_param": {"device": "cpu", "pin_memory": False},
-            "offload_optimizer": {"device": "cpu", "pin_memory": False},
-        },
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-    if ds_cpu_adam:
-        # With offload_optimizer, DeepSpeed turns this into DeepSpeedCPUAdam(adamw_mode=True).
-        config["optimizer"] = {"type": "AdamW", "params": _adamw_params(spec)}
-    else:
-        # Fallback when the cpu_adam C++ op cannot be built: hand DeepSpeed a
-        # torch optimizer and allow it to be used with offload.
-        config["zero_allow_untested_optimizer"] = True
-        config["zero_force_ds_cpu_optimizer"] = False
-    return config
+    """The bench suite's ZeRO-3 offload config (one definition for both benchmarks)."""
+    from chunkstar_bench.child import deepspeed_zero3_offload_config
+
+    return deepspeed_zero3_offload_config(
+        batch=spec.batch, adamw=_adamw_params(spec), pin_memory=False, ds_cpu_adam=ds_cpu_adam
+    )
 
 
 def _run_deepspeed(spec: RunSpec) -> dict[str, Any]:

@@ -294,29 +294,41 @@ def _run_chunkstar(ctx: _Context) -> dict[str, Any]:
     }
 
 
-def _deepspeed_config(ctx: _Context, *, ds_cpu_adam: bool) -> dict[str, Any]:
-    """ZeRO-3, params and optimizer offloaded to CPU, bf16, the shared AdamW settings."""
-    pin = ctx.device == "cuda"  # pinning only helps DMA to a real device
+def deepspeed_zero3_offload_config(
+    *, batch: int, adamw: dict[str, Any], pin_memory: bool, ds_cpu_adam: bool
+) -> dict[str, Any]:
+    """ZeRO-3 with params and optimizer offloaded to CPU, bf16, clipping 1.0.
+
+    ``pin_memory`` only helps DMA to a real device; on a CPU-only machine it would
+    just lock RAM. With ``ds_cpu_adam`` DeepSpeed builds DeepSpeedCPUAdam(adamw_mode)
+    from the ``optimizer`` entry; without it (the C++ op could not be built) the
+    caller hands DeepSpeed a torch optimizer, which these keys allow with offload.
+    Shared with ``benchmarks/step_time.py``."""
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": ctx.spec.batch,
+        "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
         "zero_optimization": {
             "stage": 3,
-            "offload_param": {"device": "cpu", "pin_memory": pin},
-            "offload_optimizer": {"device": "cpu", "pin_memory": pin},
+            "offload_param": {"device": "cpu", "pin_memory": pin_memory},
+            "offload_optimizer": {"device": "cpu", "pin_memory": pin_memory},
         },
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
     if ds_cpu_adam:
-        # With offload_optimizer DeepSpeed turns this into DeepSpeedCPUAdam(adamw_mode=True).
-        config["optimizer"] = {"type": "AdamW", "params": _ADAMW}
+        config["optimizer"] = {"type": "AdamW", "params": adamw}
     else:
         config["zero_allow_untested_optimizer"] = True
         config["zero_force_ds_cpu_optimizer"] = False
     return config
+
+
+def _deepspeed_config(ctx: _Context, *, ds_cpu_adam: bool) -> dict[str, Any]:
+    return deepspeed_zero3_offload_config(
+        batch=ctx.spec.batch, adamw=_ADAMW, pin_memory=ctx.device == "cuda", ds_cpu_adam=ds_cpu_adam
+    )
 
 
 def _run_deepspeed(ctx: _Context) -> dict[str, Any]:
