@@ -23,6 +23,7 @@ import streamlit as st  # noqa: E402
 
 from chunkstar_dashboard import loading  # noqa: E402
 from chunkstar_dashboard.data import ProfileData, format_bytes  # noqa: E402
+from chunkstar_dashboard.text import escape_markdown  # noqa: E402
 
 
 def _cli_args() -> argparse.Namespace:
@@ -36,19 +37,23 @@ def _cli_args() -> argparse.Namespace:
 
 
 def _sidebar_summary(p: ProfileData) -> None:
+    # Every string from the file is escaped: a model name of `**x**` or `[x](url)` shows as typed.
     m = p.meta
     chunk_size = m.get("chunk_size")
     lines = [
-        f"**{p.name}**",
-        f"model `{m.get('model_name', '?')}`, {m.get('n_params', 0) / 1e6:,.2f}M params"
-        + (f", {m['precision']}" if m.get("precision") else ""),
-        f"{m.get('n_chunks', '?')} chunks" + (f" of {chunk_size:,} elements" if isinstance(chunk_size, int) else ""),
-        f"device `{m.get('device', '?')}`, budget " + (format_bytes(m["budget_bytes"]) if m.get("budget_bytes") else "unbounded"),
-        f"{m.get('iterations', '?')} iterations, {p.duration_s:.3f} s recorded",
+        f"**{escape_markdown(p.name)}**",
+        f"model {escape_markdown(m.get('model_name', '?'))}, {m.get('n_params', 0) / 1e6:,.2f}M params"
+        + (f", {escape_markdown(m['precision'])}" if m.get("precision") else ""),
+        f"{escape_markdown(m.get('n_chunks', '?'))} chunks" + (f" of {chunk_size:,} elements" if isinstance(chunk_size, int) else ""),
+        f"device {escape_markdown(m.get('device', '?'))}, budget " + (format_bytes(m["budget_bytes"]) if m.get("budget_bytes") else "unbounded"),
+        f"{escape_markdown(m.get('iterations', '?'))} iterations, {p.duration_s:.3f} s recorded",
     ]
     created = m.get("created_unix")
     if isinstance(created, (int, float)) and created > 0:
-        lines.append(f"recorded {datetime.datetime.fromtimestamp(created):%Y-%m-%d %H:%M}")
+        try:
+            lines.append(f"recorded {datetime.datetime.fromtimestamp(created):%Y-%m-%d %H:%M}")
+        except (OverflowError, OSError, ValueError):  # a time no calendar holds: leave the line out
+            pass
     st.sidebar.caption("  \n".join(lines))
 
 

@@ -32,7 +32,7 @@ def _runs(path: str, mtime_ns: int, size: int) -> pd.DataFrame:
     del mtime_ns, size  # part of the cache key only
     from chunkstar_bench.results import ResultsDB
 
-    return ResultsDB(path).runs()
+    return ResultsDB(path, read_only=True).runs()  # the dashboard never creates or changes a results file
 
 
 def load_runs(path: str) -> pd.DataFrame:

@@ -2,13 +2,13 @@
 
 Parsing goes through ``chunkstar_profiler.load`` and is cached by
 ``st.cache_data``: a file on disk by (path, mtime, size), so an edited file is
-read again; an upload by its bytes. A file that is missing or not a profile
-becomes a ``ProfileLoadError`` whose text the page shows (no traceback).
+read again; an upload by its bytes. A file that is missing, not a profile, or
+hostile (the profiler refuses those with ``ProfileFormatError``) becomes a
+``ProfileLoadError`` whose text the page shows, escaped (no traceback).
 """
 
 from __future__ import annotations
 
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +17,11 @@ import chunkstar_profiler
 import streamlit as st
 
 from .data import ProfileData
+from .text import escape_markdown
 
-__all__ = ["Loaded", "ProfileLoadError", "current_profile", "load_path", "load_upload", "profile_picker", "set_current"]
+__all__ = [
+    "Loaded", "ProfileLoadError", "current_profile", "load_path", "load_upload", "profile_picker", "set_current", "show_error",
+]  # fmt: skip
 
 _CURRENT = "chunkstar_current_profile"
 """Session-state key of the ``Loaded`` that the main script picked this run."""
@@ -44,11 +47,8 @@ def _parse_path(path: str, mtime_ns: int, size: int) -> ProfileData:
 
 @st.cache_data(show_spinner="Reading profile...", max_entries=16)
 def _parse_bytes(data: bytes, name: str) -> ProfileData:
-    # The profiler reads paths; keep the file name (and so its suffix) in the temporary copy.
-    with tempfile.TemporaryDirectory(prefix="chunkstar-upload-") as tmp:
-        path = Path(tmp) / (Path(name).name or "upload")
-        path.write_bytes(data)
-        return ProfileData.from_profile(chunkstar_profiler.load(path), Path(name).name)
+    # Read from the bytes: the upload's name is the user's, never a path to write to.
+    return ProfileData.from_profile(chunkstar_profiler.load(data, name=name), name)
 
 
 def load_path(path: str | Path) -> ProfileData:
@@ -66,14 +66,19 @@ def load_path(path: str | Path) -> ProfileData:
         raise ProfileLoadError(f"{p.name} is not a readable chunkstar profile: {err}") from None
     except OSError as err:
         raise ProfileLoadError(f"Cannot read {str(path)!r}: {err}") from None
+    except MemoryError:
+        raise ProfileLoadError(f"{p.name} is too large to load: this process ran out of memory reading it.") from None
 
 
 def load_upload(upload: Any) -> ProfileData:
     """Parse an ``st.file_uploader`` upload (cached by its bytes)."""
+    name = str(upload.name)
     try:
-        return _parse_bytes(upload.getvalue(), upload.name)
+        return _parse_bytes(upload.getvalue(), name)
     except chunkstar_profiler.ProfileFormatError as err:
-        raise ProfileLoadError(f"{upload.name} is not a readable chunkstar profile: {err}") from None
+        raise ProfileLoadError(f"{name} is not a readable chunkstar profile: {err}") from None
+    except MemoryError:
+        raise ProfileLoadError(f"{name} is too large to load: this process ran out of memory reading it.") from None
 
 
 def profile_picker(key: str, label: str, container: Any = st) -> Loaded:
@@ -103,7 +108,7 @@ def current_profile() -> ProfileData:
     """The picked profile; otherwise shows why there is none and stops the page."""
     loaded: Loaded = st.session_state.get(_CURRENT, Loaded())
     if loaded.error is not None:
-        st.error(loaded.error)
+        show_error(loaded.error)
         st.stop()
     if loaded.profile is None:
         st.info(
@@ -113,3 +118,8 @@ def current_profile() -> ProfileData:
         )
         st.stop()
     return loaded.profile
+
+
+def show_error(message: str, container: Any = st) -> None:
+    """``st.error`` with ``message`` escaped: it names files and fields the user supplied."""
+    container.error(escape_markdown(message))

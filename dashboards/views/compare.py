@@ -6,15 +6,16 @@ import streamlit as st
 
 from chunkstar_dashboard import charts, loading
 from chunkstar_dashboard.data import compare_table, peak_bytes, step_time_comparison
+from chunkstar_dashboard.text import escape_markdown
 
 MIB = 2**20
 
 st.title("Compare profiles")
 a = loading.current_profile()
-st.caption(f"A: **{a.name}** (the profile picked in the sidebar)")
+st.caption(f"A: **{escape_markdown(a.name)}** (the profile picked in the sidebar)")
 other = loading.profile_picker("compare", "Profile B")
 if other.error is not None:
-    st.error(other.error)
+    loading.show_error(other.error)
     st.stop()
 if other.profile is None:
     st.info("Give a second profile (path or upload) above to compare it with A.")
@@ -42,7 +43,7 @@ y_max = {"device": top / MIB * 1.05}
 left, right = st.columns(2)
 for col, p, label, key in ((left, a, "A", "compare_mem_a"), (right, b, "B", "compare_mem_b")):
     fig, downsampled = charts.memory_timeline(p, ("device",), y_max_mib=y_max, height_per_tier=360)
-    col.markdown(f"**{label}: {p.name}**")
+    col.markdown(f"**{label}: {escape_markdown(p.name)}**")
     col.plotly_chart(fig, key=key)
     if downsampled:
         col.caption("Downsampled (min/max per bucket, peaks exact).")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkstar_bench.results import COLUMNS, SCHEMA_VERSION, ResultsDB, SchemaVersionError
+from chunkstar_bench.results import COLUMNS, SCHEMA_VERSION, ResultsDB, ResultsFileError, SchemaVersionError
 from tests.bench._records import record
 
 
@@ -60,6 +60,28 @@ def test_foreign_sqlite_file_is_refused(tmp_path: Path) -> None:
         conn.execute("CREATE TABLE things (x)")
     with pytest.raises(SchemaVersionError, match="things"):
         ResultsDB(path)
+
+
+def test_read_only_creates_and_changes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "r.sqlite"
+    with pytest.raises(ResultsFileError, match="no such file"):
+        ResultsDB(path, read_only=True)
+    assert not (tmp_path / "sub").exists()
+    ResultsDB(path).append(record(), suite="a")
+    before = path.read_bytes()
+    ro = ResultsDB(path, read_only=True)
+    assert list(ro.runs()["suite"]) == ["a"] and list(ro.runs(suite="b")["suite"]) == []
+    with pytest.raises(ValueError, match="read-only"):
+        ro.append(record(), suite="b")
+    assert path.read_bytes() == before and sorted(p.name for p in path.parent.iterdir()) == ["r.sqlite"]
+
+
+def test_an_empty_file_is_refused_read_only_and_left_empty(tmp_path: Path) -> None:
+    path = tmp_path / "empty.sqlite"
+    path.touch()
+    with pytest.raises(ResultsFileError, match="no 'runs' table"):
+        ResultsDB(path, read_only=True)
+    assert path.stat().st_size == 0
 
 
 def test_status_must_be_known(tmp_path: Path) -> None:

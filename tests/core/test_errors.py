@@ -109,3 +109,83 @@ def test_json_config_file(tmp_path: Path) -> None:
     engine, optimizer = _init(str(path))
     assert math.isfinite(_step(engine, optimizer))
     assert optimizer.param_groups[0]["lr"] == LR
+
+
+GROUP_CASES: dict[str, tuple[dict[str, Any], str]] = {
+    "lr nan": ({"lr": math.nan}, "param_groups[1].lr"),
+    "betas out of range": ({"betas": (0.9, 1.5)}, "param_groups[1].betas[1]"),
+    "eps zero": ({"eps": 0.0}, "param_groups[1].eps"),
+    "weight_decay inf": ({"weight_decay": math.inf}, "param_groups[1].weight_decay"),
+}
+
+
+@pytest.mark.parametrize("what", list(GROUP_CASES))
+def test_bad_param_group_value_names_the_group_and_key(what: str) -> None:
+    change, key = GROUP_CASES[what]
+
+    def groups(model: nn.Module) -> list[dict[str, Any]]:
+        out = chunkstar.no_decay_param_groups(model)
+        out[1].update(change)
+        return out
+
+    with pytest.raises(chunkstar.ConfigError, match=re.escape(key)):
+        chunkstar.initialize_engine(CASES["mlp"].build, 0, engine_config("fp32", budget="64MB"), param_groups_fn=groups)
+
+
+def test_chunk_size_larger_than_the_device_budget() -> None:
+    # 200_000 fp32 elements = 800 KB per param chunk; the virtual device holds 512 KB
+    with pytest.raises(chunkstar.ConfigError, match="default_chunk_size") as info:
+        _init(engine_config("fp32", budget="512KB", chunk_size=200_000))
+    msg = str(info.value)
+    assert "800000" in msg and "512000" in msg, msg
+
+
+def test_chunk_size_larger_than_the_budget_after_slack() -> None:
+    # 200_000 bf16 elements = 400 KB: fits 512 KB, not the 261 KB a slack of 0.49 leaves
+    _init(engine_config("bf16", budget="512KB", chunk_size=200_000))
+    with pytest.raises(chunkstar.ConfigError, match="default_chunk_size") as info:
+        _init(engine_config("bf16", budget="512KB", chunk_size=200_000, device_memory_slack=0.49))
+    assert "device_memory_slack 0.49" in str(info.value), str(info.value)
+
+
+def test_chunk_size_larger_than_the_model() -> None:
+    n = sum(p.numel() for p in CASES["mlp"].build().parameters())
+    with pytest.raises(chunkstar.ConfigError, match="default_chunk_size") as info:
+        _init(engine_config("fp32", budget="64MB", chunk_size=n + 1))
+    msg = str(info.value)
+    assert str(n) in msg and '"auto"' in msg, msg
+    engine, _ = _init(engine_config("fp32", budget="64MB", chunk_size=n))  # exactly one chunk is fine
+    assert engine.stats()["n_chunks"] == 1
+
+
+def test_device_memory_slack_lowers_the_capacity() -> None:
+    engine, optimizer = _init(engine_config("fp32", budget=64_000_000, device_memory_slack=0.25))
+    assert engine.stats()["device_budget_bytes"] == 48_000_000
+    assert math.isfinite(_step(engine, optimizer))
+    engine, _ = _init(engine_config("fp32", budget=64_000_000))  # cpu default: no slack
+    assert engine.stats()["device_budget_bytes"] == 64_000_000
+
+
+def test_meta_device_model_is_refused_before_any_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    def on_meta() -> nn.Module:
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+
+    def no_chunks(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a chunk manager was built for a meta-device model")
+
+    monkeypatch.setattr("chunkstar.runtime.engine.ChunkManager", no_chunks)
+    with pytest.raises(ValueError, match="meta") as info:
+        _init(engine_config("fp32", budget="64MB", chunk_size="auto"), on_meta)
+    msg = str(info.value)
+    assert "'0.weight'" in msg and "to_empty" in msg and "not supported" in msg, msg
+
+
+def test_integer_parameters_stay_a_type_error() -> None:
+    def with_ints() -> nn.Module:
+        model = nn.Linear(8, 8)
+        model.steps = nn.Parameter(torch.zeros(4, dtype=torch.int64), requires_grad=False)
+        return model
+
+    with pytest.raises(TypeError, match="'steps'"):
+        _init(engine_config("fp32", budget="64MB", chunk_size="auto"), with_ints)

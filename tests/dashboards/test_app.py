@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from chunkstar_dashboard.text import escape_markdown
+
 from .conftest import APP
 
 PAGES = ("views/memory.py", "views/chunks.py", "views/operators.py", "views/compare.py")
@@ -48,7 +50,7 @@ def test_memory_page(profile_path: Path) -> None:
     assert labels["Device budget"].endswith("MiB")
     assert len(_plotly_charts(at)) == 1
     assert any("samples shown" in c.value for c in at.caption)
-    assert any(profile_path.name in c.value for c in at.sidebar.caption)
+    assert any(escape_markdown(profile_path.name) in c.value for c in at.sidebar.caption)  # escaped: names are untrusted
     # one tier only
     at.multiselect(key="memory_tiers").set_value(["device"]).run()
     _assert_clean(at)

@@ -84,3 +84,8 @@ def test_cli_on_a_bad_file_says_why(tmp_path: Path, capsys: Any) -> None:
     bad.write_text("nope")
     assert main(["summary", str(bad)]) == 2
     assert "not a chunkstar profile" in capsys.readouterr().err
+
+
+def test_cli_on_a_directory_says_why(tmp_path: Path, capsys: Any) -> None:
+    assert main(["summary", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"chunkstar-profile: {tmp_path}: a directory, not a profile file\n"

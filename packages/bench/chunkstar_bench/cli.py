@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,7 +40,9 @@ def _progress(message: str) -> None:
 def _register_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from chunkstar_bench.suites import SUITES
 
-    p = sub.add_parser("run", help="run a suite, one subprocess per run, appending rows to a results DB")
+    p = sub.add_parser(
+        "run", help="run a suite, one subprocess per run, appending rows to a results DB (exit status 1 when any run failed)"
+    )
     p.add_argument("--suite", required=True, choices=sorted(SUITES))
     p.add_argument("--db", required=True, type=Path, help="SQLite results file (created if missing)")
     p.add_argument("--hardware", help="label for this machine (default: the suite's own, 'cpu' for CPU suites)")
@@ -59,16 +62,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
     specs = with_hardware(get_suite(args.suite), args.hardware)
     specs = [s for s in specs if (not args.system or s.system in args.system) and (not args.model or s.model in args.model)]
     ids: list[int] = []
+    failed: Counter[str] = Counter()
     start = time.monotonic()
     for i, spec in enumerate(specs, 1):
         _progress(f"[{i}/{len(specs)}] {spec.system} {spec.model} x{spec.nprocs} batch {spec.batch} on {spec.hardware} ...")
         record = run(spec, args.timeout)
         ids.append(db.append(record, suite=args.suite))
+        if record.status != "ok":
+            failed[record.status] += 1
         what = f"{record.step_time_s:.3f} s/step, {record.tokens_per_s:,.0f} tokens/s" if record.status == "ok" else record.message
         _progress(f"[{i}/{len(specs)}] {spec.system} {spec.model}: {record.status} {what} ({record.wall_s:.0f} s)")
     df = db.runs()
     print(runs_table(df[df["id"].isin(ids)]))
     print(f"\n{len(ids)} runs of suite {args.suite!r} appended to {args.db} in {time.monotonic() - start:.0f} s")
+    if failed:
+        # a nightly job must fail when a run did, not only when the runner crashed
+        counts = ", ".join(f"{n} {status}" for status, n in sorted(failed.items()))
+        print(f"chunkstar-bench run: {sum(failed.values())} of {len(ids)} runs failed ({counts})", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -84,12 +95,14 @@ def _register_report(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from chunkstar_bench.report import report
-    from chunkstar_bench.results import ResultsDB
+    from chunkstar_bench.results import ResultsDB, ResultsFileError
 
-    if not args.db.exists():
-        print(f"chunkstar-bench report: no results file at {args.db}", file=sys.stderr)
+    try:
+        runs = ResultsDB(args.db, read_only=True).runs()  # read-only: a report never creates or changes a file
+    except ResultsFileError as err:
+        print(f"chunkstar-bench report: {err}", file=sys.stderr)
         return 2
-    print(report(ResultsDB(args.db).runs(), args.hardware))
+    print(report(runs, args.hardware))
     return 0
 
 

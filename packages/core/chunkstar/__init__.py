@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from torch import nn
 
-from chunkstar.config import EngineConfig, parse_bytes, parse_config
+from chunkstar.config import EngineConfig, parse_bytes, parse_config, validate_param_group
 from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError
 from chunkstar.events import EventBus, Stage, Tier
 from chunkstar.optim.adam import ChunkAdam
@@ -105,9 +105,8 @@ def initialize_engine(
         missing = [n for n, p in model.named_parameters() if id(p) not in seen]
         if missing:
             raise ValueError(f"param_groups_fn left out parameters: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    for g in groups:
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
+    # the config's checks for each group's own lr/betas/eps/weight_decay (betas become a tuple)
+    groups = [validate_param_group(g, f"param_groups[{i}]") for i, g in enumerate(groups)]
     optimizer = ChunkAdam(engine, groups, defaults)
     return engine, optimizer
 

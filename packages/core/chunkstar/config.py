@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -29,6 +30,7 @@ __all__ = [
     "Precision",
     "parse_config",
     "parse_bytes",
+    "validate_param_group",
 ]
 
 
@@ -93,6 +95,10 @@ class EngineConfig:
     """Where compute happens: ``cpu`` (a virtual device held under the budget) or ``cuda:N``."""
     device_memory_budget: int | None
     """Bytes the engine may use on the device (chunks + non-model data); None = the GPU's capacity."""
+    device_memory_slack: float = 0.0
+    """Fraction in [0, 0.5) of the device capacity kept free for allocator fragmentation and
+    communication buffers: the engine plans with ``capacity * (1 - slack)``. ``parse_config``
+    defaults it to 0.1 on CUDA (Gemini keeps 10%) and 0.0 on the cpu virtual device."""
     precision: Precision = Precision.BF16
     optimizer: AdamConfig = field(default_factory=AdamConfig)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
@@ -120,10 +126,23 @@ _TOP_KEYS = {
     "default_chunk_size": 'an integer number of elements > 0, or "auto"',
     "device": '"cpu", "cuda" or "cuda:N"',
     "device_memory_budget": 'bytes as an integer, or a string like "512MB" / "1.5GiB"',
+    "device_memory_slack": "a fraction in [0, 0.5) of the device capacity kept free (default 0.1 on cuda, 0 on cpu)",
     "eviction_policy": '"furthest_next_use" or "lru"',
     "prefetch": "true or false",
     "hybrid_adam": "true or false",
 }
+
+# Bounds on fp16 loss scaling. A scale of 2**63 (9.2e18) already turns the fp16
+# gradients (max 65504) of any loss above ~1e-14 into inf, so a larger start only
+# costs skipped steps while the scale halves down; far beyond it the scale leaves
+# fp32 (2**128) and then Python's float (2.0**1024 raises OverflowError). A window
+# longer than any run means the scale never grows, and each overflow hysteresis
+# tolerates is a skipped step: values past these are typos, not settings.
+_MAX_SCALE_POWER = 63
+_MAX_LOSS_SCALE = 2.0**_MAX_SCALE_POWER
+_MAX_LOSS_SCALE_WINDOW = 10_000_000
+_MAX_HYSTERESIS = 1_000
+_MAX_SLACK = 0.5
 
 _UNITS = {
     "": 1, "b": 1,
@@ -165,18 +184,26 @@ def _mapping(value: object, key: str) -> Mapping[str, Any]:
     return value
 
 
-def _number(value: object, key: str, *, lo: float | None = None, lo_open: bool = False, hi: float | None = None) -> float:
+def _number(
+    value: object, key: str, *, lo: float | None = None, lo_open: bool = False, hi: float | None = None, hi_open: bool = True
+) -> float:
+    """A finite number within the bounds (NaN and inf are never a setting)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(key, f"expected a number, got {type(value).__name__} {value!r}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int past float's range
+        v = math.inf
+    if not math.isfinite(v):
+        raise ConfigError(key, f"must be a finite number, got {value!r}")
     if lo is not None and (v < lo or (lo_open and v == lo)):
         raise ConfigError(key, f"must be {'>' if lo_open else '>='} {lo}, got {value!r}")
-    if hi is not None and v >= hi:
-        raise ConfigError(key, f"must be < {hi}, got {value!r}")
+    if hi is not None and (v > hi or (hi_open and v == hi)):
+        raise ConfigError(key, f"must be {'<' if hi_open else '<='} {hi}, got {value!r}")
     return v
 
 
-def _integer(value: object, key: str, *, lo: int) -> int:
+def _integer(value: object, key: str, *, lo: int, hi: int | None = None, why: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and value.is_integer():
             value = int(value)
@@ -184,6 +211,8 @@ def _integer(value: object, key: str, *, lo: int) -> int:
             raise ConfigError(key, f"expected an integer, got {type(value).__name__} {value!r}")
     if value < lo:
         raise ConfigError(key, f"must be >= {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ConfigError(key, f"must be <= {hi}{why}, got {value!r}")
     return value
 
 
@@ -193,6 +222,32 @@ def _boolean(value: object, key: str) -> bool:
     return value
 
 
+def _betas(value: object, key: str) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ConfigError(key, f"expected two numbers [beta1, beta2], got {value!r}")
+    return (_number(value[0], f"{key}[0]", lo=0.0, hi=1.0), _number(value[1], f"{key}[1]", lo=0.0, hi=1.0))
+
+
+# Adam's hyperparameters, the one check for the config's and for each parameter group's
+_ADAM_HYPERPARAMS: dict[str, Callable[[object, str], Any]] = {
+    "lr": lambda v, key: _number(v, key, lo=0.0),
+    "betas": _betas,
+    "eps": lambda v, key: _number(v, key, lo=0.0, lo_open=True),
+    "weight_decay": lambda v, key: _number(v, key, lo=0.0),
+}
+
+
+def validate_param_group(group: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A torch-style parameter group with its ``lr``/``betas``/``eps``/``weight_decay``
+    checked as the config's are (``where`` names the group in errors, e.g.
+    ``param_groups[1]``); returns a copy with ``betas`` as a tuple. Other keys pass."""
+    out = dict(group)
+    for k, check in _ADAM_HYPERPARAMS.items():
+        if k in out:
+            out[k] = check(out[k], f"{where}.{k}")
+    return out
+
+
 def _parse_optimizer(section: object) -> AdamConfig:
     sec = _mapping(section, "optimizer")
     _check_keys(sec, {"type", "params"}, "optimizer.")
@@ -200,29 +255,32 @@ def _parse_optimizer(section: object) -> AdamConfig:
     if kind not in ("Adam", "AdamW"):
         raise ConfigError("optimizer.type", f"unsupported optimizer {kind!r}; chunkstar supports 'Adam' and 'AdamW'")
     params = _mapping(sec.get("params", {}), "optimizer.params")
-    _check_keys(params, {"lr", "betas", "eps", "weight_decay"}, "optimizer.params.")
-    lr = _number(params.get("lr", 1e-3), "optimizer.params.lr", lo=0.0)
-    betas_raw = params.get("betas", (0.9, 0.999))
-    if not isinstance(betas_raw, (list, tuple)) or len(betas_raw) != 2:
-        raise ConfigError("optimizer.params.betas", f"expected two numbers [beta1, beta2], got {betas_raw!r}")
-    betas = (
-        _number(betas_raw[0], "optimizer.params.betas[0]", lo=0.0, hi=1.0),
-        _number(betas_raw[1], "optimizer.params.betas[1]", lo=0.0, hi=1.0),
-    )
-    eps = _number(params.get("eps", 1e-8), "optimizer.params.eps", lo=0.0, lo_open=True)
-    wd = _number(params.get("weight_decay", 0.01 if kind == "AdamW" else 0.0), "optimizer.params.weight_decay", lo=0.0)
-    return AdamConfig(decoupled=kind == "AdamW", lr=lr, betas=betas, eps=eps, weight_decay=wd)
+    _check_keys(params, set(_ADAM_HYPERPARAMS), "optimizer.params.")
+    defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01 if kind == "AdamW" else 0.0}
+    p = validate_param_group({**defaults, **params}, "optimizer.params")
+    return AdamConfig(decoupled=kind == "AdamW", lr=p["lr"], betas=p["betas"], eps=p["eps"], weight_decay=p["weight_decay"])
 
 
 def _parse_fp16(sec: Mapping[str, Any]) -> LossScaleConfig:
     p = "fp16."
     return LossScaleConfig(
-        static_scale=_number(sec.get("loss_scale", 0.0), p + "loss_scale", lo=0.0),
-        initial_scale_power=_integer(sec.get("initial_scale_power", 16), p + "initial_scale_power", lo=0),
-        loss_scale_window=_integer(sec.get("loss_scale_window", 1000), p + "loss_scale_window", lo=1),
-        hysteresis=_integer(sec.get("hysteresis", 2), p + "hysteresis", lo=1),
-        min_loss_scale=_number(sec.get("min_loss_scale", 1.0), p + "min_loss_scale", lo=0.0, lo_open=True),
-    )
+        static_scale=_number(sec.get("loss_scale", 0.0), p + "loss_scale", lo=0.0, hi=_MAX_LOSS_SCALE, hi_open=False),
+        initial_scale_power=_integer(
+            sec.get("initial_scale_power", 16), p + "initial_scale_power", lo=0, hi=_MAX_SCALE_POWER,
+            why=" (larger scales overflow every fp16 gradient; DeepSpeed's default is 16)",
+        ),
+        loss_scale_window=_integer(
+            sec.get("loss_scale_window", 1000), p + "loss_scale_window", lo=1, hi=_MAX_LOSS_SCALE_WINDOW,
+            why=" (the scale would never grow; for a fixed scale set loss_scale > 0)",
+        ),
+        hysteresis=_integer(
+            sec.get("hysteresis", 2), p + "hysteresis", lo=1, hi=_MAX_HYSTERESIS,
+            why=" (each tolerated overflow is a skipped optimizer step; DeepSpeed's default is 2)",
+        ),
+        min_loss_scale=_number(
+            sec.get("min_loss_scale", 1.0), p + "min_loss_scale", lo=0.0, lo_open=True, hi=_MAX_LOSS_SCALE, hi_open=False
+        ),
+    )  # fmt: skip
 
 
 def _parse_device(value: object, local_rank: int) -> torch.device:
@@ -248,13 +306,19 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
     """
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
+        if os.path.isdir(path):
+            raise ConfigError("<file>", f"config path {path!r} is a directory; give the path of a JSON file (or a dict)")
         try:
             with open(path, encoding="utf-8") as f:
                 config = json.load(f)
         except FileNotFoundError:
             raise ConfigError("<file>", f"config file {path!r} does not exist") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError("<file>", f"config file {path!r} is not valid JSON: {e}") from None
+        except OSError as e:
+            raise ConfigError("<file>", f"config file {path!r} cannot be read: {e}") from None
+        if not isinstance(config, Mapping):
+            raise ConfigError("<file>", f"config file {path!r} holds a JSON {type(config).__name__}, expected a JSON object {{...}}")
     cfg = _mapping(config, "<config>")
     _check_keys(cfg, _TOP_KEYS, "")
 
@@ -277,6 +341,10 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
             "required when device is cpu: it is the size of the virtual device (e.g. \"2GB\")",
         )
 
+    loss_scale = _parse_fp16(fp16)  # checked even while fp16 is off: a bad value is a typo either way
+    slack_default = 0.1 if device.type == "cuda" else 0.0
+    slack = _number(cfg.get("device_memory_slack", slack_default), "device_memory_slack", lo=0.0, hi=_MAX_SLACK)
+
     chunk_raw = cfg.get("default_chunk_size", "auto")
     chunk_size = None if chunk_raw == "auto" else _integer(chunk_raw, "default_chunk_size", lo=1)
 
@@ -289,9 +357,10 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
     return EngineConfig(
         device=device,
         device_memory_budget=budget,
+        device_memory_slack=slack,
         precision=precision,
         optimizer=_parse_optimizer(cfg.get("optimizer", {"type": "AdamW"})),
-        loss_scale=_parse_fp16(fp16) if fp16_on else LossScaleConfig(),
+        loss_scale=loss_scale if fp16_on else LossScaleConfig(),
         gradient_clipping=_number(cfg.get("gradient_clipping", 0.0), "gradient_clipping", lo=0.0),
         gradient_accumulation_steps=_integer(cfg.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", lo=1),
         chunk_size=chunk_size,

@@ -25,19 +25,30 @@ class DeviceMemoryError(RuntimeError):
     is left in a usable state (no allocator OOM deep inside a hook).
     """
 
-    def __init__(self, device: str, needed: int, free: int, budget: int, where: str) -> None:
+    def __init__(
+        self, device: str, needed: int, free: int, budget: int, where: str, minimum: int | None = None, advice: str = ""
+    ) -> None:
         self.device = device
         self.needed = needed
         self.free = free
         self.budget = budget
         self.where = where
+        self.minimum = minimum
+        """The smallest ``device_memory_budget`` (bytes) that holds what was measured, when known."""
+        least = (
+            f" The smallest device_memory_budget that fits what was measured is {_fmt(minimum)} ({minimum} bytes)."
+            if minimum is not None
+            else ""
+        )
+        todo = advice or (
+            "raise 'device_memory_budget'; or lower the batch size or sequence length, or enable activation "
+            "checkpointing; or lower 'default_chunk_size' so a module's working set needs fewer whole chunks"
+        )
         super().__init__(
             f"chunkstar cannot fit {where} on device '{device}': it needs {_fmt(needed)} "
             f"({needed} bytes) of chunk memory but only {_fmt(free)} ({free} bytes) is free "
-            f"within the device budget of {_fmt(budget)} ({budget} bytes) after non-model memory "
-            f"(activations, temporaries). Raise 'device_memory_budget', lower the batch size or "
-            f"sequence length, enable activation checkpointing, or lower 'default_chunk_size' so a "
-            f"module's working set needs fewer whole chunks."
+            f"within the usable device memory of {_fmt(budget)} ({budget} bytes) after non-model memory "
+            f"(activations, temporaries).{least} To fix: {todo}."
         )
 
 

@@ -13,25 +13,32 @@ Layout: a ZIP archive (DEFLATE) holding
   (``"encoding": "delta"``: the running sum gives the values back).
 
 Reading checks everything before building tables: a truncated, corrupt,
-foreign or newer-version file raises :class:`ProfileFormatError` with a
-sentence saying which, never a parser's traceback.
+foreign, newer-version or hostile file (a member that inflates past what the
+manifest declares, an encrypted member, a field of the wrong type) raises
+:class:`ProfileFormatError` with a sentence saying which, never a parser's
+traceback; see the Note on hostile files below.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
 import os
+import stat
+import struct
 import time
 import zipfile
 import zlib
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import IO, Any, Callable, Mapping
 
 import numpy as np
+from numpy.lib import format as npy_format
 
-from chunkstar_profiler.profile import TABLES, Profile, build_profile
+from chunkstar_profiler.profile import META, TABLES, Profile, build_profile
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "ProfileFormatError", "write_profile", "read_profile"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "ProfileFormatError", "ProfileNotFoundError", "write_profile", "read_profile"]
 
 FORMAT_NAME = "chunkstar-profile"
 FORMAT_VERSION = 1
@@ -42,6 +49,10 @@ _UNITS = {"time": "us since profiler start", "i8": "", "i4": "", "str": "diction
 
 class ProfileFormatError(ValueError):
     """The file is not a readable chunkstar profile; the message says why."""
+
+
+class ProfileNotFoundError(ProfileFormatError, FileNotFoundError):
+    """There is no file at the path given (a ``FileNotFoundError`` too)."""
 
 
 def _npy(arr: np.ndarray) -> bytes:
@@ -106,93 +117,257 @@ def write_profile(path: str | os.PathLike[str], columns: Mapping[str, Mapping[st
 
 def read_profile(source: str | os.PathLike[str] | bytes, name: str | None = None) -> Profile:
     """Load a profile from a path (or from the file's bytes, e.g. an upload; ``name``
-    then labels it in messages). Raises :class:`ProfileFormatError` for anything unreadable."""
+    then labels it in messages). Raises :class:`ProfileFormatError` for anything unreadable
+    (:class:`ProfileNotFoundError`, also a ``FileNotFoundError``, when there is no file at all)."""
     if isinstance(source, (bytes, bytearray)):
-        path = name or "<bytes>"
-        data: str | io.BytesIO = io.BytesIO(bytes(source))
-        head = bytes(source[:4])
+        label = name or "<bytes>"
+        data: IO[bytes] = io.BytesIO(bytes(source))
     else:
-        path = os.fspath(source)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"no profile at {path!r}")
-        data = path
-        with open(path, "rb") as f:
-            head = f.read(4)
-    try:
-        zf = zipfile.ZipFile(data)
-    except zipfile.BadZipFile:
-        if head.startswith(b"PK"):
-            raise ProfileFormatError(f"{path}: the file is truncated or damaged (its ZIP directory cannot be read)") from None
-        raise ProfileFormatError(
-            f"{path}: not a chunkstar profile (expected a {FORMAT_NAME} ZIP container, the file starts with {head!r})"
-        ) from None
-    with zf:
+        label = os.fspath(source)
+        data = _open_file(label)
+    with data:
+        head = data.read(4)
+        data.seek(0)
         try:
-            raw = zf.read(_MANIFEST)
-        except KeyError:
-            raise ProfileFormatError(f"{path}: a ZIP file, but not a chunkstar profile (it has no {_MANIFEST})") from None
-        except (zipfile.BadZipFile, zlib.error, OSError, EOFError) as e:
-            raise ProfileFormatError(f"{path}: the manifest is corrupt ({e})") from None
-        try:
-            manifest = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ProfileFormatError(f"{path}: the manifest is not valid JSON ({e})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-            fmt = manifest.get("format") if isinstance(manifest, dict) else None
-            raise ProfileFormatError(f"{path}: not a chunkstar profile (format {fmt!r}, expected {FORMAT_NAME!r})")
-        version = manifest.get("version")
-        if not isinstance(version, int) or version < 1:
-            raise ProfileFormatError(f"{path}: the manifest has no valid format version ({version!r})")
-        if version > FORMAT_VERSION:
+            zf = zipfile.ZipFile(data)
+        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError, struct.error):
+            if head.startswith(b"PK"):
+                raise ProfileFormatError(f"{label}: the file is truncated or damaged (its ZIP directory cannot be read)") from None
             raise ProfileFormatError(
-                f"{path}: written by a newer chunkstar_profiler ({manifest.get('writer', '?')}, format version "
-                f"{version}); this reader understands versions up to {FORMAT_VERSION}: upgrade chunkstar"
-            )
-        try:
-            columns = _read_columns(zf, manifest)
-        except ProfileFormatError as e:
-            raise ProfileFormatError(f"{path}: {e}") from None
-        except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, KeyError, TypeError) as e:
-            # CRC mismatches, short members, bad NPY headers, a manifest of the wrong shape
-            raise ProfileFormatError(f"{path}: the file is corrupt ({type(e).__name__}: {e})") from None
-    meta = dict(manifest.get("meta") or {})
-    meta.update(format=FORMAT_NAME, version=version, writer=manifest.get("writer"), created_unix=manifest.get("created_unix"))
-    return build_profile(columns, meta, source=path if not isinstance(source, (bytes, bytearray)) else name)
+                f"{label}: not a chunkstar profile (expected a {FORMAT_NAME} ZIP container, the file starts with {head!r})"
+            ) from None
+        with zf:
+            try:
+                manifest = _read_manifest(zf)
+                columns = _check_columns(zf, manifest)  # every type and size, before any column is read
+                tables = _read_columns(zf, columns, manifest["dictionaries"])
+            except ProfileFormatError as e:
+                raise ProfileFormatError(f"{label}: {e}") from None
+            except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as e:
+                # CRC mismatches, short or garbled members, bad NPY headers
+                raise ProfileFormatError(f"{label}: the file is corrupt ({type(e).__name__}: {e})") from None
+    meta = dict(manifest["meta"])
+    meta.update(format=FORMAT_NAME, version=manifest["version"], writer=manifest["writer"], created_unix=manifest["created_unix"])
+    return build_profile(tables, meta, source=label if not isinstance(source, (bytes, bytearray)) else name)
 
 
-def _read_columns(zf: zipfile.ZipFile, manifest: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    tables = manifest["tables"]
-    dictionaries = manifest.get("dictionaries", {})
-    out: dict[str, dict[str, Any]] = {}
+def _open_file(path: str) -> IO[bytes]:
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ProfileNotFoundError(f"{path}: no such file") from None
+    except OSError as e:
+        raise ProfileFormatError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if stat.S_ISDIR(mode):
+        raise ProfileFormatError(f"{path}: a directory, not a profile file")
+    if not stat.S_ISREG(mode):
+        raise ProfileFormatError(f"{path}: not a regular file, so not a profile file")
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise ProfileFormatError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+# Note: hostile files. A profile may come from anywhere (an upload to the dashboard), so
+# nothing in it is trusted before it is checked: the manifest's fields are type-checked, and
+# each member's size is checked against what the manifest says it holds (rows x itemsize plus
+# an NPY header) before any column is read. The ZIP directory's sizes can lie too, so columns
+# are read through the NPY header into an array of the declared shape and reading stops there:
+# a member that inflates past it is refused at its first extra byte, never read into memory.
+
+_NPY_HEADER_MAX = 4096
+"""Most bytes an NPY member may spend before its data (magic, version, header dict); numpy writes 128 for a 1-D array."""
+_NPY_HEADER_MIN = 10
+"""Magic, version and header length: the fewest bytes before an NPY member's data."""
+_MANIFEST_MAX = 64 * 2**20
+"""Largest manifest read (it holds the string dictionaries; a long run's is a few hundred KB)."""
+_READ_CHUNK = 16 * 2**20
+"""Bytes inflated per read while filling a column."""
+_METHODS = {zipfile.ZIP_STORED: "stored", zipfile.ZIP_DEFLATED: "DEFLATE"}
+"""ZIP compression methods read (the writer uses DEFLATE)."""
+_JSON_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), "a finite number"),
+    "dict": (lambda v: isinstance(v, dict), "an object"),
+    "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+}
+
+
+@dataclass(frozen=True)
+class _Column:
+    """One column as the manifest describes it, checked against its ZIP member."""
+
+    table: str
+    name: str
+    kind: str
+    encoding: str
+    rows: int
+    member: zipfile.ZipInfo
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return _DTYPES[self.kind]
+
+
+def _json_type(value: Any, kind: str, what: str) -> Any:
+    check, wanted = _JSON_CHECKS[kind]
+    if not check(value):
+        raise ProfileFormatError(f"the manifest's {what} is {type(value).__name__} {_short(value)}, expected {wanted}")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _member(zf: zipfile.ZipFile, name: str, what: str, max_bytes: int, why: str) -> zipfile.ZipInfo:
+    """The ZIP entry ``name`` (``what`` says what it is for), refused when it cannot be read safely
+    or says it inflates past ``max_bytes`` (``why`` says where that bound comes from)."""
+    try:
+        info = zf.getinfo(name)
+    except KeyError:
+        raise ProfileFormatError(f"the file is corrupt: it has no member {name!r} ({what})") from None
+    if info.is_dir():
+        raise ProfileFormatError(f"member {name!r} ({what}) is a directory entry, not a file")
+    if info.flag_bits & 0x1:
+        raise ProfileFormatError(f"member {name!r} ({what}) is encrypted; profiles are never encrypted")
+    if info.compress_type not in _METHODS:
+        raise ProfileFormatError(
+            f"member {name!r} ({what}) uses ZIP compression method {info.compress_type}; "
+            f"profiles use {' or '.join(_METHODS.values())}"
+        )
+    if info.file_size > max_bytes:
+        raise ProfileFormatError(f"member {name!r} ({what}) inflates to {info.file_size:,} bytes, but {why}")
+    return info
+
+
+def _read_bounded(zf: zipfile.ZipFile, info: zipfile.ZipInfo, max_bytes: int) -> bytes:
+    """The member's bytes, refused once more than ``max_bytes`` come out (whatever the ZIP directory says)."""
+    with zf.open(info) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ProfileFormatError(f"member {info.filename!r} inflates to more than {max_bytes:,} bytes")
+    return data
+
+
+def _read_manifest(zf: zipfile.ZipFile) -> dict[str, Any]:
+    """The manifest with its top-level fields checked (``meta`` and ``dictionaries`` defaulted to ``{}``)."""
+    if _MANIFEST not in zf.namelist():
+        raise ProfileFormatError(f"a ZIP file, but not a chunkstar profile (it has no {_MANIFEST})")
+    info = _member(zf, _MANIFEST, "the manifest", _MANIFEST_MAX, f"a manifest may take at most {_MANIFEST_MAX:,}")
+    try:
+        raw = _read_bounded(zf, info, _MANIFEST_MAX)
+    except (zipfile.BadZipFile, zlib.error, OSError, EOFError) as e:
+        raise ProfileFormatError(f"the manifest is corrupt ({e})") from None
+    try:
+        manifest = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ProfileFormatError(f"the manifest is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        fmt = manifest.get("format") if isinstance(manifest, dict) else None
+        raise ProfileFormatError(f"not a chunkstar profile (format {_short(fmt)}, expected {FORMAT_NAME!r})")
+    version = manifest.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ProfileFormatError(f"the manifest has no valid format version ({_short(version)})")
+    writer = manifest.get("writer")
+    if version > FORMAT_VERSION:
+        raise ProfileFormatError(
+            f"written by a newer chunkstar_profiler ({writer if isinstance(writer, str) else '?'}, format version "
+            f"{version}); this reader understands versions up to {FORMAT_VERSION}: upgrade chunkstar"
+        )
+    out: dict[str, Any] = {"version": version, "writer": None, "created_unix": None, "meta": {}, "dictionaries": {}}
+    for key, kind in (("writer", "str"), ("created_unix", "number"), ("meta", "dict"), ("dictionaries", "dict")):
+        if key in manifest:
+            out[key] = _json_type(manifest[key], kind, f"'{key}'")
+    for key, kind in META.items():
+        if key in out["meta"]:
+            _json_type(out["meta"][key], kind, f"meta '{key}'")
+    out["tables"] = _json_type(manifest.get("tables"), "dict", "'tables'")
+    return out
+
+
+def _check_columns(zf: zipfile.ZipFile, manifest: Mapping[str, Any]) -> list[_Column]:
+    """Every column the reader needs, its description type-checked and its member's size checked."""
+    columns: list[_Column] = []
     for table, schema in TABLES.items():
-        if table not in tables:
+        if table not in manifest["tables"]:
             raise ProfileFormatError(f"table '{table}' is missing")
-        tdesc = tables[table]
-        rows = int(tdesc["rows"])
-        cols: dict[str, Any] = {}
+        tdesc = _json_type(manifest["tables"][table], "dict", f"table '{table}'")
+        rows = _json_type(tdesc.get("rows"), "int", f"'{table}.rows'")
+        if rows < 0:
+            raise ProfileFormatError(f"the manifest's '{table}.rows' is {rows}, expected a count")
+        cdescs = _json_type(tdesc.get("columns"), "dict", f"'{table}.columns'")
         for col, kind in schema.items():
-            cdesc = tdesc["columns"].get(col)
-            if cdesc is None:
+            if col not in cdescs:
                 raise ProfileFormatError(f"column '{table}.{col}' is missing")
-            arr = np.load(io.BytesIO(zf.read(cdesc["member"])), allow_pickle=False)
-            if arr.shape != (rows,) or arr.dtype != _DTYPES[kind]:
-                raise ProfileFormatError(
-                    f"column '{table}.{col}' has shape {arr.shape} and dtype {arr.dtype}, expected ({rows},) {_DTYPES[kind]}"
-                )
-            if cdesc.get("encoding", "plain") == "delta":
-                arr = np.cumsum(arr, dtype=arr.dtype)
-            if kind == "time":
-                arr = arr * 1000  # microseconds on disk, nanoseconds in the tables
-            elif cdesc.get("encoding", "plain") != "plain":
-                raise ProfileFormatError(f"column '{table}.{col}' has an unknown encoding {cdesc.get('encoding')!r}")
+            what = f"column '{table}.{col}'"
+            cdesc = _json_type(cdescs[col], "dict", what)
+            for key, want in (("kind", kind), ("dtype", _DTYPES[kind].str)):
+                if key in cdesc and cdesc[key] != want:
+                    raise ProfileFormatError(f"{what} has {key} {_short(cdesc[key])}, expected {want!r}")
+            encoding = _json_type(cdesc.get("encoding", "plain"), "str", f"{what} encoding")
+            if encoding not in ("plain", "delta"):
+                raise ProfileFormatError(f"{what} has an unknown encoding {encoding!r}")
             if kind == "str":
-                vocab = dictionaries.get(f"{table}.{col}")
-                if not isinstance(vocab, list):
-                    raise ProfileFormatError(f"the dictionary of '{table}.{col}' is missing")
-                if rows and (arr.min() < 0 or arr.max() >= len(vocab)):
-                    raise ProfileFormatError(f"column '{table}.{col}' has codes outside its dictionary")
-                cols[col] = np.asarray(vocab, dtype=object)[arr] if rows else np.asarray([], dtype=object)
-            else:
-                cols[col] = arr
-        out[table] = cols
+                _json_type(manifest["dictionaries"].get(f"{table}.{col}"), "list[str]", f"dictionary of '{table}.{col}'")
+            name = _json_type(cdesc.get("member"), "str", f"{what} member")
+            data_bytes = rows * _DTYPES[kind].itemsize
+            limit = data_bytes + _NPY_HEADER_MAX
+            why = f"the manifest's {rows:,} rows of {_DTYPES[kind].str} need at most {limit:,} (with the NPY header)"
+            info = _member(zf, name, what, limit, why)
+            if info.file_size < data_bytes + _NPY_HEADER_MIN:
+                raise ProfileFormatError(
+                    f"the file is corrupt: member {name!r} ({what}) holds {info.file_size:,} bytes, "
+                    f"too few for the manifest's {rows:,} rows"
+                )
+            columns.append(_Column(table, col, kind, encoding, rows, info))
+    return columns
+
+
+def _read_npy(zf: zipfile.ZipFile, col: _Column) -> np.ndarray:
+    """The column's array: the NPY header checked first, then exactly ``rows`` values read into place."""
+    what = f"member {col.member.filename!r} (column '{col.table}.{col.name}')"
+    with zf.open(col.member) as f:
+        version = npy_format.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = npy_format.read_array_header_1_0(f, max_header_size=_NPY_HEADER_MAX)
+        elif version == (2, 0):
+            shape, _, dtype = npy_format.read_array_header_2_0(f, max_header_size=_NPY_HEADER_MAX)
+        else:
+            raise ProfileFormatError(f"{what} is NPY version {version[0]}.{version[1]}; profiles use 1.0 or 2.0")
+        if shape != (col.rows,) or dtype != col.dtype:
+            raise ProfileFormatError(
+                f"column '{col.table}.{col.name}' has shape {shape} and dtype {dtype}, expected ({col.rows},) {col.dtype}"
+            )
+        arr = np.empty(col.rows, dtype=col.dtype)
+        buf = arr.data.cast("B")
+        done = 0
+        while done < len(buf):
+            chunk = f.read(min(_READ_CHUNK, len(buf) - done))
+            if not chunk:
+                raise ProfileFormatError(f"{what} ends after {done:,} of its {len(buf):,} data bytes")
+            buf[done : done + len(chunk)] = chunk
+            done += len(chunk)
+        if f.read(1):
+            raise ProfileFormatError(f"{what} holds more data than the manifest's {col.rows:,} rows")
+    return arr
+
+
+def _read_columns(zf: zipfile.ZipFile, columns: list[_Column], dictionaries: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {table: {} for table in TABLES}
+    for col in columns:
+        arr = _read_npy(zf, col)
+        if col.encoding == "delta":
+            arr = np.cumsum(arr, dtype=arr.dtype)
+        if col.kind == "time":
+            arr = arr * 1000  # microseconds on disk, nanoseconds in the tables
+        if col.kind == "str":
+            vocab = dictionaries[f"{col.table}.{col.name}"]
+            if col.rows and (arr.min() < 0 or arr.max() >= len(vocab)):
+                raise ProfileFormatError(f"column '{col.table}.{col.name}' has codes outside its dictionary")
+            out[col.table][col.name] = np.asarray(vocab, dtype=object)[arr] if col.rows else np.asarray([], dtype=object)
+        else:
+            out[col.table][col.name] = arr
     return out

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-__all__ = ["Profile", "build_profile", "TABLES"]
+__all__ = ["META", "Profile", "build_profile", "TABLES"]
 
 # name -> column -> storage kind ("i8" int64, "i4" int32, "str" dictionary-encoded, "time" int64 ns)
 TABLES: dict[str, dict[str, str]] = {
@@ -38,6 +38,15 @@ TABLES: dict[str, dict[str, str]] = {
     },
     "stages": {"stage": "str", "iteration": "i4", "t_start": "time", "t_end": "time"},
     "placements": {"chunk_id": "i4", "chunk_list": "str", "tier": "str", "t_start": "time", "t_end": "time"},
+}  # fmt: skip
+
+# meta key -> the JSON type its value must have ("int" excludes booleans; "list[str]" a list of strings).
+# The keys the recorder writes; a file may omit any of them, but one it has must have this type, since
+# the summary and the dashboard format them as such. Other keys are kept as they are.
+META: dict[str, str] = {
+    "model_name": "str", "n_params": "int", "config": "dict", "versions": "dict", "device": "str",
+    "precision": "str", "budget_bytes": "int", "chunk_size": "int", "n_chunks": "int", "chunk_lists": "list[str]",
+    "model_data_bytes": "int", "iterations": "int", "host": "str", "platform": "str", "pid": "int", "tiers": "list[str]",
 }  # fmt: skip
 
 

@@ -12,11 +12,13 @@ chunks and chunk *k* is owned by rank ``k % world_size`` (DESIGN §7).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["TensorSlot", "ChunkLayout", "build_layout", "search_chunk_size", "packing_waste"]
+__all__ = ["TensorSlot", "ChunkLayout", "build_layout", "layout_fingerprint", "search_chunk_size", "packing_waste"]
 
 
 @dataclass(frozen=True)
@@ -149,3 +151,18 @@ def build_layout(
         for i, (c, o) in enumerate(places)
     )
     return ChunkLayout(chunk_sizes=tuple(sizes), slots=slots, world_size=world_size)
+
+
+def layout_fingerprint(layout: ChunkLayout, dtype: str) -> str:
+    """A hash (hex) of everything that places a value in the chunks: the chunk sizes,
+    each slot's name, chunk, offset and shape, and the param chunks' dtype name.
+
+    Two engines with the same fingerprint put every parameter at the same place,
+    so a checkpoint shard of one loads into the other chunk for chunk, and ranks
+    that agree on it agree on every collective's size."""
+    facts = {
+        "chunk_sizes": list(layout.chunk_sizes),
+        "slots": [[s.name, s.chunk_id, s.offset, list(s.shape)] for s in layout.slots],
+        "dtype": dtype,
+    }
+    return hashlib.sha256(json.dumps(facts, separators=(",", ":")).encode()).hexdigest()

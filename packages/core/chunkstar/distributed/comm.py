@@ -64,24 +64,57 @@ class Comm:
 
     def reduce_group(self, chunks: Sequence[torch.Tensor], what: str) -> torch.Tensor:
         """Sum ``chunks`` (this rank's copy of every chunk of a group) over ranks;
-        returns this rank's own chunk of the sum."""
+        returns this rank's own chunk of the sum, on ``exchange_device`` of the own chunk's
+        device (a copy that is not on it, say an evicted chunk, is moved there first)."""
+        where = self.exchange_device(chunks[self.rank].device)
         try:
             if self.backend == "nccl":
-                out = torch.empty_like(chunks[self.rank])
-                dist.reduce_scatter_tensor(out, torch.cat([c.reshape(-1) for c in chunks]))
+                out = torch.empty_like(chunks[self.rank], device=where)
+                dist.reduce_scatter_tensor(out, torch.cat([c.reshape(-1).to(where) for c in chunks]))
                 return out
-            flat = torch.cat([c.reshape(-1) for c in chunks])
+            flat = torch.cat([c.reshape(-1).to(where) for c in chunks])
             dist.all_reduce(flat)
             n = chunks[self.rank].numel()
             return flat[self.rank * n : (self.rank + 1) * n]
         except Exception as e:
             raise self._fail(f"gradient reduction of {what}", e) from e
 
-    def all_reduce_sum(self, t: torch.Tensor, what: str) -> torch.Tensor:
+    def all_gather_ints(self, values: Sequence[int], what: str, device: torch.device) -> list[list[int]]:
+        """Every rank's ``values`` (int64s, the same count on every rank), indexed by rank.
+
+        For small agreements (start-up fingerprints, checkpoint identities): one
+        all-gather of an int64 tensor, on ``device`` under NCCL (it only moves CUDA
+        tensors), on the CPU under gloo. World size 1 returns ``[values]``."""
+        if not self.distributed:
+            return [list(values)]
+        own = torch.tensor(list(values), dtype=torch.int64, device=self.exchange_device(device))
+        outs = [torch.empty_like(own) for _ in range(self.world_size)]
+        self.all_gather_group(outs, own, what)
+        return [[int(v) for v in t.tolist()] for t in outs]
+
+    def exchange_device(self, device: torch.device) -> torch.device:
+        """Where a tensor must be to take part in a collective: ``device`` under NCCL, else the CPU."""
+        return device if self.backend == "nccl" else torch.device("cpu")
+
+    def all_reduce_sum(self, t: torch.Tensor, what: str, device: torch.device) -> torch.Tensor:
+        """Sum ``t`` over ranks; the sum lies on ``exchange_device(device)`` (``device``
+        is the engine's: NCCL reduces CUDA tensors only, gloo here CPU ones)."""
         if not self.distributed:
             return t
+        t = t.to(self.exchange_device(device))
         try:
             dist.all_reduce(t)
+        except Exception as e:
+            raise self._fail(f"all-reduce of {what}", e) from e
+        return t
+
+    def all_reduce_max(self, t: torch.Tensor, what: str, device: torch.device) -> torch.Tensor:
+        """Element-wise maximum of ``t`` over ranks (flags and figures every rank must agree on)."""
+        if not self.distributed:
+            return t
+        t = t.to(self.exchange_device(device))
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         except Exception as e:
             raise self._fail(f"all-reduce of {what}", e) from e
         return t

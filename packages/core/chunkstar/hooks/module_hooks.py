@@ -11,69 +11,117 @@
   tied uses included), so it can be folded into the parameter's slot.
 
 Hooks go only on modules that own parameters directly, so nesting works and
-each parameter is accessed by the module that registered it. Outputs may be
-tensors, tuples, lists, dicts or Hugging Face ``ModelOutput`` (a dict).
-Modules called several times, recomputation under activation checkpointing
-(forward hooks fire again inside backward) and ``torch.no_grad()`` evaluation
-(no backward hook is registered) all go through the same paths.
+each parameter is accessed by the module that registered it. A module is
+named to the runtime by its position in ``modules`` (``module_key``); the
+runtime keeps the set of parameters each module touches, which starts as
+the module's own and grows when a module is seen reading another module's
+parameter (Note [parameter guard] in :mod:`chunkstar.hooks.param_guard`).
+Outputs may be tensors, tuples, lists, dicts or Hugging Face ``ModelOutput``
+(a dict). Modules called several times, recomputation under activation
+checkpointing (forward hooks fire again inside backward) and
+``torch.no_grad()`` evaluation (no backward hook is registered) all go
+through the same paths. A hook fired by a *copy* of a hooked module
+(``copy.deepcopy(model)`` for an EMA model copies the hook dicts) is ignored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HookTarget", "install_hooks"]
+__all__ = ["AfterBackward", "HookTarget", "HookedModule", "install_hooks", "output_tensors", "substitute"]
+
+
+@dataclass(frozen=True)
+class HookedModule:
+    key: int
+    """Position in the list :func:`install_hooks` returns."""
+    label: str
+    """Qualified name in the model (the model's class name for the root)."""
+    own: tuple[int, ...]
+    """Slot indices of the parameters the module registered itself."""
 
 
 class HookTarget(Protocol):
-    def on_pre_forward(self, module: str, indices: tuple[int, ...]) -> None: ...
-    def on_post_forward(self, module: str, indices: tuple[int, ...]) -> None: ...
-    def on_pre_backward(self, module: str, indices: tuple[int, ...]) -> None: ...
+    def on_pre_forward(self, module_key: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None: ...
+    def on_post_forward(self, module_key: int, output: Any) -> None: ...
     def on_grad(self, index: int, param: torch.Tensor) -> None: ...
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def output_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in a module's output: tensors, (nested) tuples/lists, dicts and ``ModelOutput``s."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, (tuple, list)):
         for o in obj:
-            yield from _tensors(o)
+            yield from output_tensors(o)
     elif isinstance(obj, Mapping):
         for o in obj.values():
-            yield from _tensors(o)
+            yield from output_tensors(o)
 
 
-def install_hooks(model: nn.Module, index_of: Mapping[int, int], target: HookTarget) -> list[RemovableHandle]:
+def substitute(obj: Any, subs: Mapping[int, torch.Tensor]) -> Any:
+    """``obj`` with the tensors whose ``id`` is in ``subs`` replaced (through tuples, lists, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        return subs.get(id(obj), obj)
+    if isinstance(obj, list):
+        return [substitute(o, subs) for o in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(substitute(o, subs) for o in obj)
+    if isinstance(obj, dict):
+        return {k: substitute(v, subs) for k, v in obj.items()}
+    return obj
+
+
+class AfterBackward(torch.autograd.Function):
+    """Identity on tensors; its backward calls ``callback`` and passes the gradients on.
+
+    Put around a module's inputs, its backward runs once the module's backward has
+    produced the inputs' gradients, i.e. when the module no longer needs its
+    parameters' data (FSDP2 marks its post-backward the same way)."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.callback = callback
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        ctx.callback()
+        return (None, *grads)
+
+
+def install_hooks(
+    model: nn.Module, index_of: Mapping[int, int], target: HookTarget
+) -> tuple[list[HookedModule], list[RemovableHandle]]:
     """Hook every module owning parameters and every parameter needing grad.
 
     ``index_of`` maps ``id(param)`` to the parameter's slot index.
     """
     handles: list[RemovableHandle] = []
+    modules: list[HookedModule] = []
     for name, mod in model.named_modules():
-        indices = tuple(sorted({index_of[id(p)] for p in mod.parameters(recurse=False)}))
-        if not indices:
+        own = tuple(sorted({index_of[id(p)] for p in mod.parameters(recurse=False)}))
+        if not own:
             continue
-        label = name or type(mod).__name__
+        key = len(modules)
+        modules.append(HookedModule(key, name or type(mod).__name__, own))
 
-        def pre(_m: nn.Module, _args: Any, label: str = label, indices: tuple[int, ...] = indices) -> None:
-            target.on_pre_forward(label, indices)
+        def pre(m: nn.Module, args: Any, kwargs: Any, key: int = key, mod: nn.Module = mod) -> tuple[Any, Any] | None:
+            if m is mod:
+                return target.on_pre_forward(key, args, kwargs)
+            return None
 
-        def post(_m: nn.Module, _args: Any, output: Any, label: str = label, indices: tuple[int, ...] = indices) -> None:
-            target.on_post_forward(label, indices)
-            if not torch.is_grad_enabled():
-                return
-            outs = [t for t in _tensors(output) if t.requires_grad]
-            if outs:
-                torch.autograd.graph.register_multi_grad_hook(
-                    outs, lambda _grads, label=label, indices=indices: target.on_pre_backward(label, indices), mode="any"
-                )
+        def post(m: nn.Module, _args: Any, output: Any, key: int = key, mod: nn.Module = mod) -> None:
+            if m is mod:
+                target.on_post_forward(key, output)
 
-        handles.append(mod.register_forward_pre_hook(pre))
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post))
 
     seen: set[int] = set()
@@ -83,4 +131,4 @@ def install_hooks(model: nn.Module, index_of: Mapping[int, int], target: HookTar
         seen.add(id(p))
         idx = index_of[id(p)]
         handles.append(p.register_post_accumulate_grad_hook(lambda param, idx=idx: target.on_grad(idx, param)))
-    return handles
+    return modules, handles

@@ -1,22 +1,66 @@
 """The warm-up memory trace: per moment, what was accessed and how much
 non-model memory the device held.
 
-A *moment* is one module pre-hook (forward or backward) within a micro-step.
-The warm-up spans the first two training micro-steps: the first alone would
-miss what user code keeps alive *across* iterations (the previous step's
-outputs and logits, say, which live on during the next forward), so each
-moment keeps the larger peak of the two passes. :meth:`MemoryTrace.freeze` then
-turns the records into the schedule the policies read: the chunk budget of
-each moment and the next use of each chunk. Micro-steps repeat, so "next use"
-wraps around into the next micro-step.
+A *moment* is one access within a training iteration: a module's pre-hook
+(forward or backward), or a parameter read outside its module (Note
+[parameter guard]). An *iteration* runs from the first training forward
+after the previous backward to the end of the next backward, however many
+forwards it holds (R-Drop and consistency losses run two), and moments are
+numbered across all of them.
+
+The warm-up traces the first two iterations: the first alone would miss what
+user code keeps alive *across* iterations (the previous step's outputs and
+logits, say, which live on during the next forward), so each moment keeps
+the larger peak of the two passes. :meth:`MemoryTrace.freeze` then turns the
+records into the schedule the policies read: the chunk budget of each moment
+and the next use of each chunk. Iterations repeat, so "next use" wraps
+around into the next iteration.
+
+After the freeze the runtime checks every iteration against the trace
+(:meth:`MemoryTrace.matches`, :meth:`MemoryTrace.grew`): another sequence of
+moments (new control flow) or more activation bytes than traced (a longer
+sequence, a bigger batch) means the schedule no longer describes the run,
+and the runtime re-plans (:class:`TracePhase`).
 """
 
 from __future__ import annotations
 
 import bisect
+import enum
 from dataclasses import dataclass, field
 
-__all__ = ["MomentRecord", "MemoryTrace"]
+from chunkstar.errors import ChunkStateError
+
+__all__ = ["GROWTH_MARGIN", "MomentRecord", "MemoryTrace", "TracePhase", "check_phase_transition"]
+
+GROWTH_MARGIN = 0.1
+"""Activation bytes may exceed the traced figure by this fraction before the
+trace counts as outgrown (allocator rounding and small shape jitter stay below it)."""
+
+
+class TracePhase(enum.Enum):
+    WARMUP = "warmup"
+    """Tracing: the device keeps only the running moment's chunks; budgets use live measurements."""
+    FROZEN = "frozen"
+    """The trace is the schedule: per-moment budgets, furthest-next-use eviction, prefetch."""
+    DIVERGED = "diverged"
+    """This iteration left the schedule: it finishes as in warm-up, and the next one re-traces."""
+    UNSCHEDULED = "unscheduled"
+    """The run changed shape too often to schedule: every iteration runs as in warm-up, for good."""
+
+
+_P = TracePhase
+_PHASE_EDGES: dict[TracePhase, frozenset[TracePhase]] = {
+    _P.WARMUP: frozenset({_P.FROZEN, _P.WARMUP, _P.UNSCHEDULED}),
+    _P.FROZEN: frozenset({_P.DIVERGED, _P.WARMUP}),
+    _P.DIVERGED: frozenset({_P.WARMUP, _P.UNSCHEDULED}),
+    _P.UNSCHEDULED: frozenset(),
+}
+
+
+def check_phase_transition(old: TracePhase, new: TracePhase) -> None:
+    if new not in _PHASE_EDGES[old]:
+        raise ChunkStateError(f"memory trace: illegal phase change {old.name} -> {new.name}")
 
 
 @dataclass
@@ -24,9 +68,11 @@ class MomentRecord:
     module: str
     stage: str
     chunks: tuple[int, ...]
-    """Param chunk ids the moment accessed."""
+    """Param chunk ids the moment accessed (sorted)."""
     non_model_peak: int = 0
     """Peak non-model device bytes from this moment's start to the next moment's start."""
+    output_bytes: int = 0
+    """Bytes of the module's output tensors (forward moments of modules; the largest seen)."""
 
 
 @dataclass
@@ -34,25 +80,49 @@ class MemoryTrace:
     records: list[MomentRecord] = field(default_factory=list)
     frozen: bool = False
     passes: int = 0
-    """Completed warm-up micro-steps merged into the records."""
+    """Completed warm-up iterations merged into the records."""
+    input_bytes: int = 0
+    """Largest total bytes of tensor arguments given to a traced forward."""
     _uses: dict[int, list[int]] = field(default_factory=dict)
 
-    def record(self, index: int, rec: MomentRecord) -> None:
+    def record(self, index: int, rec: MomentRecord) -> bool:
         """Moment ``index`` of the running pass. A later pass merges into the first
         pass's record of the same index (keeping the larger peak, see
-        :meth:`set_peak`); moments beyond the first pass's are appended."""
+        :meth:`set_peak`); moments beyond the first pass's are appended. Returns
+        False when a later pass disagrees with the first (another module, stage
+        or chunk set at this index, or more moments): the warm-up then starts over."""
         assert not self.frozen, "the trace is frozen after warm-up"
-        if index < len(self.records) and self.passes > 0:
-            return
+        if self.passes > 0:
+            return index < len(self.records) and self._same(self.records[index], rec)
+        if index != len(self.records):
+            return False
         self.records.append(rec)
+        return True
 
-    def end_pass(self) -> None:
+    @staticmethod
+    def _same(a: MomentRecord, b: MomentRecord) -> bool:
+        return a.module == b.module and a.stage == b.stage and a.chunks == b.chunks
+
+    def add_chunks(self, index: int, chunks: tuple[int, ...]) -> None:
+        """A moment accessed more chunks after it began (a parameter read outside its module)."""
+        if 0 <= index < len(self.records) and not self.frozen:
+            r = self.records[index]
+            r.chunks = tuple(sorted(set(r.chunks) | set(chunks)))
+
+    def end_pass(self, n_moments: int) -> bool:
+        """A warm-up iteration ended after ``n_moments`` moments; False if it had fewer than the first."""
         self.passes += 1
+        return n_moments == len(self.records)
 
     def set_peak(self, index: int, peak: int) -> None:
         if 0 <= index < len(self.records):
             r = self.records[index]
             r.non_model_peak = max(r.non_model_peak, peak)
+
+    def set_output_bytes(self, index: int, nbytes: int) -> None:
+        if 0 <= index < len(self.records):
+            r = self.records[index]
+            r.output_bytes = max(r.output_bytes, nbytes)
 
     def freeze(self) -> None:
         uses: dict[int, list[int]] = {}
@@ -62,6 +132,27 @@ class MemoryTrace:
         self._uses = uses
         self.frozen = True
 
+    def absorb_peaks(self, older: MemoryTrace) -> None:
+        """Keep an outgrown trace's larger figures where the moments agree, so a
+        re-trace never plans below what an earlier shape of the run needed."""
+        for mine, old in zip(self.records, older.records):
+            if self._same(mine, old):
+                mine.non_model_peak = max(mine.non_model_peak, old.non_model_peak)
+                mine.output_bytes = max(mine.output_bytes, old.output_bytes)
+        self.input_bytes = max(self.input_bytes, older.input_bytes)
+
+    # ------------------------------------------------------------------ checks against the frozen trace
+    def matches(self, moment: int, module: str, stage: str, chunks: tuple[int, ...]) -> bool:
+        return 0 <= moment < len(self.records) and self._same(self.records[moment], MomentRecord(module, stage, chunks))
+
+    def has_chunks(self, moment: int, chunks: tuple[int, ...]) -> bool:
+        return 0 <= moment < len(self.records) and set(chunks) <= set(self.records[moment].chunks)
+
+    def grew(self, traced: int, now: int) -> bool:
+        """Whether ``now`` bytes exceed the ``traced`` figure by more than the margin."""
+        return now > traced * (1 + GROWTH_MARGIN) + 256
+
+    # ------------------------------------------------------------------ schedule queries
     @property
     def n_moments(self) -> int:
         return len(self.records)
@@ -76,12 +167,12 @@ class MemoryTrace:
             return self.records[moment].non_model_peak
         return self.max_non_model
 
-    def matches(self, moment: int, chunks: tuple[int, ...]) -> bool:
-        return 0 <= moment < len(self.records) and self.records[moment].chunks == chunks
+    def output_bytes_at(self, moment: int) -> int:
+        return self.records[moment].output_bytes if 0 <= moment < len(self.records) else 0
 
     def next_use(self, chunk: int, after: int) -> int | None:
         """Moments from ``after`` until ``chunk`` is accessed again (wrapping into the
-        next micro-step); None if the trace never accesses it."""
+        next iteration); None if the trace never accesses it."""
         uses = self._uses.get(chunk)
         if not uses:
             return None

@@ -19,19 +19,21 @@ It subclasses ``torch.optim.Optimizer`` so LR schedulers work through
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import math
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
 from chunkstar.chunk.layout import TensorSlot
 from chunkstar.chunk.state import TensorState
+from chunkstar.distributed.comm import Comm
 from chunkstar.events import MoveReason
 from chunkstar.runtime.chunk_manager import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM
 
 if TYPE_CHECKING:
     from chunkstar.runtime.engine import ChunkEngine
 
-__all__ = ["ChunkAdam"]
+__all__ = ["ChunkAdam", "global_grad_norm"]
 
 _FORMAT = "chunkstar.ChunkAdam/1"
 _BATCH_ELEMENTS = 1 << 22  # gradient elements per batch of fused calls (16 MiB of fp32 copies)
@@ -49,6 +51,28 @@ def _runs(slots: list[TensorSlot], key: Callable[[TensorSlot], Any]) -> list[tup
     return out
 
 
+def global_grad_norm(ranges_by_device: Iterable[list[torch.Tensor]], comm: Comm, device: torch.device) -> torch.Tensor:
+    """The L2 norm of every rank's gradient ranges: a 0-dim fp32 CPU tensor, inf or nan
+    when a gradient overflowed.
+
+    ``ranges_by_device`` holds the ranges grouped by the device they lie on. Each
+    device takes the norms of its ranges in one foreach call and keeps them; they
+    travel once per device to ``comm.exchange_device(device)`` (``device`` is the
+    engine's: the sum is all-reduced there, on the GPU under NCCL, which reduces CUDA
+    tensors only), and the total comes to the CPU once: one sync per step, not one
+    per chunk."""
+    where = comm.exchange_device(device)
+    parts = [torch.stack(torch._foreach_norm(rs, 2, dtype=torch.float32)).to(where) for rs in ranges_by_device if rs]
+    norms = torch.cat(parts) if parts else torch.zeros(0, device=where)  # 1-D fp32 on `where`
+    if comm.distributed:
+        # every rank joins, even one without gradients (Note [collective schedule])
+        sq = norms.square().sum().reshape(1)
+        total = comm.all_reduce_sum(sq, what="the gradient norm", device=device).sqrt()[0]
+    else:
+        total = torch.linalg.vector_norm(norms)
+    return total.cpu()
+
+
 class ChunkAdam(torch.optim.Optimizer):
     def __init__(self, engine: ChunkEngine, param_groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
         super().__init__(param_groups, defaults)
@@ -61,6 +85,8 @@ class ChunkAdam(torch.optim.Optimizer):
                 self._group_of[engine.index_of(p)] = g
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        self.step_count = 0  # optimizer.step() calls, skipped ones included (a checkpoint's "step")
+        engine.optimizer = self  # engine.save_checkpoint / load_checkpoint carry this optimizer's state
 
     # ------------------------------------------------------------------ public
     @property
@@ -77,6 +103,7 @@ class ChunkAdam(torch.optim.Optimizer):
         eng.begin_optimizer_step()
         try:
             self._step()
+            self.step_count += 1
         finally:
             eng.end_optimizer_step()
         return loss
@@ -108,16 +135,9 @@ class ChunkAdam(torch.optim.Optimizer):
             g = mgr.chunks[PARAM][cid].payload
             for _, a, b in _runs(slots, lambda s: 0):
                 ranges.setdefault(g.device, []).append(g[a:b])
-        norms = [n.to("cpu") for rs in ranges.values() for n in torch._foreach_norm(rs, 2, dtype=torch.float32)]
-        if comm.distributed:
-            # every rank joins, even one without gradients (Note [collective schedule])
-            sq = torch.stack(norms).square().sum() if norms else torch.zeros(())
-            total = comm.all_reduce_sum(sq.reshape(1), what="the gradient norm").sqrt()[0]
-        else:
-            total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+        total = global_grad_norm(ranges.values(), comm, eng.device)  # 0-dim fp32, CPU
         total_f = float(total)
-        overflow = not torch.isfinite(total).item()
-        if overflow:
+        if not math.isfinite(total_f):  # fp16 overflow
             self.skipped_steps += 1
             self.last_grad_norm = None
             eng.restore_params_from_master(grad_slots)
@@ -255,3 +275,32 @@ class ChunkAdam(torch.optim.Optimizer):
                 self._steps[s.index] = int(st["step"])
         self._engine.scaler.load_state_dict(state_dict["loss_scaler"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+
+    def scalar_state(self) -> dict[str, Any]:
+        """The optimizer's state apart from its chunks, JSON-ready (a checkpoint shard
+        stores it next to the moment chunks): this rank's Adam step count per
+        parameter slot (0 for other ranks' slots), the parameter groups' settings
+        and members (slot indices), the skipped steps and the steps taken."""
+        mgr = self._engine.mgr
+        groups = []
+        for group in self.param_groups:
+            entry = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+            entry["params"] = [self._engine.index_of(p) for p in group["params"]]
+            groups.append(entry)
+        return {
+            "steps": [self._steps[s.index] if mgr.own(s.chunk_id) else 0 for s in mgr.slots],
+            "param_groups": groups,
+            "skipped_steps": self.skipped_steps,
+            "step_count": self.step_count,
+        }
+
+    def load_scalar_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`scalar_state` (the caller checked that the groups' members match)."""
+        mgr = self._engine.mgr
+        for mine, theirs in zip(self.param_groups, state["param_groups"]):
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = tuple(v) if isinstance(v, list) else v
+        self._steps = [int(n) if mgr.own(s.chunk_id) else 0 for s, n in zip(mgr.slots, state["steps"])]
+        self.skipped_steps = int(state["skipped_steps"])
+        self.step_count = int(state["step_count"])

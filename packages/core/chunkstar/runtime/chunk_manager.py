@@ -15,6 +15,7 @@ evict while its own module is running.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Iterable, Sequence
 
@@ -77,7 +78,16 @@ class ChunkManager:
         # CUDA: prefetch copies run here, overlapping the compute stream's kernels
         self.copy_stream: torch.cuda.Stream | None = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.trace = MemoryTrace()
-        self.warming_up = False  # a warm-up pass is being traced (set by the engine)
+        # Set by the engine: while tracing (or off the traced schedule) the device keeps
+        # only what the running moment needs, leaving activations all the room there is.
+        self.safe_mode = False
+        # False during an untraced forward (evaluation): budgets then use the trace's maximum.
+        self.on_schedule = True
+        # fraction of the device budget kept free (config device_memory_slack): capacity = budget * (1 - slack)
+        self.slack = 0.0
+        # Parameter objects by slot, with their plain and guarded classes (Note [parameter guard]);
+        # set_state swaps the class when a tensor enters or leaves COMPUTE.
+        self._guard: list[tuple[torch.Tensor, type, type]] = []
         self.stage = Stage.IDLE
         self.moment = -1
         self.module = ""
@@ -105,9 +115,37 @@ class ChunkManager:
         cid = self.slots[index].chunk_id
         if old is TensorState.COMPUTE:
             self._compute_count[cid] -= 1
+            if self._guard:
+                p, _, guarded = self._guard[index]
+                p.__class__ = guarded
         if new is TensorState.COMPUTE:
             self._compute_count[cid] += 1
+            if self._guard:
+                p, base, _ = self._guard[index]
+                p.__class__ = base
         self.states[index] = new
+
+    def install_guard(self, params: Sequence[torch.Tensor], guarded: Sequence[type]) -> None:
+        """Guard every parameter not in COMPUTE (Note [parameter guard] in hooks/param_guard.py)."""
+        self._guard = [(p, type(p), g) for p, g in zip(params, guarded)]
+        for i, (p, _, g) in enumerate(self._guard):
+            if self.states[i] is not TensorState.COMPUTE:
+                p.__class__ = g
+
+    def set_guarded(self, index: int, on: bool) -> None:
+        """Guard or unguard one parameter outside COMPUTE (gathered_parameters() unguards)."""
+        if self._guard:
+            p, base, guarded = self._guard[index]
+            p.__class__ = guarded if on else base
+
+    def remove_guard(self) -> None:
+        for p, base, _ in self._guard:
+            p.__class__ = base
+        self._guard = []
+
+    def pinned_bytes(self) -> int:
+        """Bytes of param chunks in use by a running moment (they cannot move)."""
+        return sum(self.chunks[PARAM][i].nbytes for i in range(self.layout.n_chunks) if self.pinned(i))
 
     def pinned(self, chunk_id: int) -> bool:
         return self._compute_count[chunk_id] > 0
@@ -139,12 +177,13 @@ class ChunkManager:
 
     def chunk_budget(self) -> int:
         """Bytes chunks may occupy on the device during the current moment (Note [budget per moment])."""
-        if self.stage is Stage.OPTIM or self.stage is Stage.IDLE:
-            non_model = self.probe.non_model_now(self.device_chunk_bytes)
-        elif self.trace.frozen:
+        live = self.probe.non_model_now(self.device_chunk_bytes)
+        if self.stage is Stage.OPTIM or self.stage is Stage.IDLE or not self.trace.frozen or self.safe_mode:
+            non_model = live
+        elif self.on_schedule:
             non_model = self.trace.non_model_at(self.moment)
         else:
-            non_model = self.probe.non_model_now(self.device_chunk_bytes)
+            non_model = max(live, self.trace.max_non_model)
         return self.capacity - non_model
 
     def touch(self, key: Key) -> None:
@@ -152,7 +191,7 @@ class ChunkManager:
         self._last_use[key] = self._clock
 
     def _next_use(self, key: Key) -> int | None:
-        if key[0] != PARAM or not self.trace.frozen:
+        if key[0] != PARAM or not self.trace.frozen or not self.on_schedule or self.safe_mode:
             return None
         if self.stage is Stage.OPTIM or self.stage is Stage.IDLE:
             return self.trace.next_use(key[1], -1)
@@ -237,7 +276,7 @@ class ChunkManager:
         all the room there is.
         """
         budget = self.chunk_budget()
-        target = 0 if self.warming_up and self.stage in (Stage.FWD, Stage.BWD) else budget
+        target = 0 if self.safe_mode and self.stage in (Stage.FWD, Stage.BWD) else budget
         excess = self.device_chunk_bytes + need - target
         if excess <= 0:
             return
@@ -255,14 +294,38 @@ class ChunkManager:
             freed = sum(c.nbytes for c in candidates)
             if self.device_chunk_bytes - freed + need > budget:
                 req = set(required) | {(PARAM, i) for i in range(self.layout.n_chunks) if self.pinned(i)}
-                needed = sum(self.chunks[n][i].nbytes for n, i in req)
-                raise DeviceMemoryError(
-                    device=str(self.device), needed=max(needed, need), free=max(budget, 0), budget=self.capacity, where=where
-                )
+                raise self.memory_error(where, sorted(req), budget)
             victims = [c.key for c in candidates]
         for v in victims:
             assert isinstance(v, tuple)
             self.move(v, Tier.HOST, MoveReason.EVICTION)
+
+    def memory_error(self, where: str, required: Sequence[Key], free: int, non_model: int | None = None) -> DeviceMemoryError:
+        """The error for chunks ``required`` at once that do not fit ``free`` chunk bytes,
+        with the smallest budget that would hold them beside the measured non-model memory."""
+        needed = sum(self.chunks[n][i].nbytes for n, i in required)
+        if non_model is None:
+            non_model = self.capacity - free
+        biggest = max((s for n, i in required for s in self.slots_of(i)), key=lambda s: s.numel, default=None)
+        itemsize = self.chunks[PARAM][0].dtype.itemsize
+        big_tensor = biggest is not None and biggest.numel * itemsize > max(free, 0)
+        if big_tensor:
+            assert biggest is not None
+            advice = (
+                f"one parameter alone, '{biggest.name}' ({biggest.numel * itemsize} bytes), is larger than the free "
+                "chunk memory, so smaller chunks cannot help: raise 'device_memory_budget', or lower the batch size "
+                "or sequence length (or enable activation checkpointing) to shrink the non-model memory"
+            )
+        else:
+            advice = (
+                "raise 'device_memory_budget'; or lower the batch size or sequence length, or enable activation "
+                "checkpointing, to shrink the non-model memory; or lower 'default_chunk_size' so this moment's "
+                "working set needs fewer whole chunks"
+            )
+        return DeviceMemoryError(
+            device=str(self.device), needed=needed, free=max(free, 0), budget=self.capacity, where=where,
+            minimum=math.ceil((needed + max(non_model, 0)) / (1.0 - self.slack)), advice=advice,
+        )  # fmt: skip
 
     def move(self, key: Key, tier: Tier, reason: MoveReason) -> None:
         chunk = self.chunks[key[0]][key[1]]

@@ -9,9 +9,14 @@ persistent device tensor, Note [persistent device storage] in
   resident within that moment's budget and its tensors go to COMPUTE;
 * a gradient hook folds the finished gradient into the parameter's own slot
   (or, while accumulating over micro-batches, into an fp32 host accumulator);
-* the first two training micro-steps are the warm-up: the memory probe
+* a parameter touched anywhere else (another module's forward, the loss, user
+  code between steps) reaches the runtime through its guard (Note [parameter
+  guard], :mod:`chunkstar.runtime.param_access`);
+* the first two training iterations are the warm-up: the memory probe
   measures non-model memory per moment (budgets use the live figure meanwhile),
-  and at its end the trace is frozen and the hybrid-Adam placement is planned.
+  and at its end the trace is frozen and the hybrid-Adam placement is planned;
+  later iterations are checked against the trace and re-traced when the run
+  changes shape (Note [iteration]).
 
 The orchestration lives here; moving bytes is :class:`ChunkManager`'s job and
 choosing is the policies'.
@@ -20,8 +25,10 @@ choosing is the policies'.
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import time
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -30,28 +37,73 @@ from chunkstar.chunk.layout import TensorSlot, build_layout, search_chunk_size
 from chunkstar.chunk.state import TensorState
 from chunkstar.config import EngineConfig, Precision
 from chunkstar.distributed.comm import Comm
-from chunkstar.errors import ChunkStateError, ConfigError
+from chunkstar.distributed.startup import agree_on_startup
+from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError
 from chunkstar.events import EventBus, MomentBegin, MomentEnd, MoveReason, Stage, StageChanged, Tier
-from chunkstar.hooks.module_hooks import install_hooks
+from chunkstar.hooks.module_hooks import AfterBackward, install_hooks, output_tensors, substitute
+from chunkstar.hooks.param_guard import forget_target, guarded_class
 from chunkstar.memory.probes import MemoryProbe, make_probe
-from chunkstar.memory.tracer import MemoryTrace, MomentRecord
+from chunkstar.memory.tracer import MemoryTrace, MomentRecord, TracePhase, check_phase_transition
 from chunkstar.placement.optimizer import plan_device_adam
 from chunkstar.runtime.chunk_manager import MASTER, PARAM, STATE_LISTS, ChunkManager
+from chunkstar.runtime.param_access import GATHER_HINT, ParamAccess
+
+if TYPE_CHECKING:
+    from chunkstar.optim.adam import ChunkAdam
 
 __all__ = ["ChunkEngine"]
 
-_WARMUP = "warm-up"  # the engine's name as a holder of the memory probe
-WARMUP_PASSES = 2  # training micro-steps traced before the schedule is frozen (see memory/tracer.py)
+_WARMUP = "warm-up"  # the engine's names as a holder of the memory probe: tracing,
+_UNSCHEDULED = "unscheduled"  # and measuring live for lack of a schedule
+WARMUP_PASSES = 2  # training iterations traced before the schedule is frozen (see memory/tracer.py)
+MAX_REPLANS = 8  # re-traces before a run that keeps changing shape runs unscheduled (Note [iteration])
+_log = logging.getLogger("chunkstar")
 
 
 def _device_capacity(cfg: EngineConfig) -> int:
+    """Bytes the engine plans with: the budget (cpu) or what the GPU gives this process,
+    capped by the budget (cuda), less the ``device_memory_slack`` kept free."""
     if cfg.device.type == "cpu":
         assert cfg.device_memory_budget is not None
-        return cfg.device_memory_budget
-    free, total = torch.cuda.mem_get_info(cfg.device)
-    # what this process may use: what is free plus what torch already holds
-    usable = free + torch.cuda.memory_reserved(cfg.device)
-    return min(cfg.device_memory_budget or usable, usable)
+        full = cfg.device_memory_budget
+    else:
+        free, total = torch.cuda.mem_get_info(cfg.device)
+        # what this process may use: what is free plus what torch already holds
+        usable = free + torch.cuda.memory_reserved(cfg.device)
+        full = min(cfg.device_memory_budget or usable, usable)
+    return int(full * (1.0 - cfg.device_memory_slack))
+
+
+def _check_inputs(model: nn.Module, cfg: EngineConfig, n_elements: int) -> None:
+    """Refuse, before any chunk is built, what the engine cannot take: tensors on the meta
+    device, and a ``default_chunk_size`` the device cannot hold or the model cannot fill."""
+    for kind, tensors in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in tensors:
+            if t.is_meta:
+                raise ValueError(
+                    f"{kind} '{name}' is on the meta device: building the model on the meta device is not "
+                    "supported yet. Materialise it first (e.g. model.to_empty(device=\"cpu\"), then initialise "
+                    "the weights, say with each module's reset_parameters()) and hand that model to chunkstar"
+                )
+    size = cfg.chunk_size
+    if size is None:  # "auto" searches a size that fits the parameters
+        return
+    if size > n_elements:
+        raise ConfigError(
+            "default_chunk_size",
+            f"{size} elements is more than the whole model has ({n_elements} parameter elements), so every chunk "
+            f"would be mostly padding; use \"auto\" or a size <= {n_elements}",
+        )
+    chunk_bytes = size * cfg.precision.dtype.itemsize
+    capacity = _device_capacity(cfg)
+    if chunk_bytes > capacity:
+        raise ConfigError(
+            "default_chunk_size",
+            f"one param chunk of {size} elements x {cfg.precision.dtype.itemsize} bytes ({cfg.precision.value}) is "
+            f"{chunk_bytes} bytes, more than the device can hold: {capacity} bytes (device_memory_budget "
+            f"{cfg.device_memory_budget} on {cfg.device}, less device_memory_slack {cfg.device_memory_slack}). "
+            "Lower default_chunk_size, use \"auto\", or raise device_memory_budget",
+        )
 
 
 class ChunkEngine:
@@ -77,8 +129,12 @@ class ChunkEngine:
             )
         numels = [p.numel() for p in self._params]
         chunk_size = cfg.chunk_size or search_chunk_size(numels, world_size=world)
+        _check_inputs(model, cfg, sum(numels))
         layout = build_layout([n for n, _ in named], [tuple(p.shape) for p in self._params], chunk_size, world_size=world)
         self.chunk_size = chunk_size
+        # every rank checks it builds the same engine, before any chunk collective (Note [start-up agreement])
+        self.run_id = agree_on_startup(self.comm, cfg, layout, self._params)
+        self.optimizer: ChunkAdam | None = None  # the ChunkAdam over this engine attaches itself; checkpoints carry it
         self.mgr = ChunkManager(
             layout, dtype, cfg.device, _device_capacity(cfg), cfg.eviction_policy, make_probe(cfg.device), self.events,
             self.comm,
@@ -117,35 +173,62 @@ class ChunkEngine:
         self._accumulators: dict[int, torch.Tensor] = {}  # chunk id -> 1-D fp32 host, grads of earlier micro-batches
         self._accumulated: set[int] = set()  # slot indices with something in an accumulator
         self._boundary = False  # the running backward is the last micro-batch before a step
-        self._pass_open = False  # a warm-up pass began (forward) and has not ended (backward)
         self._reduced: set[int] = set()  # chunk groups whose gradients were reduced in this backward
-        self._handles = install_hooks(model, self._index, self)
+
+        # the iteration and its schedule (Note [iteration] below)
+        self._phase = TracePhase.WARMUP
+        self._iter_open = False  # a training forward began and its backward has not ended
+        self._outgrown: MemoryTrace | None = None  # the trace a re-trace replaces (its peaks are kept)
+        self._diverged_why = ""  # why this iteration left the schedule ("" while on it)
+        self._warmup_disagrees = False  # a warm-up pass differed from the first one
+        # (minimum budget, moment, its chunk bytes, its non-model peak): the worst warm-up moment that did not fit
+        self._too_small: tuple[int, str, int, int] | None = None
+        self.replans = 0
+        self._untraced_depth = 0  # evaluation forwards running (not on the schedule)
+        self._implicit = False  # a module was called directly (not through the engine) at IDLE
+        self._saved_moment = -1
+
+        # modules, their access sets and the running ones (Note [parameter guard])
+        self._modules, self._handles = install_hooks(model, self._index, self)
+        self._access_sets: list[tuple[int, ...]] = [m.own for m in self._modules]
+        self._stack: list[tuple[int, int]] = []  # (module key, moment of its pre-forward), innermost last
+        self._views = [p.data for p in self._params]  # each parameter's view into its param chunk's device tensor
+        self._gathered: set[int] = set()  # slot indices inside gathered_parameters()
+        self.access = ParamAccess(self)
+        self.mgr.slack = cfg.device_memory_slack
+        self.mgr.install_guard(self._params, [guarded_class(type(p), self.access) for p in self._params])
+        # module.state_dict() serves the fp32 masters (runtime/param_access.py); the root's hooks
+        # span a whole call, so tied names get one tensor
+        for mod in [m for m in model.modules() if m is model or any(True for _ in m.parameters(recurse=False))]:
+            self._handles.append(mod.register_state_dict_pre_hook(lambda *_: self.access.begin_state_dict()))
+            self._handles.append(mod.register_state_dict_post_hook(lambda *_: self.access.end_state_dict()))
 
     # ------------------------------------------------------------------ model API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped model. With autograd on this is (part of) a training iteration;
+        under ``torch.no_grad()`` an evaluation forward that the schedule ignores."""
+        if self._gathered:
+            raise ChunkStateError("the model cannot run inside engine.gathered_parameters(): leave the block first")
         training = torch.is_grad_enabled()
-        if training and not self.mgr.trace.frozen:
-            # warm-up (the first WARMUP_PASSES training micro-steps): trace this forward
-            # and its backward. A forward never followed by a backward leaves a partial
-            # pass behind, so a new pass restarts from the completed ones.
-            if self._pass_open:
-                self.mgr.trace = MemoryTrace()
-            self._pass_open = True
-            self.mgr.probe.acquire(_WARMUP)
-            self.mgr.warming_up = True
+        if training:
+            self._begin_iteration(args, kwargs)
+        else:
+            self._begin_untraced()
         self._set_stage(Stage.FWD)
-        self.mgr.moment = -1
         try:
             with self._autocast():
                 out = self.module(*args, **kwargs)
         except BaseException:
-            self._abort_iteration()
+            if training:
+                self._abort_iteration()
+            else:
+                self._end_untraced()
             raise
         if not training:
-            self._set_stage(Stage.IDLE)
+            self._end_untraced()
         return out
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -199,16 +282,143 @@ class ChunkEngine:
         except KeyError:
             raise ValueError("this tensor is not a parameter of the engine's model") from None
 
-    # ------------------------------------------------------------------ hook targets
+    # ------------------------------------------------------------------ the iteration
+    # Note [iteration]: an iteration runs from the first training forward after the
+    # previous backward to the end of the next backward, however many forwards it
+    # holds (R-Drop runs two); moments are numbered across all of them. The first
+    # WARMUP_PASSES iterations are traced (TracePhase.WARMUP); then the trace is the
+    # schedule (FROZEN). Every later iteration is checked against it: its inputs, each
+    # moment's module/stage/chunks, each module's output bytes (and, on CUDA, the live
+    # non-model memory). A difference means the schedule no longer describes the run:
+    # the rest of the iteration runs as in warm-up (DIVERGED: only the moment's chunks
+    # on the device) and the next iterations trace again, keeping the old trace's
+    # peaks. A run that keeps changing (MAX_REPLANS re-traces) stays UNSCHEDULED.
+    # With several processes the ranks agree on phase changes at the end of each
+    # iteration (one all-reduce), so collective decisions stay identical
+    # (Note [collective schedule]).
+    def _begin_iteration(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._iter_open:
+            return  # another forward of the same iteration
+        self._iter_open = True
+        self.access.reset()
+        self._stack.clear()
+        mgr = self.mgr
+        mgr.moment = -1
+        nbytes = sum(t.nbytes for t in output_tensors((args, kwargs)))
+        if self._phase is TracePhase.FROZEN and mgr.trace.grew(mgr.trace.input_bytes, nbytes):
+            why = f"the inputs hold {nbytes} bytes, the traced ones {mgr.trace.input_bytes}"
+            if self.comm.distributed:
+                self._diverge(why)  # re-traced from the next iteration, when all ranks agree
+            else:
+                self._retrace(why)  # trace this very iteration
+        if self._phase is TracePhase.WARMUP:
+            mgr.probe.acquire(_WARMUP)
+            mgr.trace.input_bytes = max(mgr.trace.input_bytes, nbytes)
+        elif self._phase is TracePhase.UNSCHEDULED:
+            mgr.probe.acquire(_UNSCHEDULED)  # no trace to read budgets from: measure live
+        mgr.safe_mode = self._phase is not TracePhase.FROZEN
+
+    def _begin_untraced(self) -> None:
+        """An evaluation forward: its moments are not the schedule's."""
+        self._untraced_depth += 1
+        if self._untraced_depth == 1:
+            self._saved_moment = self.mgr.moment
+            self.mgr.on_schedule = False
+
+    def _end_untraced(self) -> None:
+        self._untraced_depth -= 1
+        if self._untraced_depth == 0:
+            self.mgr.on_schedule = True
+            self.mgr.moment = self._saved_moment
+            if not self._iter_open:
+                self._set_stage(Stage.IDLE)
+
+    def _set_phase(self, new: TracePhase) -> None:
+        check_phase_transition(self._phase, new)
+        self._phase = new
+
+    def _diverge(self, why: str) -> None:
+        """This iteration left the schedule: finish it safely, re-trace from the next one."""
+        if self._phase is not TracePhase.FROZEN or self._diverged_why:
+            return
+        self._diverged_why = why
+        if self.comm.distributed:
+            self.mgr.safe_mode = True  # local only; the phase changes when the ranks agree
+            return
+        self._set_phase(TracePhase.DIVERGED)
+        self.mgr.safe_mode = True
+
+    def _retrace(self, why: str) -> None:
+        """Drop the schedule and trace again (keeping the old trace's larger peaks)."""
+        mgr = self.mgr
+        self.replans += 1
+        if self._phase is TracePhase.FROZEN:
+            self._set_phase(TracePhase.DIVERGED)
+        if self.replans > MAX_REPLANS:
+            self._set_phase(TracePhase.UNSCHEDULED)
+            _log.warning(
+                "chunkstar: the run changed its shape %d times (last: %s); it now runs unscheduled "
+                "(only each moment's chunks stay on the device, no prefetch)", self.replans, why,
+            )  # fmt: skip
+        else:
+            self._set_phase(TracePhase.WARMUP)
+            _log.warning("chunkstar: the warm-up trace no longer matches the run (%s); tracing again", why)
+        if mgr.trace.frozen:
+            self._outgrown = mgr.trace
+        mgr.trace = MemoryTrace()
+        self._diverged_why = ""
+        self._warmup_disagrees = False
+
+    def in_model_pass(self) -> bool:
+        """Whether a forward or backward of the model is running (guarded reads then take part in it)."""
+        return self.mgr.stage is Stage.FWD or self.mgr.stage is Stage.BWD
+
+    # ------------------------------------------------------------------ moments
     def _begin_moment(self, module: str, chunk_ids: tuple[int, ...]) -> None:
         mgr = self.mgr
         mgr.moment += 1
         mgr.module = module
-        if mgr.probe.held_by(_WARMUP):
-            mgr.trace.set_peak(mgr.moment - 1, mgr.probe.take_peak(mgr.device_chunk_bytes))
-            mgr.trace.record(mgr.moment, MomentRecord(module, mgr.stage.value, chunk_ids))
+        if mgr.on_schedule:
+            if mgr.probe.held_by(_WARMUP):
+                self._close_traced_moment()
+                if not mgr.trace.record(mgr.moment, MomentRecord(module, mgr.stage.value, chunk_ids)):
+                    self._warmup_disagrees = True
+            elif self._phase is TracePhase.FROZEN and not self._diverged_why:
+                if not mgr.trace.matches(mgr.moment, module, mgr.stage.value, chunk_ids):
+                    expected = mgr.trace.records[mgr.moment] if mgr.moment < mgr.trace.n_moments else None
+                    self._diverge(
+                        f"moment {mgr.moment} is '{module}' ({mgr.stage.value}) on chunks {list(chunk_ids)}, the trace has "
+                        + (f"'{expected.module}' ({expected.stage}) on chunks {list(expected.chunks)}" if expected else "no such moment")
+                    )
+                elif self.device.type == "cuda" and mgr.moment > 0:
+                    live = mgr.probe.non_model_now(mgr.device_chunk_bytes)
+                    if mgr.trace.grew(mgr.trace.non_model_at(mgr.moment - 1), live):
+                        self._diverge(f"{live} bytes of non-model memory at moment {mgr.moment}, traced at most "
+                                      f"{mgr.trace.non_model_at(mgr.moment - 1)}")  # fmt: skip
         if self.events.active:
             self.events.emit(MomentBegin(mgr.moment, module, mgr.stage, time.perf_counter_ns()))
+
+    def _close_traced_moment(self) -> None:
+        """Warm-up: the moment before the running one is over; its peak is known. A moment
+        whose chunks and non-model peak exceed the device is remembered for the error
+        raised at the end of this warm-up iteration (with the whole minimum)."""
+        mgr = self.mgr
+        m = mgr.moment - 1
+        mgr.trace.set_peak(m, mgr.probe.take_peak(mgr.device_chunk_bytes))
+        if not 0 <= m < mgr.trace.n_moments:
+            return
+        rec = mgr.trace.records[m]
+        chunks = self._moment_chunk_bytes(rec.chunks)
+        if chunks + rec.non_model_peak > mgr.capacity:
+            need = math.ceil((chunks + rec.non_model_peak) / (1.0 - mgr.slack))
+            if self._too_small is None or need > self._too_small[0]:
+                self._too_small = (need, f"'{rec.module}' ({rec.stage})", chunks, rec.non_model_peak)
+
+    def _moment_chunk_bytes(self, chunk_ids: tuple[int, ...]) -> int:
+        """Param chunk bytes a moment needs on the device (whole groups with several processes)."""
+        mgr = self.mgr
+        ids = {k for c in chunk_ids for k in mgr.layout.group(c)} if self.comm.distributed else set(chunk_ids)
+        return sum(mgr.chunks[PARAM][c].nbytes for c in ids)
 
     def _access(self, module: str, indices: tuple[int, ...]) -> None:
         mgr = self.mgr
@@ -220,7 +430,7 @@ class ChunkEngine:
             )
             for i in indices:
                 mgr.set_state(i, TensorState.COMPUTE)
-            if self.config.prefetch and mgr.trace.frozen:
+            if self.config.prefetch and mgr.trace.frozen and mgr.on_schedule and not mgr.safe_mode:
                 self._prefetch(set(chunk_ids))
             mgr.memory_sample()
 
@@ -240,22 +450,133 @@ class ChunkEngine:
             mgr.move((PARAM, c), Tier.DEVICE, MoveReason.PREFETCH)
             mgr.touch((PARAM, c))
 
-    def on_pre_forward(self, module: str, indices: tuple[int, ...]) -> None:
-        self._access(module, indices)
+    # ------------------------------------------------------------------ hook targets
+    def on_pre_forward(self, module_key: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+        if self.mgr.stage is Stage.IDLE:
+            self._begin_implicit()
+        mod = self._modules[module_key]
+        indices = self._access_sets[module_key]
+        # Note [repeated use]: a parameter's gradient is folded (and its chunk freed to
+        # move) when autograd has run all its uses. A parameter already used in this
+        # forward (tied weights, a second forward for R-Drop, an L2 term before the
+        # forward) would stay in COMPUTE from this use's backward until that fold, and
+        # with every parameter used twice the whole model would be pinned at once. So a
+        # repeated use marks its own end: an identity on the module's inputs whose
+        # backward releases the parameters. First uses need none (the fold releases them).
+        repeated = torch.is_grad_enabled() and any(self.mgr.states[i] is TensorState.HOLD_AFTER_FWD for i in indices)
+        self._access(mod.label, indices)
+        self._stack.append((module_key, self.mgr.moment))
+        if repeated:
+            inputs = [t for t in output_tensors((args, kwargs)) if t.requires_grad]
+            if inputs:
+                aliases = AfterBackward.apply(lambda: self.release_after_backward(list(indices)), *inputs)
+                subs = {id(t): a for t, a in zip(inputs, aliases)}
+                return substitute(args, subs), substitute(kwargs, subs)
+        return None
 
-    def on_post_forward(self, module: str, indices: tuple[int, ...]) -> None:
-        after = TensorState.HOLD_AFTER_FWD if torch.is_grad_enabled() else TensorState.HOLD
+    def _begin_implicit(self) -> None:
+        """A module of the model was called directly, not through the engine."""
+        if self._gathered:
+            raise ChunkStateError("the model cannot run inside engine.gathered_parameters(): leave the block first")
+        self._implicit = True
+        if torch.is_grad_enabled():
+            self._begin_iteration((), {})
+        else:
+            self._begin_untraced()
+        self._set_stage(Stage.FWD)
+
+    def begin_iteration_from_read(self) -> None:
+        """A parameter read with autograd on between steps opens the next iteration."""
+        self._begin_iteration((), {})
+        self._set_stage(Stage.FWD)
+
+    def on_post_forward(self, module_key: int, output: Any) -> None:
+        mgr = self.mgr
+        mod = self._modules[module_key]
+        indices = self._access_sets[module_key]
+        grad = torch.is_grad_enabled()
+        after = TensorState.HOLD_AFTER_FWD if grad else TensorState.HOLD
         for i in indices:
-            if self.mgr.states[i] is TensorState.COMPUTE:
-                self.mgr.set_state(i, after)
-        if self.comm.distributed and self.mgr.stage is not Stage.BWD:
+            if mgr.states[i] is TensorState.COMPUTE:
+                mgr.set_state(i, after)
+        began = mgr.moment
+        for pos in range(len(self._stack) - 1, -1, -1):
+            if self._stack[pos][0] == module_key:
+                began = self._stack.pop(pos)[1]
+                break
+        outs = list(output_tensors(output))
+        if mgr.on_schedule and mgr.stage is Stage.FWD:
+            nbytes = sum(t.nbytes for t in outs)
+            if mgr.probe.held_by(_WARMUP):
+                mgr.trace.set_output_bytes(began, nbytes)
+            elif self._phase is TracePhase.FROZEN and mgr.trace.grew(mgr.trace.output_bytes_at(began), nbytes):
+                self._diverge(f"'{mod.label}' returned {nbytes} bytes, traced {mgr.trace.output_bytes_at(began)}")
+        if self.comm.distributed and mgr.stage is not Stage.BWD:
             self._release_remote_after(indices)
         if self.events.active:
-            self.events.emit(MomentEnd(self.mgr.moment, module, self.mgr.stage, time.perf_counter_ns()))
-            self.mgr.memory_sample()  # the module's activations now exist
+            self.events.emit(MomentEnd(mgr.moment, mod.label, mgr.stage, time.perf_counter_ns()))
+            mgr.memory_sample()  # the module's activations now exist
+        if grad:
+            needing = [t for t in outs if t.requires_grad]
+            if needing:
+                torch.autograd.graph.register_multi_grad_hook(
+                    needing, lambda _grads, label=mod.label, indices=indices: self._access(label, indices), mode="any"
+                )
+        if self._implicit and not self._stack:
+            self._implicit = False
+            if not grad:
+                self._end_untraced()
 
-    def on_pre_backward(self, module: str, indices: tuple[int, ...]) -> None:
-        self._access(module, indices)
+    def running_module(self) -> int | None:
+        """Key of the innermost module whose forward is running, if any."""
+        return self._stack[-1][0] if self._stack else None
+
+    def attach_to_running_module(self, indices: list[int], what: str) -> None:
+        """A running module reads parameters it does not own: they join its access set
+        for good (its post-forward releases them, its pre-backward brings them back, its
+        next pre-forward brings them along) and are made resident now."""
+        mgr = self.mgr
+        key, began = self._stack[-1]
+        label = self._modules[key].label
+        self._access_sets[key] = tuple(sorted(set(self._access_sets[key]) | set(indices)))
+        chunk_ids = tuple(sorted({mgr.slots[i].chunk_id for i in indices}))
+        if mgr.on_schedule:
+            if mgr.probe.held_by(_WARMUP):
+                mgr.trace.add_chunks(began, chunk_ids)
+            elif self._phase is TracePhase.FROZEN and not mgr.trace.has_chunks(began, chunk_ids):
+                self._diverge(f"'{label}' read {what}, which the trace did not see")
+        with mgr.probe.paused():
+            mgr.make_resident(
+                [(PARAM, c) for c in chunk_ids], MoveReason.ACCESS, where=f"{what} read in '{label}'", gather_groups=True
+            )
+            for i in indices:
+                mgr.set_state(i, TensorState.COMPUTE)
+
+    def access_outside_modules(self, label: str, indices: list[int], backward: bool = False) -> None:
+        """Parameters read by code outside any module (a moment of their own)."""
+        if backward and self.mgr.stage is not Stage.BWD:
+            return
+        self._access(label, tuple(indices))
+
+    def release_outside_modules(self, indices: list[int], prior: dict[int, TensorState], building_graph: bool) -> None:
+        for i in indices:
+            if self.mgr.states[i] is TensorState.COMPUTE:
+                back = TensorState.HOLD_AFTER_FWD if building_graph else prior[i]
+                self.mgr.set_state(i, TensorState.HOLD if back is TensorState.COMPUTE else back)
+        if self.comm.distributed and self.mgr.stage is not Stage.BWD:
+            self._release_remote_after(tuple(indices))
+
+    def release_after_backward(self, indices: list[int]) -> None:
+        """The backward of an op outside modules is over: its parameters may move again."""
+        for i in indices:
+            if self.mgr.states[i] is TensorState.COMPUTE:
+                self.mgr.set_state(i, TensorState.HOLD_AFTER_FWD)
+
+    def param_index(self, p: torch.Tensor) -> int | None:
+        return self._index.get(id(p))
+
+    def parameter(self, index: int) -> nn.Parameter:
+        return self._params[index]
 
     def on_grad(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad
@@ -265,18 +586,21 @@ class ChunkEngine:
         mgr = self.mgr
         s = mgr.slots[index]
         with torch.no_grad(), mgr.probe.paused():
-            if not mgr.resident((PARAM, s.chunk_id)):  # a parameter used outside its module's hooks
+            if not mgr.resident((PARAM, s.chunk_id)):  # e.g. a parameter whose backward needed no data
                 mgr.make_resident(
                     [(PARAM, s.chunk_id)], MoveReason.ACCESS, where=f"the gradient of '{s.name}'", gather_groups=True
                 )
+            # through the chunk, not the parameter: payload waits for a prefetch copy still in flight
+            slot = mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end]
             if self._boundary:
                 acc = self._accumulators.get(s.chunk_id)
                 if index in self._accumulated and acc is not None:
-                    total = acc[s.offset : s.end].to(grad.device).view(s.shape) + grad.float()
-                    param.data.copy_(total)
+                    slot.copy_(acc[s.offset : s.end].to(slot.device) + grad.float().reshape(-1))
                     self._accumulated.discard(index)
                 else:
-                    param.data.copy_(grad)
+                    slot.copy_(grad.reshape(-1))
+                if mgr.states[index] is not TensorState.COMPUTE:
+                    mgr.set_state(index, TensorState.COMPUTE)
                 mgr.set_state(index, TensorState.HOLD_AFTER_BWD)
                 if self.comm.distributed:
                     self._maybe_reduce(mgr.layout.group(s.chunk_id).start)
@@ -380,18 +704,74 @@ class ChunkEngine:
         if self.comm.distributed:
             for g in sorted(mgr.gathered_groups):
                 mgr.release_group(g)
-        if mgr.probe.held_by(_WARMUP):
-            mgr.trace.set_peak(mgr.moment, mgr.probe.take_peak(mgr.device_chunk_bytes))
-            mgr.probe.release(_WARMUP)
-            mgr.warming_up = False
-            mgr.trace.end_pass()
-            self._pass_open = False
-            if mgr.trace.passes >= WARMUP_PASSES:
-                mgr.trace.freeze()
-                self._plan_adam()
+        self._end_iteration()
         self.micro_step += 1
         self._since_step += 1
         self._set_stage(Stage.IDLE)
+
+    def _end_iteration(self) -> None:
+        """Close the iteration's trace bookkeeping (Note [iteration])."""
+        mgr = self.mgr
+        self._iter_open = False
+        self._implicit = False
+        self._stack.clear()
+        too_small = None
+        mgr.probe.release(_UNSCHEDULED)
+        if mgr.probe.held_by(_WARMUP):
+            self._close_traced_moment()  # the last moment's peak
+            mgr.probe.release(_WARMUP)
+            too_small, self._too_small = self._too_small, None
+            complete = mgr.trace.end_pass(mgr.moment + 1) and not self._warmup_disagrees
+            if not complete:
+                self._warmup_disagrees = True
+        elif self._phase is TracePhase.FROZEN and not self._diverged_why and mgr.moment + 1 != mgr.trace.n_moments:
+            self._diverge(f"the iteration had {mgr.moment + 1} moments, the trace {mgr.trace.n_moments}")
+        self._too_small = None
+        mgr.safe_mode = False
+        # several processes: every rank takes the same decision (one all-reduce per iteration)
+        flags = [float(bool(self._diverged_why)), float(self._warmup_disagrees), float(too_small[0] if too_small else 0)]
+        if self.comm.distributed:
+            t = torch.tensor(flags, dtype=torch.float64)
+            flags = self.comm.all_reduce_max(t, what="the schedule check", device=self.device).tolist()
+        if flags[2] > 0:
+            minimum = int(flags[2])
+            if too_small is not None:
+                _, where, chunks, non_model = too_small
+            else:
+                where, chunks, non_model = "a moment on another rank", minimum, 0
+            raise DeviceMemoryError(
+                device=str(self.device), needed=chunks, free=max(0, mgr.capacity - non_model), budget=mgr.capacity,
+                where=f"the warm-up iteration's moment {where}, whose non-model memory peaked at {non_model} bytes",
+                minimum=minimum, advice=self._small_budget_advice(minimum),
+            )  # fmt: skip
+        if self._phase is TracePhase.WARMUP:
+            if flags[1]:
+                self._retrace("the warm-up iterations ran different sequences of moments")
+            elif mgr.trace.passes >= WARMUP_PASSES:
+                if self._outgrown is not None:
+                    mgr.trace.absorb_peaks(self._outgrown)
+                    self._outgrown = None
+                mgr.trace.freeze()
+                self._set_phase(TracePhase.FROZEN)
+                self._plan_adam()
+        elif self._phase in (TracePhase.FROZEN, TracePhase.DIVERGED) and flags[0]:
+            self._retrace(self._diverged_why or "another rank left the schedule")
+
+    def _small_budget_advice(self, minimum: int) -> str:
+        mgr = self.mgr
+        biggest = max(mgr.slots, key=lambda s: s.numel)
+        big_bytes = biggest.numel * mgr.chunks[PARAM][biggest.chunk_id].dtype.itemsize
+        if big_bytes * 2 > mgr.capacity:
+            return (
+                f"raise 'device_memory_budget' to at least {minimum} bytes; one parameter alone, '{biggest.name}' "
+                f"({big_bytes} bytes), takes much of the device, so smaller chunks cannot help; or lower the batch "
+                "size or sequence length (or enable activation checkpointing) to shrink the non-model memory"
+            )
+        return (
+            f"raise 'device_memory_budget' to at least {minimum} bytes; or lower the batch size or sequence length "
+            "(or enable activation checkpointing) to shrink the non-model memory; or lower 'default_chunk_size' so a "
+            "moment needs fewer whole chunks"
+        )
 
     def _abort_iteration(self) -> None:
         """Leave the engine usable after an exception inside forward or backward
@@ -401,10 +781,20 @@ class ChunkEngine:
         HOLD with its value (gradients of the failed iteration are dropped)."""
         mgr = self.mgr
         mgr.probe.release(_WARMUP)
-        mgr.warming_up = False
-        if not mgr.trace.frozen:
+        mgr.probe.release(_UNSCHEDULED)
+        mgr.safe_mode = False
+        self._iter_open = False
+        self._implicit = False
+        self._stack.clear()
+        self._too_small = None
+        self._untraced_depth = 0
+        mgr.on_schedule = True
+        self.access.reset()
+        if self._phase is TracePhase.WARMUP:
             mgr.trace = MemoryTrace()
-            self._pass_open = False
+            self._warmup_disagrees = False
+        elif self._phase is TracePhase.FROZEN:
+            self._diverged_why = ""
         with torch.no_grad():
             self.drop_pending_grads()
             for s in mgr.slots:
@@ -470,24 +860,17 @@ class ChunkEngine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's own keys; parameters as their fp32 masters, everything on the CPU.
 
+        The same as ``engine.module.state_dict()`` with buffers copied to the CPU.
         With several processes this is a collective (every rank must call it): the
         masters, each kept by its owner only, are all-gathered group by group."""
-        masters = self._full_masters()
-        slots = self._slot_of_param()
-        out: dict[str, torch.Tensor] = {}
-        for key, t in self.module.state_dict(keep_vars=True).items():
-            s = slots.get(id(t))
-            if s is None:
-                out[key] = t.detach().to("cpu", copy=True)
-            else:
-                out[key] = masters[s.chunk_id][s.offset : s.end].detach().to("cpu", copy=True).view(s.shape)
-        return out
+        return {k: v.detach().to("cpu", copy=True) if v.device.type != "cpu" else v for k, v in self.module.state_dict().items()}
 
-    def _full_masters(self) -> dict[int, torch.Tensor]:
+    def full_masters(self) -> dict[int, torch.Tensor]:
+        """Every master chunk by id (gathered from their owners with several processes: a collective)."""
         mgr = self.mgr
         if not self.comm.distributed:
             return {c.chunk_id: c.payload for c in mgr.chunks[MASTER]}
-        where = self.device if self.comm.backend == "nccl" else torch.device("cpu")
+        where = self.comm.exchange_device(self.device)
         out: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for g in range(0, mgr.layout.n_chunks, self.comm.world_size):
@@ -498,6 +881,84 @@ class ChunkEngine:
                 for k, t in zip(group, outs):
                     out[k] = t.to("cpu")
         return out
+
+    @contextlib.contextmanager
+    def gathered_parameters(
+        self,
+        params: Iterable[torch.Tensor] | None = None,
+        *,
+        writeback: bool = True,
+        device: torch.device | str | None = None,
+    ) -> Iterator[list[nn.Parameter]]:
+        """Between steps, give ``params`` (default: all) their real fp32 values.
+
+        Inside the block each named parameter's ``.data`` is an ordinary fp32 tensor
+        holding its master value, on ``device`` (default: the engine's device), so any
+        code may read it, alias it (``p.data``, ``p.detach()``, views) or change it in
+        place. On exit, with ``writeback`` (the default), the values are written back
+        to the masters and the param chunks; without it, changes are dropped. The
+        model cannot run inside the block. With several processes every rank must
+        enter it with the same parameters (the masters are gathered) and make the
+        same changes (each rank writes back the chunks it owns).
+
+        The anchors are DeepSpeed's ``GatheredParameters`` and FSDP's
+        ``summon_full_params``. Yields the parameters, in the model's order."""
+        mgr = self.mgr
+        if mgr.stage is not Stage.IDLE:
+            raise ChunkStateError(
+                f"gathered_parameters() is for use between steps, but the engine is in its {mgr.stage.value} stage"
+            )
+        if self._gathered:
+            raise ChunkStateError("gathered_parameters() blocks cannot be nested")
+        if self._iter_open:
+            raise ChunkStateError(
+                "gathered_parameters() is for use between steps, but a training iteration is open (a forward, or a "
+                "parameter read with autograd on, since the last engine.backward()): call engine.backward() first, "
+                "or read parameters under torch.no_grad()"
+            )
+        indices = sorted({self.index_of(p) for p in params}) if params is not None else list(range(len(self._params)))
+        where = torch.device(device) if device is not None else self.device
+        need = sum(mgr.slots[i].numel * 4 for i in indices)
+        if where.type == "cuda" and where == self.device:
+            # real device memory: evict chunks to make room for the fp32 values
+            try:
+                with mgr.probe.paused():
+                    mgr.make_room(need, protect=set(), where="gathered_parameters()")
+            except DeviceMemoryError:
+                raise DeviceMemoryError(
+                    device=str(self.device), needed=need, free=max(0, mgr.chunk_budget() - mgr.pinned_bytes()),
+                    budget=mgr.capacity, where=f"gathered_parameters() ({len(indices)} parameters in fp32)",
+                    advice="gather fewer parameters at a time, or pass device=\"cpu\" to gather them in host memory",
+                ) from None  # fmt: skip
+        masters = self.full_masters()
+        for i in indices:
+            s = mgr.slots[i]
+            value = masters[s.chunk_id][s.offset : s.end].to(where, copy=True).view(s.shape)
+            mgr.set_guarded(i, False)
+            self._params[i].data = value
+            self._gathered.add(i)
+        try:
+            yield [self._params[i] for i in indices]
+        finally:
+            try:
+                if writeback:
+                    with torch.no_grad():
+                        for i in indices:
+                            s = mgr.slots[i]
+                            if not mgr.own(s.chunk_id):
+                                continue
+                            src = self._params[i].data.reshape(-1)
+                            mgr.chunks[MASTER][s.chunk_id].payload[s.offset : s.end].copy_(src)
+                            if mgr.states[i] is not TensorState.HOLD_AFTER_BWD:  # else the slot holds the gradient
+                                mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end].copy_(src)
+            finally:
+                for i in indices:
+                    self._params[i].data = self._views[i]
+                    mgr.set_guarded(i, True)
+                self._gathered.clear()
+
+    def gathered_active(self) -> bool:
+        return bool(self._gathered)
 
     def parameter_aliases(self) -> dict[str, list[str]]:
         """Tied parameters: first name -> the other names of the same tensor."""
@@ -511,11 +972,19 @@ class ChunkEngine:
         return out
 
     def save_checkpoint(self, directory: str) -> str:
-        """Write this rank's shard of master and Adam state (call on every rank);
+        """Write this rank's shard of master and Adam state, optimizer and loss-scaler
+        state (call on every rank); :meth:`load_checkpoint` resumes from it bit for bit,
         ``chunkstar merge-checkpoint`` joins the shards. See :mod:`chunkstar.checkpoint`."""
         from chunkstar.checkpoint import save_checkpoint
 
         return save_checkpoint(self, directory)
+
+    def load_checkpoint(self, directory: str) -> str:
+        """Restore what :meth:`save_checkpoint` wrote into this engine and its optimizer
+        (call on every rank; same model, precision, chunk size and world size)."""
+        from chunkstar.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, directory, pending_grads=self._has_pending_grads())
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load fp32 values by the model's keys (a tied parameter needs one of its names).
@@ -579,9 +1048,14 @@ class ChunkEngine:
             "warmup_non_model_peak_bytes": mgr.trace.max_non_model,
             "moments_per_micro_step": mgr.trace.n_moments,
             "micro_steps": self.micro_step,
+            "schedule": self._phase.value,
+            "replans": self.replans,
         }
 
     def remove_hooks(self) -> None:
+        """Detach the engine from the model: hooks off, parameters back to their own class."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.mgr.remove_guard()
+        forget_target(self.access)

@@ -1,0 +1,193 @@
+"""Parameter guards: every op on a parameter that is not in COMPUTE reaches the runtime.
+
+Module hooks cover the parameters a module *owns*. Real code also touches
+parameters elsewhere: ``nn.MultiheadAttention`` reads ``out_proj.weight``
+inside its own forward (``out_proj`` is never called), a parent does
+``F.linear(x, self.shared.weight)``, a loss adds an L2 term over
+``model.parameters()``, and between steps users print parameters, log their
+norms, keep an EMA or load new values. Outside COMPUTE a parameter's data may
+live on the other tier (its device storage is 0 bytes) or be its gradient, so
+such an op would crash or read the wrong thing.
+
+Mechanism (Note [parameter guard]): a parameter's Python class is swapped to a
+*guarded* subclass whenever its tensor state leaves COMPUTE, and back when it
+enters COMPUTE (a ``__class__`` assignment, ~50 ns). The guarded class defines
+``__torch_function__``, so every torch function, method or property access
+that takes the parameter calls :meth:`GuardTarget.on_param_access` first. A
+module's own parameters are in COMPUTE while the module runs, so the hot path
+(a module computing with its own weights) never pays anything; only accesses
+the hooks did not foresee do. Metadata (shape, dtype, device, grad, hooks...)
+passes through untouched.
+
+This module is mechanism only: *what* an access does (make the chunk
+resident, substitute a readable value, write through to the fp32 master) is
+the runtime's decision (:mod:`chunkstar.runtime.param_access`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+from torch import nn
+
+from chunkstar.errors import ChunkStateError
+
+__all__ = [
+    "GuardTarget",
+    "ReadOnlySnapshot",
+    "guarded_class",
+    "is_metadata",
+    "mutated_tensors",
+    "op_name",
+    "plain",
+    "tensor_args",
+]
+
+
+class GuardTarget(Protocol):
+    def on_param_access(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+    def param_index(self, p: torch.Tensor) -> int | None: ...
+
+
+# Properties and methods that read or set metadata only (never the data).
+_METADATA = frozenset(
+    {
+        "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "names", "layout", "grad_fn",
+        "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "itemsize", "nbytes",
+        "output_nr", "_version", "_base", "is_complex", "is_floating_point", "numel", "dim", "size", "stride",
+        "element_size", "nelement", "is_contiguous", "get_device", "data_ptr", "untyped_storage", "storage_offset",
+        "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "retains_grad",
+        "__len__", "__hash__", "__sizeof__", "_is_view", "is_shared", "is_pinned", "is_inference", "has_names",
+        "_post_accumulate_grad_hooks", "_backward_hooks", "is_conj", "is_neg", "_is_zerotensor",
+    }
+)  # fmt: skip
+
+# In-place operators spelled as dunders (``p += x``); other in-place ops end in "_".
+_INPLACE_DUNDERS = frozenset(
+    {
+        "__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+        "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__",
+    }
+)  # fmt: skip
+
+
+def op_name(func: Callable[..., Any]) -> str:
+    """The op's name; a property access is named after the property (``__get__`` -> ``data``)."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        owner = getattr(func, "__self__", None)
+        return getattr(owner, "__name__", name)
+    return name
+
+
+def is_metadata(func: Callable[..., Any]) -> bool:
+    return op_name(func) in _METADATA
+
+
+def _is_setter(func: Callable[..., Any]) -> bool:
+    return getattr(func, "__name__", "") in ("__set__", "__delete__")
+
+
+def tensor_args(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Iterator[torch.Tensor]:
+    """Tensors among the arguments, one level of lists/tuples deep (``_foreach_*`` ops)."""
+    for a in (*args, *(kwargs.values() if kwargs else ())):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
+
+
+def mutated_tensors(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> list[torch.Tensor]:
+    """Tensors the op writes: ``self`` of an in-place op (all of them for ``_foreach_*_``), ``out=``."""
+    name = op_name(func)
+    out: list[torch.Tensor] = []
+    if (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS:
+        if args:
+            first = args[0]
+            if isinstance(first, torch.Tensor):
+                out.append(first)
+            elif isinstance(first, (list, tuple)):
+                out.extend(t for t in first if isinstance(t, torch.Tensor))
+    if kwargs and "out" in kwargs:
+        o = kwargs["out"]
+        out.extend([o] if isinstance(o, torch.Tensor) else [t for t in o if isinstance(t, torch.Tensor)])
+    return out
+
+
+def plain(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+    """Run ``func`` with every tensor subclass's ``__torch_function__`` disabled (results are plain tensors)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **(kwargs or {}))
+
+
+_CLASSES: dict[tuple[int, type], type] = {}
+
+
+def guarded_class(base: type, target: GuardTarget) -> type:
+    """The guarded subclass of ``base`` (``nn.Parameter`` or a subclass of it) for ``target``."""
+    key = (id(target), base)
+    cls = _CLASSES.get(key)
+    if cls is not None:
+        return cls
+
+    def __torch_function__(cls: type, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if is_metadata(func) or _is_setter(func):
+            return plain(func, args, kwargs)
+        return target.on_param_access(func, args, kwargs or {})
+
+    def __deepcopy__(self: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
+        # a copy (an EMA model, say) is an ordinary parameter holding the current value
+        if id(self) in memo:
+            return memo[id(self)]  # type: ignore[no-any-return]
+        value = target.on_param_access(torch.Tensor.clone, (self,), {})
+        result = base(value.as_subclass(torch.Tensor), self.requires_grad)
+        memo[id(self)] = result
+        return result  # type: ignore[no-any-return]
+
+    def __reduce_ex__(self: nn.Parameter, proto: Any) -> Any:
+        value = target.on_param_access(torch.Tensor.clone, (self,), {})
+        return base(value.as_subclass(torch.Tensor), self.requires_grad).__reduce_ex__(proto)
+
+    cls = type(
+        base.__name__,  # repr and error messages keep the familiar name ("Parameter containing: ...")
+        (base,),
+        {
+            "__torch_function__": classmethod(__torch_function__),
+            "__deepcopy__": __deepcopy__,
+            "__reduce_ex__": __reduce_ex__,
+            "__module__": base.__module__,
+            "_chunkstar_base": base,
+        },
+    )
+    _CLASSES[key] = cls
+    return cls
+
+
+def forget_target(target: GuardTarget) -> None:
+    """Drop the guarded classes made for ``target`` (its engine is going away)."""
+    for key in [k for k in _CLASSES if k[0] == id(target)]:
+        del _CLASSES[key]
+
+
+_WRITE_HINT = (
+    "it is a read-only copy of a chunkstar parameter's value, taken outside the model's forward and backward; "
+    "a write to it would be lost. Write to the parameter itself under torch.no_grad() (p.copy_(x), p.mul_(s), "
+    "nn.init.*: chunkstar writes through to the fp32 master), or use `with engine.gathered_parameters(): ...` "
+    "where p.data is the real fp32 value"
+)
+
+
+class ReadOnlySnapshot(torch.Tensor):
+    """A copy of a parameter's value handed out for an aliasing read (``p.data``,
+    ``p.detach()``, a view) between steps. Reads work as on any tensor (their
+    results are plain tensors); an in-place write raises, because it could
+    never reach the parameter."""
+
+    @classmethod
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if not is_metadata(func) and any(isinstance(t, ReadOnlySnapshot) for t in mutated_tensors(func, args, kwargs)):
+            raise ChunkStateError(f"cannot {op_name(func)}() this tensor: {_WRITE_HINT}")
+        return plain(func, args, kwargs)

@@ -1,0 +1,256 @@
+"""What an access to a guarded parameter does (Note [parameter guard] in
+:mod:`chunkstar.hooks.param_guard` says how it is caught).
+
+Three cases, decided from the engine's stage and the op:
+
+* **a read during forward or backward** (``nn.MultiheadAttention`` reading
+  ``out_proj.weight``, a parent's ``F.linear(x, self.shared.weight)``, an L2
+  term in the loss): the parameter is made resident and put in COMPUTE, as a
+  module access would. Inside a running module it joins that module's access
+  set for good, so the module's next pre-forward and its pre-backward bring it
+  along (the warm-up trace records it in the module's moment; after the
+  freeze an unforeseen read is a change of schedule). Outside any module it is
+  a moment of its own, and a hook on the op's outputs brings it back before
+  the op's backward; an output that aliases the parameter keeps it in COMPUTE
+  until its gradient is folded.
+* **a write** (``p.copy_(x)``, ``p.mul_(s)``, ``nn.init.normal_(p)``,
+  ``model.load_state_dict(sd)``): the op runs on the fp32 master slot and the
+  param chunk's slot is refreshed from it, so the write survives the next
+  optimizer step exactly as it would in plain PyTorch. With several processes
+  each rank writes the chunks it owns (every rank runs the same code).
+* **a read between steps** (``print(p)``, ``p.norm()``, an EMA, ``p.detach().clone()``):
+  the op runs on the current value, read where it lies (the device view, the
+  host payload, or the fp32 master while the slot holds a gradient), without
+  moving any chunk. A result that would alias chunk memory (``p.data``,
+  ``p.detach()``, a view) comes back as a :class:`ReadOnlySnapshot`: a copy
+  that refuses writes, since a write to it could never reach the parameter.
+
+``engine.module.state_dict()`` is served from the fp32 masters
+(:meth:`ParamAccess.state_dict_value`), so ``torch.save(model.state_dict())``
+and Hugging Face ``save_pretrained`` write the real values under the model's
+own keys; tied parameters come back as one tensor, as in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from chunkstar.chunk.state import ChunkLocation, TensorState
+from chunkstar.errors import ChunkStateError
+from chunkstar.events import Stage
+from chunkstar.hooks.module_hooks import AfterBackward, output_tensors, substitute
+from chunkstar.hooks.param_guard import ReadOnlySnapshot, mutated_tensors, op_name, plain, tensor_args
+from chunkstar.runtime.chunk_manager import MASTER, PARAM
+
+if TYPE_CHECKING:
+    from chunkstar.runtime.engine import ChunkEngine
+
+__all__ = ["ParamAccess", "GATHER_HINT"]
+
+GATHER_HINT = "use `with engine.gathered_parameters([...]):` (every rank must enter it) to read or change them"
+_READABLE = (TensorState.HOLD, TensorState.HOLD_AFTER_FWD)
+# ops whose result never carries a gradient to the parameter: reads between steps, even with autograd on
+_NOT_DIFFERENTIABLE = frozenset(
+    {
+        "detach", "data", "__repr__", "__str__", "__format__", "tolist", "item", "numpy", "__bool__", "__int__",
+        "__float__", "__index__", "__array__", "__reduce_ex__", "__deepcopy__", "eq", "ne", "lt", "le", "gt", "ge",
+        "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "argmax", "argmin", "isfinite", "isnan", "isinf",
+        "equal", "allclose", "isclose", "count_nonzero", "nonzero", "sign", "any", "all",
+    }
+)  # fmt: skip
+
+
+class ParamAccess:
+    """The engine's handler for guarded parameter accesses (one per engine)."""
+
+    def __init__(self, engine: ChunkEngine) -> None:
+        self.engine = engine
+        self.mgr = engine.mgr
+        self._sd_depth = 0  # nesting of module.state_dict() calls in progress
+        self._sd_memo: dict[int, torch.Tensor] = {}  # slot index -> fp32 value handed out in this state_dict()
+        self._sd_masters: dict[int, torch.Tensor] | None = None  # gathered master chunks (several processes)
+
+    # ------------------------------------------------------------------ dispatch
+    def param_index(self, p: torch.Tensor) -> int | None:
+        return self.engine.param_index(p)
+
+    def on_param_access(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        eng = self.engine
+        found: dict[int, torch.Tensor] = {}
+        for t in tensor_args(args, kwargs):
+            i = eng.param_index(t)
+            if i is not None and id(t) not in found and self.mgr.states[i] is not TensorState.COMPUTE:
+                found[id(t)] = t
+        if not found:
+            return plain(func, args, kwargs)
+        indices = {id(t): eng.index_of(t) for t in found.values()}
+        mutated = [t for t in mutated_tensors(func, args, kwargs) if id(t) in found]
+        if mutated:
+            return self._write_through(func, args, kwargs, indices, {id(t) for t in mutated})
+        if self._sd_depth > 0 and op_name(func) == "detach" and len(indices) == 1:
+            return self.state_dict_value(next(iter(indices.values())))
+        readable = all(self.mgr.states[i] in _READABLE for i in indices.values())
+        if readable and not eng.in_model_pass() and self._builds_graph(func, indices.values()):
+            # between steps with autograd on (an L2 term computed before the forward, say):
+            # the read may feed a loss, so it opens the next training iteration
+            eng.begin_iteration_from_read()
+        if readable and eng.in_model_pass():
+            return self._forward_read(func, args, kwargs, sorted(set(indices.values())))
+        return self._idle_read(func, args, kwargs, indices)
+
+    def _builds_graph(self, func: Callable[..., Any], indices: Any) -> bool:
+        return (
+            torch.is_grad_enabled()
+            and self.mgr.stage is Stage.IDLE
+            and op_name(func) not in _NOT_DIFFERENTIABLE
+            and any(self._param(i).requires_grad for i in indices)
+        )
+
+    # ------------------------------------------------------------------ forward / backward
+    def _forward_read(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], indices: list[int]) -> Any:
+        eng = self.engine
+        names = ", ".join(repr(self.mgr.slots[i].name) for i in indices[:3])
+        if eng.running_module() is not None:
+            eng.attach_to_running_module(indices, what=f"parameter {names}")
+            return plain(func, args, kwargs)
+        label = f"parameter {names} outside modules"
+        prior = {i: self.mgr.states[i] for i in indices}
+        eng.access_outside_modules(label, indices)
+        building = torch.is_grad_enabled() and any(self._param(i).requires_grad for i in indices)
+        if building:
+            # Each parameter goes through an identity node whose backward runs right after
+            # this op's backward: that is when the op no longer needs the parameter's data.
+            params = [self._param(i) for i in indices]
+            aliases = AfterBackward.apply(lambda: eng.release_after_backward(indices), *params)
+            subs = {id(p): a for p, a in zip(params, aliases)}
+            args, kwargs = substitute(args, subs), substitute(kwargs, subs)
+        out = plain(func, args, kwargs)
+        storages = {self.mgr.chunks[PARAM][self.mgr.slots[i].chunk_id].device_view.untyped_storage()._cdata for i in indices}
+
+        def own_memory(t: Any) -> Any:
+            # A view of the parameter (``p.t()``, ``p.float()`` of an fp32 p) would be read by
+            # later ops after the parameter may have moved: hand out a copy (autograd-tracked,
+            # so the gradient still reaches the parameter; a view's backward needs no data).
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in storages:
+                return t.clone().as_subclass(ReadOnlySnapshot)  # a write to it could never reach the parameter
+            return t
+
+        direct = [t for t in output_tensors(out) if t.requires_grad and t.untyped_storage()._cdata not in storages]
+        out = type(out)(own_memory(o) for o in out) if isinstance(out, (list, tuple)) else own_memory(out)
+        eng.release_outside_modules(indices, prior, building_graph=building)
+        if direct:
+            # the op's backward reads the parameter: it comes back just before that backward
+            torch.autograd.graph.register_multi_grad_hook(
+                direct, lambda _grads: eng.access_outside_modules(label, indices, backward=True), mode="any"
+            )
+        return out
+
+    def _param(self, index: int) -> torch.Tensor:
+        return self.engine.parameter(index)
+
+    # ------------------------------------------------------------------ writes
+    def _write_through(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], indices: dict[int, int], mutated: set[int]
+    ) -> Any:
+        mgr = self.mgr
+        if self.engine.gathered_active():
+            raise ChunkStateError("parameters cannot be written through while gathered_parameters() is active")
+        if not all(mgr.own(mgr.slots[indices[k]].chunk_id) for k in mutated):
+            # its owner writes it: every rank runs the same code (Note [collective schedule])
+            return args[0] if args else None
+        masters: dict[int, torch.Tensor] = {}
+        for key, i in indices.items():
+            s = mgr.slots[i]
+            if not mgr.own(s.chunk_id):
+                raise ChunkStateError(
+                    f"{op_name(func)}() reads parameter '{s.name}', which another rank keeps; {GATHER_HINT}"
+                )
+            masters[key] = mgr.chunks[MASTER][s.chunk_id].payload[s.offset : s.end].view(s.shape)
+        with torch.no_grad():
+            out = plain(func, substitute(args, masters), substitute(kwargs, masters))
+            for key in mutated:
+                i = indices[key]
+                s = mgr.slots[i]
+                if mgr.states[i] is not TensorState.HOLD_AFTER_BWD:  # else the slot holds the gradient
+                    mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end].copy_(masters[key].reshape(-1))
+        back = {id(m): t for t in tensor_args(args, kwargs) if id(t) in masters for m in [masters[id(t)]]}
+        if isinstance(out, torch.Tensor):
+            return back.get(id(out), out)
+        if isinstance(out, (list, tuple)):
+            return type(out)(back.get(id(o), o) if isinstance(o, torch.Tensor) else o for o in out)
+        return out
+
+    # ------------------------------------------------------------------ reads between steps
+    def current_value(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s value now, in the compute dtype on the engine's device,
+        without moving its chunk (an alias of chunk memory where possible)."""
+        mgr = self.mgr
+        s = mgr.slots[index]
+        chunk = mgr.chunks[PARAM][s.chunk_id]
+        if mgr.states[index] is TensorState.HOLD_AFTER_BWD:
+            if not mgr.own(s.chunk_id):
+                raise ChunkStateError(f"parameter '{s.name}' is kept by another rank; {GATHER_HINT}")
+            master = mgr.chunks[MASTER][s.chunk_id].payload[s.offset : s.end]
+            return master.to(device=self.engine.device, dtype=chunk.dtype).view(s.shape)
+        if chunk.location is ChunkLocation.RELEASED:
+            raise ChunkStateError(
+                f"parameter '{s.name}' is kept by another rank (several processes shard the parameters); {GATHER_HINT}"
+            )
+        return chunk.payload[s.offset : s.end].view(s.shape).to(self.engine.device)
+
+    def _idle_read(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], indices: dict[int, int]) -> Any:
+        values = {key: self.current_value(i) for key, i in indices.items()}
+        chunk_storages = set()
+        for i in indices.values():
+            chunk = self.mgr.chunks[PARAM][self.mgr.slots[i].chunk_id]
+            if chunk.location is not ChunkLocation.RELEASED:
+                chunk_storages.add(chunk.payload.untyped_storage()._cdata)
+        with torch.no_grad():
+            out = plain(func, substitute(args, values), substitute(kwargs, values))
+
+        def safe(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in chunk_storages:
+                return t.detach().clone().as_subclass(ReadOnlySnapshot)
+            return t
+
+        if isinstance(out, (list, tuple)):
+            return type(out)(safe(o) for o in out)
+        return safe(out)
+
+    # ------------------------------------------------------------------ module.state_dict()
+    def begin_state_dict(self) -> None:
+        self._sd_depth += 1
+        if self._sd_depth == 1:
+            self._sd_memo = {}
+            self._sd_masters = None  # gathered on first use (every rank runs the same state_dict() calls)
+
+    def end_state_dict(self) -> None:
+        self._sd_depth = max(0, self._sd_depth - 1)
+        if self._sd_depth == 0:
+            self._sd_memo = {}
+            self._sd_masters = None
+
+    def reset(self) -> None:
+        self._sd_depth = 0
+        self._sd_memo = {}
+        self._sd_masters = None
+
+    def state_dict_value(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s fp32 master value as a CPU tensor of its own (one
+        object per slot within a state_dict() call, so tied names share it)."""
+        got = self._sd_memo.get(index)
+        if got is not None:
+            return got
+        mgr = self.mgr
+        s = mgr.slots[index]
+        if self.engine.comm.distributed:
+            if self._sd_masters is None:
+                self._sd_masters = self.engine.full_masters()
+            src = self._sd_masters[s.chunk_id]
+        else:
+            src = mgr.chunks[MASTER][s.chunk_id].payload
+        value = src[s.offset : s.end].detach().to("cpu", copy=True).view(s.shape)
+        self._sd_memo[index] = value
+        return value

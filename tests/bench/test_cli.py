@@ -1,0 +1,144 @@
+"""The CLI's exit statuses: ``report`` on files it cannot read, ``run`` when a run in the suite failed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from chunkstar_bench import results
+from chunkstar_bench.cli import main
+from chunkstar_bench.results import COLUMNS, SCHEMA_VERSION, ResultsDB
+from chunkstar_bench.runner import RunRecord, RunSpec
+from tests.bench._records import record
+
+
+def _foreign(path: Path) -> None:
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE things (x)")
+
+
+def _missing_column(path: Path) -> None:
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"CREATE TABLE runs ({', '.join(name for name, _ in COLUMNS if name != 'mfu')})")
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _newer(path: Path) -> None:
+    ResultsDB(path)
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+
+
+BAD_DATABASES: dict[str, tuple[Callable[[Path], Any], str]] = {
+    "missing": (lambda p: None, "no such file"),
+    "directory": (lambda p: p.mkdir(), "a directory, not a results database"),
+    "text file": (lambda p: p.write_text("id,status\n1,ok\n" * 100), "not an SQLite database"),
+    "empty file": (lambda p: p.write_bytes(b""), "has no 'runs' table"),
+    "foreign schema": (_foreign, "has no 'runs' table"),
+    "missing column": (_missing_column, "lacks the columns mfu"),
+    "newer schema": (_newer, "newer than the"),
+}
+
+
+def _snapshot(path: Path) -> tuple[list[str], bytes | None, int | None]:
+    """The names in ``path``'s folder, its bytes and its mtime: a read-only report changes none of them."""
+    names = sorted(os.listdir(path.parent))
+    if path.is_file():
+        return names, path.read_bytes(), path.stat().st_mtime_ns
+    return names, None, None
+
+
+def _one_line(err: str, path: Path) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"chunkstar-bench report: {path}"), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("kind", list(BAD_DATABASES))
+def test_report_on_a_bad_database_is_one_line_and_exit_2(kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make, expected = BAD_DATABASES[kind]
+    path = tmp_path / "results.sqlite"
+    make(path)
+    before = _snapshot(path)
+    assert main(["report", "--db", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert expected in _one_line(err, path)
+    assert _snapshot(path) == before  # nothing created, nothing written (no journal, no table)
+
+
+def test_report_on_a_locked_database(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "results.sqlite"
+    ResultsDB(path).append(record(), suite="cpu")
+    monkeypatch.setattr(results, "READ_TIMEOUT_S", 0.2)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        assert main(["report", "--db", str(path)]) == 2
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    out, err = capsys.readouterr()
+    assert out == "" and "locked by another process (waited 0.2 s)" in _one_line(err, path)
+    assert main(["report", "--db", str(path)]) == 0  # the lock gone, the same file reads
+
+
+def test_report_never_writes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "results.sqlite"
+    ResultsDB(path).append(record(), suite="cpu")
+    path.chmod(0o444)
+    before = _snapshot(path)
+    try:
+        assert main(["report", "--db", str(path)]) == 0
+    finally:
+        path.chmod(0o644)
+    assert "cpu-tiny" in capsys.readouterr().out
+    assert _snapshot(path) == before
+
+
+def test_report_error_in_a_subprocess_has_no_traceback(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "chunkstar_bench.cli", "report", "--db", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"chunkstar-bench report: {tmp_path}: a directory, not a results database"
+
+
+@pytest.fixture
+def fake_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """``runner.run`` replaced by a record of the status given per system (ok when not given), no subprocess."""
+    statuses: dict[str, str] = {}
+
+    def fake(spec: RunSpec, timeout_s: float) -> RunRecord:
+        made = record(spec.system, spec.model, status=statuses.get(spec.system, "ok"))
+        return dataclasses.replace(made, spec=spec, wall_s=1.0)
+
+    monkeypatch.setattr("chunkstar_bench.runner.run", fake)
+    yield statuses
+
+
+def test_run_exits_nonzero_when_a_run_failed(fake_runs: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fake_runs.update(deepspeed="oom", fsdp2="error")
+    db = tmp_path / "r.sqlite"
+    assert main(["run", "--suite", "nightly", "--db", str(db), "--model", "cpu-small"]) == 1
+    out, err = capsys.readouterr()
+    assert "runs of suite 'nightly' appended" in out  # the summary is printed first
+    assert "deepspeed cpu-small x1: oom" in out
+    assert err.splitlines()[-1].startswith("chunkstar-bench run: 2 of ") and err.endswith("runs failed (1 error, 1 oom)\n")
+    assert set(ResultsDB(db).runs()["status"]) == {"ok", "oom", "error"}  # every run is still stored
+
+
+def test_run_exits_zero_when_every_run_was_ok(fake_runs: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--suite", "nightly", "--db", str(tmp_path / "r.sqlite"), "--system", "pytorch"]) == 0
+    out, err = capsys.readouterr()
+    assert "1 runs of suite 'nightly' appended" in out and "failed" not in err

@@ -1,0 +1,122 @@
+"""Config parsing refuses non-finite and absurd values, naming the key.
+
+Parse-level checks only (no engine is built): NaN/inf hyperparameters, loss
+scaling past sane bounds, ``device_memory_slack``, and config paths that are
+not a JSON object's file.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import chunkstar
+from chunkstar.config import validate_param_group
+
+NAN, INF = math.nan, math.inf
+
+
+def _config(**change: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"device": "cpu", "device_memory_budget": "64MB"}
+    cfg.update(change)
+    return cfg
+
+
+def _adam(**params: Any) -> dict[str, Any]:
+    return {"type": "AdamW", "params": params}
+
+
+def _fp16(**keys: Any) -> dict[str, Any]:
+    return {"enabled": True, **keys}
+
+
+BAD = {
+    "lr nan": (_config(optimizer=_adam(lr=NAN)), "optimizer.params.lr"),
+    "lr inf": (_config(optimizer=_adam(lr=INF)), "optimizer.params.lr"),
+    "lr past float": (_config(optimizer=_adam(lr=10**400)), "optimizer.params.lr"),
+    "eps nan": (_config(optimizer=_adam(eps=NAN)), "optimizer.params.eps"),
+    "eps inf": (_config(optimizer=_adam(eps=INF)), "optimizer.params.eps"),
+    "beta1 nan": (_config(optimizer=_adam(betas=[NAN, 0.999])), "optimizer.params.betas[0]"),
+    "beta2 -inf": (_config(optimizer=_adam(betas=[0.9, -INF])), "optimizer.params.betas[1]"),
+    "weight_decay nan": (_config(optimizer=_adam(weight_decay=NAN)), "optimizer.params.weight_decay"),
+    "weight_decay inf": (_config(optimizer=_adam(weight_decay=INF)), "optimizer.params.weight_decay"),
+    "clipping nan": (_config(gradient_clipping=NAN), "gradient_clipping"),
+    "clipping inf": (_config(gradient_clipping=INF), "gradient_clipping"),
+    "loss_scale inf": (_config(fp16=_fp16(loss_scale=INF)), "fp16.loss_scale"),
+    "loss_scale nan": (_config(fp16=_fp16(loss_scale=NAN)), "fp16.loss_scale"),
+    "min_loss_scale inf": (_config(fp16=_fp16(min_loss_scale=INF)), "fp16.min_loss_scale"),
+    "min_loss_scale nan": (_config(fp16=_fp16(min_loss_scale=NAN)), "fp16.min_loss_scale"),
+    "initial_scale_power 2000": (_config(fp16=_fp16(initial_scale_power=2000)), "fp16.initial_scale_power"),
+    "initial_scale_power 64": (_config(fp16=_fp16(initial_scale_power=64)), "fp16.initial_scale_power"),
+    "loss_scale_window 1e12": (_config(fp16=_fp16(loss_scale_window=10**12)), "fp16.loss_scale_window"),
+    "hysteresis 1e9": (_config(fp16=_fp16(hysteresis=10**9)), "fp16.hysteresis"),
+    # a typo in the fp16 section is one even while fp16 is off
+    "loss_scale nan, fp16 off": (_config(fp16={"enabled": False, "loss_scale": NAN}), "fp16.loss_scale"),
+    "slack negative": (_config(device_memory_slack=-0.1), "device_memory_slack"),
+    "slack one half": (_config(device_memory_slack=0.5), "device_memory_slack"),
+    "slack nan": (_config(device_memory_slack=NAN), "device_memory_slack"),
+    "slack string": (_config(device_memory_slack="10%"), "device_memory_slack"),
+    "slack bool": (_config(device_memory_slack=True), "device_memory_slack"),
+}
+
+
+@pytest.mark.parametrize("what", list(BAD))
+def test_bad_value_names_the_key(what: str) -> None:
+    config, key = BAD[what]
+    with pytest.raises(chunkstar.ConfigError, match=re.escape(f"'{key}'")) as info:
+        chunkstar.parse_config(config)
+    assert info.value.key == key
+
+
+def test_sane_bounds_are_accepted() -> None:
+    cfg = chunkstar.parse_config(
+        _config(fp16=_fp16(initial_scale_power=63, loss_scale_window=10_000_000, hysteresis=1000, min_loss_scale=2.0**63))
+    )
+    assert cfg.loss_scale.initial_scale_power == 63
+    assert chunkstar.parse_config(_config(fp16=_fp16(loss_scale=2.0**63))).loss_scale.static_scale == 2.0**63
+
+
+def test_initial_scale_power_message_says_why() -> None:
+    with pytest.raises(chunkstar.ConfigError, match=r"<= 63") as info:
+        chunkstar.parse_config(_config(fp16=_fp16(initial_scale_power=2000)))
+    assert "2000" in str(info.value)
+
+
+def test_device_memory_slack_defaults_and_parses(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert chunkstar.parse_config(_config()).device_memory_slack == 0.0
+    assert chunkstar.parse_config(_config(device_memory_slack=0.25)).device_memory_slack == 0.25
+    assert chunkstar.parse_config(_config(device_memory_slack=0)).device_memory_slack == 0.0
+    # on CUDA the default keeps 10% free (Gemini's figure); no GPU needed to parse
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cuda = chunkstar.parse_config({"device": "cuda"})
+    assert cuda.device == torch.device("cuda", 0)
+    assert cuda.device_memory_slack == 0.1
+    assert chunkstar.parse_config({"device": "cuda", "device_memory_slack": 0.0}).device_memory_slack == 0.0
+
+
+def test_config_path_that_is_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(chunkstar.ConfigError, match="directory") as info:
+        chunkstar.parse_config(tmp_path)
+    assert str(tmp_path) in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"cpu"', "42", "null"])
+def test_config_file_that_is_not_a_json_object(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "chunkstar.json"
+    path.write_text(text)
+    with pytest.raises(chunkstar.ConfigError, match="JSON object") as info:
+        chunkstar.parse_config(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_param_group_values_are_checked_like_the_config() -> None:
+    ok = validate_param_group({"params": [], "lr": 0.1, "betas": [0.8, 0.9], "name": "decay"}, "param_groups[0]")
+    assert ok["betas"] == (0.8, 0.9) and ok["name"] == "decay"
+    with pytest.raises(chunkstar.ConfigError, match=re.escape("param_groups[2].betas[1]")):
+        validate_param_group({"params": [], "betas": (0.9, 1.0)}, "param_groups[2]")

@@ -1,0 +1,354 @@
+"""Parameters touched outside their own module's forward (Note [parameter guard]).
+
+- read by another module (``nn.MultiheadAttention`` reads ``out_proj.weight``,
+  a parent's ``F.linear(x, self.embed.weight)``) or by the loss (an L2 term, a
+  transposed view): training matches plain PyTorch (fp32, 1e-5) under eviction;
+- read between steps (print, norms, an EMA, ``p.detach().clone()``): the
+  current value, never a crash; a write to an aliasing read raises and names
+  ``gathered_parameters``; a write to the parameter itself reaches the master;
+- ``gathered_parameters()`` gives the fp32 values, writes back, blocks the model;
+- ``engine.module.state_dict()`` / ``torch.save`` / ``save_pretrained`` /
+  ``load_state_dict`` carry the real fp32 values under the model's own keys.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import chunkstar
+
+from ._models import CASES, DTYPES, ModelCase, assert_losses_close, engine_config, eviction_budget, train_engine, train_reference
+
+STEPS = 5
+D, VOCAB, SEQ = 64, 128, 8
+
+
+def _module(model: Any) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+# ---------------------------------------------------------------------------- models
+
+
+def build_encoder(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(D, 4, 2 * D, dropout=0.0, batch_first=True)
+    return nn.Sequential(nn.TransformerEncoder(layer, 3, enable_nested_tensor=False), nn.Linear(D, 10))
+
+
+def build_transformer(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Transformer(D, 4, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=2 * D, dropout=0.0, batch_first=True)
+
+
+class TiedLM(nn.Module):
+    """Logits from the embedding matrix read by a parent module (no lm_head module)."""
+
+    def __init__(self, root_owns_params: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(D, D), nn.LayerNorm(D), nn.GELU()) for _ in range(3)])
+        # with its own parameter the root is hooked and the read happens "inside a module";
+        # without, the read happens outside every hooked module
+        self.out_bias = nn.Parameter(torch.zeros(VOCAB)) if root_owns_params else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(self.embed(ids))
+        return F.linear(h, self.embed.weight, self.out_bias)
+
+
+def _seq_batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    return {"x": torch.randn(2, SEQ, D, generator=g), "y": torch.randint(0, 10, (2, SEQ), generator=g)}
+
+
+def _encoder_loss(model: Any, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return F.cross_entropy(model(batch["x"]).reshape(-1, 10).float(), batch["y"].reshape(-1))
+
+
+def _transformer_loss(model: Any, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    out = model(batch["x"], batch["x"].flip(1))
+    return out.float().pow(2).mean() + out.float()[..., :10].reshape(-1, 10).logsumexp(-1).mean()
+
+
+def _ids_batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(700 + step)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    return {"ids": ids, "labels": ids.roll(1, dims=1)}
+
+
+def _lm_loss(model: Any, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return F.cross_entropy(model(batch["ids"]).reshape(-1, VOCAB).float(), batch["labels"].reshape(-1))
+
+
+def _lm_loss_with_l2(model: Any, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    # an L2 term over every parameter, computed in the loss (outside every module)
+    loss = _lm_loss(model, batch, dtype)
+    return loss + 1e-4 * sum(p.pow(2).sum() for p in _module(model).parameters())
+
+
+def _lm_loss_with_view(model: Any, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    # a view of a parameter taken outside every module, used after other ops
+    w = _module(model).embed.weight.t()
+    loss = _lm_loss(model, batch, dtype)
+    return loss + 1e-3 * w[:, :4].float().pow(2).sum()
+
+
+CASES_OUTSIDE: dict[str, tuple[ModelCase, float]] = {
+    "encoder": (ModelCase("encoder", build_encoder, _seq_batch, _encoder_loss), 0.75),
+    "transformer": (ModelCase("transformer", build_transformer, _seq_batch, _transformer_loss), 0.75),
+    "tied_in_parent": (ModelCase("tied_in_parent", lambda: _tied(True), _ids_batch, _lm_loss), 2.0),
+    "tied_outside_modules": (ModelCase("tied_outside_modules", lambda: _tied(False), _ids_batch, _lm_loss), 2.0),
+    "l2_in_loss": (ModelCase("l2_in_loss", lambda: _tied(False), _ids_batch, _lm_loss_with_l2), 4.0),
+    "view_in_loss": (ModelCase("view_in_loss", lambda: _tied(False), _ids_batch, _lm_loss_with_view), 2.0),
+}
+
+
+def _tied(root_owns_params: bool) -> nn.Module:
+    torch.manual_seed(0)
+    return TiedLM(root_owns_params)
+
+
+@pytest.mark.parametrize("name", sorted(CASES_OUTSIDE))
+def test_parameters_read_outside_their_module_train_like_pytorch(name: str) -> None:
+    case, fraction = CASES_OUTSIDE[name]
+    want = train_reference(case, STEPS)
+    budget = eviction_budget(case.build(), torch.float32, fraction)
+    engine, optimizer = chunkstar.initialize_engine(case.build, 0, engine_config("fp32", budget=budget))
+    got = train_engine(engine, optimizer, case, STEPS)
+    assert_losses_close(got, want, 1e-5, name)
+    stats = engine.stats()
+    assert stats["chunk_moves_to_host"] > 0, stats
+    assert stats["schedule"] == "frozen" and stats["replans"] == 0, stats
+    # the final weights are the reference's too
+    ref = _reference_after(case, STEPS)
+    mine = engine.state_dict()
+    for key, want_t in ref.state_dict().items():
+        torch.testing.assert_close(mine[key], want_t, rtol=1e-5, atol=1e-6, msg=key)
+
+
+# ---------------------------------------------------------------------------- reads between steps
+
+
+def _gpt2_engine(dtype: str = "fp32") -> tuple[Any, Any]:
+    case = CASES["gpt2"]
+    return chunkstar.initialize_engine(case.build, 0, engine_config(dtype, budget=eviction_budget(case.build(), DTYPES[dtype])))
+
+
+def test_reads_between_steps_return_current_values_like_pytorch() -> None:
+    """print(p), norms, p.detach().clone() and an EMA between steps: the reference's figures."""
+    case = CASES["gpt2"]
+    ref = case.build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
+    engine, optimizer = _gpt2_engine()
+    ref_ema = [p.detach().clone() for p in ref.parameters()]
+    ema = [p.detach().clone() for p in engine.module.parameters()]
+    for step in range(4):
+        loss = case.loss(ref, case.batch(step), torch.float32)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.backward(case.loss(engine, case.batch(step), torch.float32))
+        # between backward and step the slots hold gradients: reads still give the values
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            torch._foreach_lerp_(ref_ema, list(ref.parameters()), 0.1)
+            torch._foreach_lerp_(ema, list(engine.module.parameters()), 0.1)
+        assert all(torch.isfinite(b).all() for b in before)
+    for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
+        assert "Parameter containing" in repr(p)
+        assert torch.allclose(p.norm(), q.norm(), rtol=1e-5), name
+        torch.testing.assert_close(p.detach().clone(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(p.sum(), q.sum(), rtol=1e-4, atol=1e-5, msg=name)
+    for mine, want in zip(ema, ref_ema):
+        torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6)
+    assert engine.stats()["chunk_moves_to_host"] > 0
+
+
+def test_reads_between_steps_do_not_move_chunks_and_bf16_reads_work() -> None:
+    engine, optimizer = _gpt2_engine("bf16")
+    case = CASES["gpt2"]
+    train_engine(engine, optimizer, case, 3, dtype="bf16")
+    moves = engine.stats()["chunk_moves_to_device"]
+    masters = engine.state_dict()
+    for name, p in engine.module.named_parameters():
+        got = p.detach().clone()
+        assert got.dtype == torch.bfloat16 and got.shape == p.shape
+        torch.testing.assert_close(got.float(), masters[name], rtol=1e-2, atol=1e-2, msg=name)
+    assert engine.stats()["chunk_moves_to_device"] == moves, "a read between steps moved chunks"
+
+
+def test_writing_through_an_aliasing_read_raises_and_names_gathered_parameters() -> None:
+    engine, optimizer = _gpt2_engine()
+    train_engine(engine, optimizer, CASES["gpt2"], 2)
+    p = engine.module.transformer.h[0].mlp.c_fc.weight
+    for alias in (lambda: p.data, lambda: p.detach(), lambda: p.view(-1)):
+        with pytest.raises(chunkstar.ChunkStateError, match="gathered_parameters"):
+            alias().mul_(2.0)
+
+
+def test_writes_to_a_parameter_between_steps_reach_the_master_like_pytorch() -> None:
+    """``p.mul_()``/``nn.init`` under no_grad, then training goes on: same losses as the reference."""
+    case = CASES["gpt2"]
+
+    def perturb(model: nn.Module) -> None:
+        with torch.no_grad():
+            model.transformer.h[1].attn.c_attn.weight.mul_(0.5)
+            nn.init.zeros_(model.transformer.h[2].mlp.c_proj.bias)
+            model.transformer.ln_f.weight.copy_(torch.linspace(0.5, 1.5, model.transformer.ln_f.weight.numel()))
+
+    ref = case.build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
+    engine, optimizer = _gpt2_engine()
+    want, got = [], []
+    for step in range(5):
+        if step == 2:
+            perturb(ref)
+            perturb(engine.module)
+        loss = case.loss(ref, case.batch(step), torch.float32)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(loss.item())
+        mine = case.loss(engine, case.batch(step), torch.float32)
+        engine.backward(mine)
+        optimizer.step()
+        optimizer.zero_grad()
+        got.append(mine.item())
+    assert_losses_close(got, want, 1e-5, "gpt2 with writes between steps")
+
+
+def test_gathered_parameters_gives_fp32_values_and_writes_back() -> None:
+    engine, optimizer = _gpt2_engine("bf16")
+    train_engine(engine, optimizer, CASES["gpt2"], 2, dtype="bf16")
+    masters = engine.state_dict()
+    w = engine.module.transformer.h[0].mlp.c_fc.weight
+    b = engine.module.transformer.h[0].mlp.c_fc.bias
+    with engine.gathered_parameters([w, b]) as got:
+        assert [t is w or t is b for t in got] == [True, True]
+        assert w.dtype == torch.float32 and torch.equal(w.data, masters["transformer.h.0.mlp.c_fc.weight"])
+        alias = w.data  # an ordinary alias inside the block
+        alias.mul_(2.0)
+        with pytest.raises(chunkstar.ChunkStateError, match="gathered_parameters"):
+            engine(**CASES["gpt2"].batch(0))
+    after = engine.state_dict()
+    assert torch.equal(after["transformer.h.0.mlp.c_fc.weight"], 2.0 * masters["transformer.h.0.mlp.c_fc.weight"])
+    assert w.dtype == torch.bfloat16  # back to the compute copy
+    with engine.gathered_parameters(writeback=False):
+        for p in engine.module.parameters():
+            p.data.zero_()
+    assert all(torch.equal(engine.state_dict()[k], v) for k, v in after.items())
+    train_engine(engine, optimizer, CASES["gpt2"], range(2, 4), dtype="bf16")  # trains on afterwards
+
+
+def test_deepcopy_of_the_model_is_a_plain_copy_with_current_values() -> None:
+    engine, optimizer = _gpt2_engine()
+    train_engine(engine, optimizer, CASES["gpt2"], 2)
+    ema_model = copy.deepcopy(engine.module)
+    assert all(type(p) is nn.Parameter for p in ema_model.parameters())
+    moves = engine.stats()["chunk_moves_to_device"]
+    batch = CASES["gpt2"].batch(9)
+    with torch.no_grad():
+        want = ema_model(**batch).logits  # the copy runs on its own: the engine's hooks ignore it
+    assert engine.stats()["chunk_moves_to_device"] == moves
+    with torch.no_grad():
+        got = engine(**batch).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- state dicts
+
+
+def _reference_after(case: ModelCase, steps: int) -> nn.Module:
+    ref = case.build()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
+    for step in range(steps):
+        case.loss(ref, case.batch(step), torch.float32).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return ref
+
+
+def test_torch_save_of_the_modules_state_dict_holds_the_real_values(tmp_path: Path) -> None:
+    case = CASES["gpt2"]
+    engine, optimizer = _gpt2_engine("bf16")
+    train_engine(engine, optimizer, case, 3, dtype="bf16")
+    path = tmp_path / "model.pt"
+    torch.save(engine.module.state_dict(), path)
+    loaded = torch.load(path, weights_only=True)
+    plain = case.build()
+    assert loaded.keys() == plain.state_dict().keys()
+    masters = engine.state_dict()
+    for k, v in loaded.items():
+        assert v.dtype == plain.state_dict()[k].dtype, k
+        assert torch.equal(v, masters[k]), k
+    assert loaded["lm_head.weight"] is loaded["transformer.wte.weight"]  # tied: one tensor, as in PyTorch
+    plain.load_state_dict(loaded)
+    batch = case.batch(11)
+    with torch.no_grad():
+        a = plain(**batch).logits
+        b = engine(**batch).logits.float()
+    torch.testing.assert_close(b, a, rtol=3e-2, atol=3e-2)
+
+
+def test_save_pretrained_round_trips_through_from_pretrained(tmp_path: Path) -> None:
+    from transformers import GPT2LMHeadModel
+
+    case = CASES["gpt2"]
+    engine, optimizer = _gpt2_engine()
+    train_engine(engine, optimizer, case, 3)
+    engine.module.save_pretrained(tmp_path)
+    back = GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float32)
+    want = _reference_after(case, 3).state_dict()
+    got = back.state_dict()
+    for k, v in engine.state_dict().items():
+        assert torch.equal(got[k], v), k
+        torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_module_load_state_dict_writes_through_and_training_matches() -> None:
+    case = CASES["gpt2"]
+    donor = _reference_after(case, 2).state_dict()
+    engine, optimizer = _gpt2_engine()
+    train_engine(engine, optimizer, case, 1)
+    engine.module.load_state_dict(donor)
+    assert all(torch.equal(engine.state_dict()[k], v) for k, v in donor.items())
+    ref = case.build()
+    ref.load_state_dict(donor)
+    # plain PyTorch keeps its Adam moments across a load too; compare from fresh optimizers
+    engine2, optimizer2 = _gpt2_engine()
+    engine2.module.load_state_dict(donor)
+    got = train_engine(engine2, optimizer2, case, 3)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
+    want = []
+    for step in range(3):
+        loss = case.loss(ref, case.batch(step), torch.float32)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    assert_losses_close(got, want, 1e-5, "gpt2 after module.load_state_dict")
+
+
+def test_engine_state_dict_equals_the_modules(tmp_path: Path) -> None:
+    engine, optimizer = _gpt2_engine()
+    train_engine(engine, optimizer, CASES["gpt2"], 2)
+    a = engine.state_dict()
+    b = engine.module.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    sub = engine.module.transformer.h[0].state_dict()
+    assert torch.equal(sub["mlp.c_fc.weight"], a["transformer.h.0.mlp.c_fc.weight"])
+

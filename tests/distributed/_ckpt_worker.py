@@ -1,0 +1,114 @@
+"""What each rank runs in the checkpoint and start-up agreement tests (spawned, gloo on CPU)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch import nn
+
+import chunkstar
+from chunkstar.checkpoint import CheckpointError
+from chunkstar.distributed.comm import DistributedError
+from tests.core._models import CASES, build_gpt2, engine_config
+
+from ._worker import CHUNK, GLOBAL_BATCH, full_batch
+
+SAVE_AFTER = 3
+STEPS = 5
+OTHER_SEED = 7
+STARTUP_STEPS = 2
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+
+
+def _train(engine: chunkstar.ChunkEngine, optimizer: chunkstar.ChunkAdam, steps: range) -> list[float]:
+    """Each rank its slice of the global batch; returns the mean loss over ranks per step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = GLOBAL_BATCH // world
+    losses = []
+    for step in steps:
+        batch = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in full_batch("gpt2", step).items()}
+        loss = engine(**batch).loss
+        engine.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses
+
+
+def _finish(out: str, rank: int, result: dict[str, Any]) -> None:
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))
+    if "error" not in result:
+        dist.destroy_process_group()
+
+
+def resume(rank: int, world: int, port: int, out: str, budget: int) -> None:
+    """Train 5 steps saving after 3 and 5; a new engine of other weights loads the step-3
+    shards and trains steps 3-4; then a directory of mixed steps must be refused."""
+    _init(rank, world, port)
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        config = engine_config("fp32", budget=budget, chunk_size=CHUNK)
+        engine, optimizer = chunkstar.initialize_engine(CASES["gpt2"].build, rank, config)
+        result["run_id"] = engine.run_id
+        losses = _train(engine, optimizer, range(SAVE_AFTER))
+        engine.save_checkpoint(str(Path(out) / "ckpt3"))
+        losses += _train(engine, optimizer, range(SAVE_AFTER, STEPS))
+        engine.save_checkpoint(str(Path(out) / "ckpt5"))
+        result.update(uninterrupted=losses, moves_to_host=engine.stats()["chunk_moves_to_host"])
+
+        engine, optimizer = chunkstar.initialize_engine(lambda: build_gpt2(seed=OTHER_SEED), rank, config)
+        engine.load_checkpoint(str(Path(out) / "ckpt3"))
+        result["resumed"] = _train(engine, optimizer, range(SAVE_AFTER, STEPS))
+
+        mixed = Path(out) / "mixed"
+        if rank == 0:  # rank 0's shard of step 3 next to rank 1's of step 5
+            mixed.mkdir()
+            shutil.copy(Path(out) / "ckpt3" / f"rank0-of-{world}.safetensors", mixed)
+            shutil.copy(Path(out) / "ckpt5" / f"rank1-of-{world}.safetensors", mixed)
+        dist.barrier()
+        try:
+            engine.load_checkpoint(str(mixed))
+            result["mixed"] = "loaded"
+        except CheckpointError as e:
+            result["mixed"] = str(e)
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        result["error"] = f"{type(e).__name__}: {e}"
+    _finish(out, rank, result)
+
+
+def startup(rank: int, world: int, port: int, out: str) -> None:
+    """Engines whose ranks disagree (seeds, chunk size) must fail on every rank; ranks
+    that agree (device budgets may differ) train."""
+    _init(rank, world, port)
+    result: dict[str, Any] = {"rank": rank}
+    param_bytes = sum(p.numel() * 4 for p in build_gpt2().parameters())
+    same = engine_config("fp32", budget=4 * param_bytes, chunk_size=CHUNK)
+    cases: dict[str, tuple[Callable[[], nn.Module], dict[str, Any]]] = {
+        "seeds": (lambda: build_gpt2(seed=1234 + rank), same),
+        "chunk_size": (build_gpt2, engine_config("fp32", budget=4 * param_bytes, chunk_size=CHUNK // (1 + rank))),
+        "same": (build_gpt2, engine_config("fp32", budget=(4 + rank) * param_bytes, chunk_size=CHUNK)),
+    }
+    try:
+        for name, (build, config) in cases.items():
+            try:
+                engine, optimizer = chunkstar.initialize_engine(build, rank, config)
+            except DistributedError as e:
+                result[name] = {"error": str(e)}
+                continue
+            result[name] = {"run_id": engine.run_id, "losses": _train(engine, optimizer, range(STARTUP_STEPS))}
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        result["error"] = f"{type(e).__name__}: {e}"
+    _finish(out, rank, result)
