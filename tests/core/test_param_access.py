@@ -352,3 +352,29 @@ def test_engine_state_dict_equals_the_modules(tmp_path: Path) -> None:
     sub = engine.module.transformer.h[0].state_dict()
     assert torch.equal(sub["mlp.c_fc.weight"], a["transformer.h.0.mlp.c_fc.weight"])
 
+
+
+def test_gradients_read_between_backward_and_step_like_pytorch() -> None:
+    """``p.grad`` shows the gradient while it sits in the chunk (logging norms works);
+    clipping it in place raises and points to the config's gradient_clipping."""
+    case = CASES["gpt2"]
+    ref = case.build()
+    case.loss(ref, case.batch(0), torch.float32).backward()
+    engine, optimizer = _gpt2_engine()
+    engine.backward(case.loss(engine, case.batch(0), torch.float32))
+    for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(p.grad.norm(), q.grad.norm(), rtol=1e-5, atol=1e-7, msg=name)
+    with pytest.raises(chunkstar.ChunkStateError, match="gradient_clipping"):
+        torch.nn.utils.clip_grad_norm_(engine.module.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in engine.module.parameters())
+
+
+def test_pickling_the_wrapped_model_says_what_to_save_instead() -> None:
+    import io
+
+    engine, _ = _gpt2_engine()
+    with pytest.raises(TypeError, match=r"model.state_dict\(\)"):
+        torch.save(engine.module, io.BytesIO())

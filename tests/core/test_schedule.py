@@ -22,7 +22,7 @@ from torch import nn
 
 import chunkstar
 import chunkstar_profiler
-from chunkstar.runtime.engine import MAX_REPLANS
+from chunkstar.runtime.schedule import MAX_REPLANS
 
 from ._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, gpt2_batch
 

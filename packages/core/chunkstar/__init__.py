@@ -18,7 +18,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 from torch import nn
 
+from chunkstar.checkpoint import CheckpointError
 from chunkstar.config import EngineConfig, parse_bytes, parse_config, validate_param_group
+from chunkstar.distributed.comm import DistributedError
 from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError
 from chunkstar.events import EventBus, Stage, Tier
 from chunkstar.optim.adam import ChunkAdam
@@ -27,9 +29,11 @@ from chunkstar.runtime.engine import ChunkEngine
 __all__ = [
     "ChunkAdam",
     "ChunkEngine",
+    "CheckpointError",
     "ChunkStateError",
     "ConfigError",
     "DeviceMemoryError",
+    "DistributedError",
     "EngineConfig",
     "EventBus",
     "Stage",

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["AfterBackward", "HookTarget", "HookedModule", "install_hooks", "output_tensors", "substitute"]
+__all__ = ["AfterBackward", "EngineHook", "HookTarget", "HookedModule", "install_hooks", "output_tensors", "substitute"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,27 @@ def output_tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, Mapping):
         for o in obj.values():
             yield from output_tensors(o)
+
+
+class EngineHook:
+    """A hook the engine puts on the user's model. Pickling the model (``torch.save(model)``)
+    would pickle it too: it refuses with a sentence saying what to save instead."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EngineHook:
+        return self  # a copied model (an EMA) shares it; module hooks ignore modules that are not the engine's
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a model wrapped by a chunkstar engine cannot be pickled whole (torch.save(model)): its parameters live "
+            "in the engine's chunks. Save torch.save(model.state_dict()) (the fp32 values under the model's own keys), "
+            "model.save_pretrained(...) for a Hugging Face model, or engine.save_checkpoint(dir) to resume training"
+        )
 
 
 def substitute(obj: Any, subs: Mapping[int, torch.Tensor]) -> Any:
@@ -121,8 +142,8 @@ def install_hooks(
             if m is mod:
                 target.on_post_forward(key, output)
 
-        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(mod.register_forward_hook(post))
+        handles.append(mod.register_forward_pre_hook(EngineHook(pre), with_kwargs=True))
+        handles.append(mod.register_forward_hook(EngineHook(post)))
 
     seen: set[int] = set()
     for p in model.parameters():

@@ -35,6 +35,7 @@ from chunkstar.errors import ChunkStateError
 
 __all__ = [
     "GuardTarget",
+    "ReadOnlyGradient",
     "ReadOnlySnapshot",
     "guarded_class",
     "is_metadata",
@@ -47,6 +48,7 @@ __all__ = [
 
 class GuardTarget(Protocol):
     def on_param_access(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor | None: ...
     def param_index(self, p: torch.Tensor) -> int | None: ...
 
 
@@ -134,6 +136,8 @@ def guarded_class(base: type, target: GuardTarget) -> type:
         return cls
 
     def __torch_function__(cls: type, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", "") == "__get__" and op_name(func) == "grad":
+            return target.grad_of(args[0])  # the gradient may sit in the chunk (Note [parameter guard])
         if is_metadata(func) or _is_setter(func):
             return plain(func, args, kwargs)
         return target.on_param_access(func, args, kwargs or {})
@@ -190,4 +194,21 @@ class ReadOnlySnapshot(torch.Tensor):
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         if not is_metadata(func) and any(isinstance(t, ReadOnlySnapshot) for t in mutated_tensors(func, args, kwargs)):
             raise ChunkStateError(f"cannot {op_name(func)}() this tensor: {_WRITE_HINT}")
+        return plain(func, args, kwargs)
+
+
+class ReadOnlyGradient(ReadOnlySnapshot):
+    """A copy of a parameter's gradient, handed out by ``p.grad`` while the gradient
+    sits in the parameter's slot (between ``engine.backward`` and ``optimizer.step``):
+    norms and logging work; in-place changes (``clip_grad_norm_``) raise."""
+
+    @classmethod
+    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if not is_metadata(func) and any(isinstance(t, ReadOnlyGradient) for t in mutated_tensors(func, args, kwargs)):
+            raise ChunkStateError(
+                f"cannot {op_name(func)}() a gradient: chunkstar keeps gradients in its chunks and hands out "
+                "read-only copies. Clip with the config key 'gradient_clipping' (global L2 norm, as "
+                "torch.nn.utils.clip_grad_norm_), scale the loss instead of the gradients, or drop them with "
+                "optimizer.zero_grad()"
+            )
         return plain(func, args, kwargs)

@@ -85,6 +85,10 @@ class ChunkManager:
         self.on_schedule = True
         # fraction of the device budget kept free (config device_memory_slack): capacity = budget * (1 - slack)
         self.slack = 0.0
+        # Set by the schedule during warm-up: a moment that does not fit is let through and
+        # its chunk bytes (with everything pinned) kept here, instead of raising at once.
+        self.measuring_shortfall = False
+        self.required_peak = 0
         # Parameter objects by slot, with their plain and guarded classes (Note [parameter guard]);
         # set_state swaps the class when a tensor enters or leaves COMPUTE.
         self._guard: list[tuple[torch.Tensor, type, type]] = []
@@ -294,7 +298,11 @@ class ChunkManager:
             freed = sum(c.nbytes for c in candidates)
             if self.device_chunk_bytes - freed + need > budget:
                 req = set(required) | {(PARAM, i) for i in range(self.layout.n_chunks) if self.pinned(i)}
-                raise self.memory_error(where, sorted(req), budget)
+                if not self.measuring_shortfall:
+                    raise self.memory_error(where, sorted(req), budget)
+                # warm-up: go over the budget for now and measure, so the error at the end of
+                # the iteration can name the smallest budget for all of it (runtime/schedule.py)
+                self.required_peak = max(self.required_peak, sum(self.chunks[n][i].nbytes for n, i in req))
             victims = [c.key for c in candidates]
         for v in victims:
             assert isinstance(v, tuple)

@@ -25,8 +25,6 @@ choosing is the policies'.
 from __future__ import annotations
 
 import contextlib
-import logging
-import math
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
@@ -40,24 +38,19 @@ from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.startup import agree_on_startup
 from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError
 from chunkstar.events import EventBus, MomentBegin, MomentEnd, MoveReason, Stage, StageChanged, Tier
-from chunkstar.hooks.module_hooks import AfterBackward, install_hooks, output_tensors, substitute
+from chunkstar.hooks.module_hooks import AfterBackward, EngineHook, install_hooks, output_tensors, substitute
 from chunkstar.hooks.param_guard import forget_target, guarded_class
 from chunkstar.memory.probes import MemoryProbe, make_probe
-from chunkstar.memory.tracer import MemoryTrace, MomentRecord, TracePhase, check_phase_transition
 from chunkstar.placement.optimizer import plan_device_adam
 from chunkstar.runtime.chunk_manager import MASTER, PARAM, STATE_LISTS, ChunkManager
-from chunkstar.runtime.param_access import GATHER_HINT, ParamAccess
+from chunkstar.runtime.param_access import ParamAccess
+from chunkstar.runtime.schedule import Schedule
 
 if TYPE_CHECKING:
     from chunkstar.optim.adam import ChunkAdam
 
 __all__ = ["ChunkEngine"]
 
-_WARMUP = "warm-up"  # the engine's names as a holder of the memory probe: tracing,
-_UNSCHEDULED = "unscheduled"  # and measuring live for lack of a schedule
-WARMUP_PASSES = 2  # training iterations traced before the schedule is frozen (see memory/tracer.py)
-MAX_REPLANS = 8  # re-traces before a run that keeps changing shape runs unscheduled (Note [iteration])
-_log = logging.getLogger("chunkstar")
 
 
 def _device_capacity(cfg: EngineConfig) -> int:
@@ -175,15 +168,9 @@ class ChunkEngine:
         self._boundary = False  # the running backward is the last micro-batch before a step
         self._reduced: set[int] = set()  # chunk groups whose gradients were reduced in this backward
 
-        # the iteration and its schedule (Note [iteration] below)
-        self._phase = TracePhase.WARMUP
+        # the iteration and its schedule (Note [iteration] in runtime/schedule.py)
+        self.schedule = Schedule(self.mgr, self.comm, self.device, on_freeze=self._plan_adam)
         self._iter_open = False  # a training forward began and its backward has not ended
-        self._outgrown: MemoryTrace | None = None  # the trace a re-trace replaces (its peaks are kept)
-        self._diverged_why = ""  # why this iteration left the schedule ("" while on it)
-        self._warmup_disagrees = False  # a warm-up pass differed from the first one
-        # (minimum budget, moment, its chunk bytes, its non-model peak): the worst warm-up moment that did not fit
-        self._too_small: tuple[int, str, int, int] | None = None
-        self.replans = 0
         self._untraced_depth = 0  # evaluation forwards running (not on the schedule)
         self._implicit = False  # a module was called directly (not through the engine) at IDLE
         self._saved_moment = -1
@@ -193,15 +180,14 @@ class ChunkEngine:
         self._access_sets: list[tuple[int, ...]] = [m.own for m in self._modules]
         self._stack: list[tuple[int, int]] = []  # (module key, moment of its pre-forward), innermost last
         self._views = [p.data for p in self._params]  # each parameter's view into its param chunk's device tensor
-        self._gathered: set[int] = set()  # slot indices inside gathered_parameters()
         self.access = ParamAccess(self)
         self.mgr.slack = cfg.device_memory_slack
         self.mgr.install_guard(self._params, [guarded_class(type(p), self.access) for p in self._params])
         # module.state_dict() serves the fp32 masters (runtime/param_access.py); the root's hooks
         # span a whole call, so tied names get one tensor
         for mod in [m for m in model.modules() if m is model or any(True for _ in m.parameters(recurse=False))]:
-            self._handles.append(mod.register_state_dict_pre_hook(lambda *_: self.access.begin_state_dict()))
-            self._handles.append(mod.register_state_dict_post_hook(lambda *_: self.access.end_state_dict()))
+            self._handles.append(mod.register_state_dict_pre_hook(EngineHook(lambda *_: self.access.begin_state_dict())))
+            self._handles.append(mod.register_state_dict_post_hook(EngineHook(lambda *_: self.access.end_state_dict())))
 
     # ------------------------------------------------------------------ model API
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -210,7 +196,7 @@ class ChunkEngine:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped model. With autograd on this is (part of) a training iteration;
         under ``torch.no_grad()`` an evaluation forward that the schedule ignores."""
-        if self._gathered:
+        if self.access.gathered_active():
             raise ChunkStateError("the model cannot run inside engine.gathered_parameters(): leave the block first")
         training = torch.is_grad_enabled()
         if training:
@@ -283,19 +269,6 @@ class ChunkEngine:
             raise ValueError("this tensor is not a parameter of the engine's model") from None
 
     # ------------------------------------------------------------------ the iteration
-    # Note [iteration]: an iteration runs from the first training forward after the
-    # previous backward to the end of the next backward, however many forwards it
-    # holds (R-Drop runs two); moments are numbered across all of them. The first
-    # WARMUP_PASSES iterations are traced (TracePhase.WARMUP); then the trace is the
-    # schedule (FROZEN). Every later iteration is checked against it: its inputs, each
-    # moment's module/stage/chunks, each module's output bytes (and, on CUDA, the live
-    # non-model memory). A difference means the schedule no longer describes the run:
-    # the rest of the iteration runs as in warm-up (DIVERGED: only the moment's chunks
-    # on the device) and the next iterations trace again, keeping the old trace's
-    # peaks. A run that keeps changing (MAX_REPLANS re-traces) stays UNSCHEDULED.
-    # With several processes the ranks agree on phase changes at the end of each
-    # iteration (one all-reduce), so collective decisions stay identical
-    # (Note [collective schedule]).
     def _begin_iteration(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._iter_open:
             return  # another forward of the same iteration
@@ -304,19 +277,7 @@ class ChunkEngine:
         self._stack.clear()
         mgr = self.mgr
         mgr.moment = -1
-        nbytes = sum(t.nbytes for t in output_tensors((args, kwargs)))
-        if self._phase is TracePhase.FROZEN and mgr.trace.grew(mgr.trace.input_bytes, nbytes):
-            why = f"the inputs hold {nbytes} bytes, the traced ones {mgr.trace.input_bytes}"
-            if self.comm.distributed:
-                self._diverge(why)  # re-traced from the next iteration, when all ranks agree
-            else:
-                self._retrace(why)  # trace this very iteration
-        if self._phase is TracePhase.WARMUP:
-            mgr.probe.acquire(_WARMUP)
-            mgr.trace.input_bytes = max(mgr.trace.input_bytes, nbytes)
-        elif self._phase is TracePhase.UNSCHEDULED:
-            mgr.probe.acquire(_UNSCHEDULED)  # no trace to read budgets from: measure live
-        mgr.safe_mode = self._phase is not TracePhase.FROZEN
+        self.schedule.begin_iteration(sum(t.nbytes for t in output_tensors((args, kwargs))))
 
     def _begin_untraced(self) -> None:
         """An evaluation forward: its moments are not the schedule's."""
@@ -333,42 +294,6 @@ class ChunkEngine:
             if not self._iter_open:
                 self._set_stage(Stage.IDLE)
 
-    def _set_phase(self, new: TracePhase) -> None:
-        check_phase_transition(self._phase, new)
-        self._phase = new
-
-    def _diverge(self, why: str) -> None:
-        """This iteration left the schedule: finish it safely, re-trace from the next one."""
-        if self._phase is not TracePhase.FROZEN or self._diverged_why:
-            return
-        self._diverged_why = why
-        if self.comm.distributed:
-            self.mgr.safe_mode = True  # local only; the phase changes when the ranks agree
-            return
-        self._set_phase(TracePhase.DIVERGED)
-        self.mgr.safe_mode = True
-
-    def _retrace(self, why: str) -> None:
-        """Drop the schedule and trace again (keeping the old trace's larger peaks)."""
-        mgr = self.mgr
-        self.replans += 1
-        if self._phase is TracePhase.FROZEN:
-            self._set_phase(TracePhase.DIVERGED)
-        if self.replans > MAX_REPLANS:
-            self._set_phase(TracePhase.UNSCHEDULED)
-            _log.warning(
-                "chunkstar: the run changed its shape %d times (last: %s); it now runs unscheduled "
-                "(only each moment's chunks stay on the device, no prefetch)", self.replans, why,
-            )  # fmt: skip
-        else:
-            self._set_phase(TracePhase.WARMUP)
-            _log.warning("chunkstar: the warm-up trace no longer matches the run (%s); tracing again", why)
-        if mgr.trace.frozen:
-            self._outgrown = mgr.trace
-        mgr.trace = MemoryTrace()
-        self._diverged_why = ""
-        self._warmup_disagrees = False
-
     def in_model_pass(self) -> bool:
         """Whether a forward or backward of the model is running (guarded reads then take part in it)."""
         return self.mgr.stage is Stage.FWD or self.mgr.stage is Stage.BWD
@@ -379,46 +304,9 @@ class ChunkEngine:
         mgr.moment += 1
         mgr.module = module
         if mgr.on_schedule:
-            if mgr.probe.held_by(_WARMUP):
-                self._close_traced_moment()
-                if not mgr.trace.record(mgr.moment, MomentRecord(module, mgr.stage.value, chunk_ids)):
-                    self._warmup_disagrees = True
-            elif self._phase is TracePhase.FROZEN and not self._diverged_why:
-                if not mgr.trace.matches(mgr.moment, module, mgr.stage.value, chunk_ids):
-                    expected = mgr.trace.records[mgr.moment] if mgr.moment < mgr.trace.n_moments else None
-                    self._diverge(
-                        f"moment {mgr.moment} is '{module}' ({mgr.stage.value}) on chunks {list(chunk_ids)}, the trace has "
-                        + (f"'{expected.module}' ({expected.stage}) on chunks {list(expected.chunks)}" if expected else "no such moment")
-                    )
-                elif self.device.type == "cuda" and mgr.moment > 0:
-                    live = mgr.probe.non_model_now(mgr.device_chunk_bytes)
-                    if mgr.trace.grew(mgr.trace.non_model_at(mgr.moment - 1), live):
-                        self._diverge(f"{live} bytes of non-model memory at moment {mgr.moment}, traced at most "
-                                      f"{mgr.trace.non_model_at(mgr.moment - 1)}")  # fmt: skip
+            self.schedule.on_moment(module, mgr.stage.value, chunk_ids)
         if self.events.active:
             self.events.emit(MomentBegin(mgr.moment, module, mgr.stage, time.perf_counter_ns()))
-
-    def _close_traced_moment(self) -> None:
-        """Warm-up: the moment before the running one is over; its peak is known. A moment
-        whose chunks and non-model peak exceed the device is remembered for the error
-        raised at the end of this warm-up iteration (with the whole minimum)."""
-        mgr = self.mgr
-        m = mgr.moment - 1
-        mgr.trace.set_peak(m, mgr.probe.take_peak(mgr.device_chunk_bytes))
-        if not 0 <= m < mgr.trace.n_moments:
-            return
-        rec = mgr.trace.records[m]
-        chunks = self._moment_chunk_bytes(rec.chunks)
-        if chunks + rec.non_model_peak > mgr.capacity:
-            need = math.ceil((chunks + rec.non_model_peak) / (1.0 - mgr.slack))
-            if self._too_small is None or need > self._too_small[0]:
-                self._too_small = (need, f"'{rec.module}' ({rec.stage})", chunks, rec.non_model_peak)
-
-    def _moment_chunk_bytes(self, chunk_ids: tuple[int, ...]) -> int:
-        """Param chunk bytes a moment needs on the device (whole groups with several processes)."""
-        mgr = self.mgr
-        ids = {k for c in chunk_ids for k in mgr.layout.group(c)} if self.comm.distributed else set(chunk_ids)
-        return sum(mgr.chunks[PARAM][c].nbytes for c in ids)
 
     def _access(self, module: str, indices: tuple[int, ...]) -> None:
         mgr = self.mgr
@@ -476,7 +364,7 @@ class ChunkEngine:
 
     def _begin_implicit(self) -> None:
         """A module of the model was called directly, not through the engine."""
-        if self._gathered:
+        if self.access.gathered_active():
             raise ChunkStateError("the model cannot run inside engine.gathered_parameters(): leave the block first")
         self._implicit = True
         if torch.is_grad_enabled():
@@ -506,11 +394,7 @@ class ChunkEngine:
                 break
         outs = list(output_tensors(output))
         if mgr.on_schedule and mgr.stage is Stage.FWD:
-            nbytes = sum(t.nbytes for t in outs)
-            if mgr.probe.held_by(_WARMUP):
-                mgr.trace.set_output_bytes(began, nbytes)
-            elif self._phase is TracePhase.FROZEN and mgr.trace.grew(mgr.trace.output_bytes_at(began), nbytes):
-                self._diverge(f"'{mod.label}' returned {nbytes} bytes, traced {mgr.trace.output_bytes_at(began)}")
+            self.schedule.on_module_output(began, mod.label, sum(t.nbytes for t in outs))
         if self.comm.distributed and mgr.stage is not Stage.BWD:
             self._release_remote_after(indices)
         if self.events.active:
@@ -541,10 +425,7 @@ class ChunkEngine:
         self._access_sets[key] = tuple(sorted(set(self._access_sets[key]) | set(indices)))
         chunk_ids = tuple(sorted({mgr.slots[i].chunk_id for i in indices}))
         if mgr.on_schedule:
-            if mgr.probe.held_by(_WARMUP):
-                mgr.trace.add_chunks(began, chunk_ids)
-            elif self._phase is TracePhase.FROZEN and not mgr.trace.has_chunks(began, chunk_ids):
-                self._diverge(f"'{label}' read {what}, which the trace did not see")
+            self.schedule.on_more_chunks(began, chunk_ids, f"'{label}' read {what}")
         with mgr.probe.paused():
             mgr.make_resident(
                 [(PARAM, c) for c in chunk_ids], MoveReason.ACCESS, where=f"{what} read in '{label}'", gather_groups=True
@@ -577,6 +458,10 @@ class ChunkEngine:
 
     def parameter(self, index: int) -> nn.Parameter:
         return self._params[index]
+
+    def param_view(self, index: int) -> torch.Tensor:
+        """Parameter ``index``'s view into its param chunk's persistent device tensor."""
+        return self._views[index]
 
     def on_grad(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad
@@ -710,68 +595,16 @@ class ChunkEngine:
         self._set_stage(Stage.IDLE)
 
     def _end_iteration(self) -> None:
-        """Close the iteration's trace bookkeeping (Note [iteration])."""
-        mgr = self.mgr
         self._iter_open = False
         self._implicit = False
         self._stack.clear()
-        too_small = None
-        mgr.probe.release(_UNSCHEDULED)
-        if mgr.probe.held_by(_WARMUP):
-            self._close_traced_moment()  # the last moment's peak
-            mgr.probe.release(_WARMUP)
-            too_small, self._too_small = self._too_small, None
-            complete = mgr.trace.end_pass(mgr.moment + 1) and not self._warmup_disagrees
-            if not complete:
-                self._warmup_disagrees = True
-        elif self._phase is TracePhase.FROZEN and not self._diverged_why and mgr.moment + 1 != mgr.trace.n_moments:
-            self._diverge(f"the iteration had {mgr.moment + 1} moments, the trace {mgr.trace.n_moments}")
-        self._too_small = None
-        mgr.safe_mode = False
-        # several processes: every rank takes the same decision (one all-reduce per iteration)
-        flags = [float(bool(self._diverged_why)), float(self._warmup_disagrees), float(too_small[0] if too_small else 0)]
-        if self.comm.distributed:
-            t = torch.tensor(flags, dtype=torch.float64)
-            flags = self.comm.all_reduce_max(t, what="the schedule check", device=self.device).tolist()
-        if flags[2] > 0:
-            minimum = int(flags[2])
-            if too_small is not None:
-                _, where, chunks, non_model = too_small
-            else:
-                where, chunks, non_model = "a moment on another rank", minimum, 0
-            raise DeviceMemoryError(
-                device=str(self.device), needed=chunks, free=max(0, mgr.capacity - non_model), budget=mgr.capacity,
-                where=f"the warm-up iteration's moment {where}, whose non-model memory peaked at {non_model} bytes",
-                minimum=minimum, advice=self._small_budget_advice(minimum),
-            )  # fmt: skip
-        if self._phase is TracePhase.WARMUP:
-            if flags[1]:
-                self._retrace("the warm-up iterations ran different sequences of moments")
-            elif mgr.trace.passes >= WARMUP_PASSES:
-                if self._outgrown is not None:
-                    mgr.trace.absorb_peaks(self._outgrown)
-                    self._outgrown = None
-                mgr.trace.freeze()
-                self._set_phase(TracePhase.FROZEN)
-                self._plan_adam()
-        elif self._phase in (TracePhase.FROZEN, TracePhase.DIVERGED) and flags[0]:
-            self._retrace(self._diverged_why or "another rank left the schedule")
-
-    def _small_budget_advice(self, minimum: int) -> str:
-        mgr = self.mgr
-        biggest = max(mgr.slots, key=lambda s: s.numel)
-        big_bytes = biggest.numel * mgr.chunks[PARAM][biggest.chunk_id].dtype.itemsize
-        if big_bytes * 2 > mgr.capacity:
-            return (
-                f"raise 'device_memory_budget' to at least {minimum} bytes; one parameter alone, '{biggest.name}' "
-                f"({big_bytes} bytes), takes much of the device, so smaller chunks cannot help; or lower the batch "
-                "size or sequence length (or enable activation checkpointing) to shrink the non-model memory"
-            )
-        return (
-            f"raise 'device_memory_budget' to at least {minimum} bytes; or lower the batch size or sequence length "
-            "(or enable activation checkpointing) to shrink the non-model memory; or lower 'default_chunk_size' so a "
-            "moment needs fewer whole chunks"
-        )
+        try:
+            self.schedule.end_iteration()
+        except DeviceMemoryError:
+            # the warm-up found a moment that does not fit: drop this iteration's gradients and
+            # trace, so the engine can go on with a smaller batch (or be rebuilt with a bigger budget)
+            self._abort_iteration()
+            raise
 
     def _abort_iteration(self) -> None:
         """Leave the engine usable after an exception inside forward or backward
@@ -780,21 +613,13 @@ class ChunkEngine:
         trace so the next iteration warms up again, and put every tensor back in
         HOLD with its value (gradients of the failed iteration are dropped)."""
         mgr = self.mgr
-        mgr.probe.release(_WARMUP)
-        mgr.probe.release(_UNSCHEDULED)
-        mgr.safe_mode = False
+        self.schedule.abort()
         self._iter_open = False
         self._implicit = False
         self._stack.clear()
-        self._too_small = None
         self._untraced_depth = 0
         mgr.on_schedule = True
         self.access.reset()
-        if self._phase is TracePhase.WARMUP:
-            mgr.trace = MemoryTrace()
-            self._warmup_disagrees = False
-        elif self._phase is TracePhase.FROZEN:
-            self._diverged_why = ""
         with torch.no_grad():
             self.drop_pending_grads()
             for s in mgr.slots:
@@ -882,14 +707,13 @@ class ChunkEngine:
                     out[k] = t.to("cpu")
         return out
 
-    @contextlib.contextmanager
     def gathered_parameters(
         self,
         params: Iterable[torch.Tensor] | None = None,
         *,
         writeback: bool = True,
         device: torch.device | str | None = None,
-    ) -> Iterator[list[nn.Parameter]]:
+    ) -> contextlib.AbstractContextManager[list[nn.Parameter]]:
         """Between steps, give ``params`` (default: all) their real fp32 values.
 
         Inside the block each named parameter's ``.data`` is an ordinary fp32 tensor
@@ -903,13 +727,10 @@ class ChunkEngine:
 
         The anchors are DeepSpeed's ``GatheredParameters`` and FSDP's
         ``summon_full_params``. Yields the parameters, in the model's order."""
-        mgr = self.mgr
-        if mgr.stage is not Stage.IDLE:
+        if self.mgr.stage is not Stage.IDLE:
             raise ChunkStateError(
-                f"gathered_parameters() is for use between steps, but the engine is in its {mgr.stage.value} stage"
+                f"gathered_parameters() is for use between steps, but the engine is in its {self.mgr.stage.value} stage"
             )
-        if self._gathered:
-            raise ChunkStateError("gathered_parameters() blocks cannot be nested")
         if self._iter_open:
             raise ChunkStateError(
                 "gathered_parameters() is for use between steps, but a training iteration is open (a forward, or a "
@@ -917,48 +738,10 @@ class ChunkEngine:
                 "or read parameters under torch.no_grad()"
             )
         indices = sorted({self.index_of(p) for p in params}) if params is not None else list(range(len(self._params)))
-        where = torch.device(device) if device is not None else self.device
-        need = sum(mgr.slots[i].numel * 4 for i in indices)
-        if where.type == "cuda" and where == self.device:
-            # real device memory: evict chunks to make room for the fp32 values
-            try:
-                with mgr.probe.paused():
-                    mgr.make_room(need, protect=set(), where="gathered_parameters()")
-            except DeviceMemoryError:
-                raise DeviceMemoryError(
-                    device=str(self.device), needed=need, free=max(0, mgr.chunk_budget() - mgr.pinned_bytes()),
-                    budget=mgr.capacity, where=f"gathered_parameters() ({len(indices)} parameters in fp32)",
-                    advice="gather fewer parameters at a time, or pass device=\"cpu\" to gather them in host memory",
-                ) from None  # fmt: skip
-        masters = self.full_masters()
-        for i in indices:
-            s = mgr.slots[i]
-            value = masters[s.chunk_id][s.offset : s.end].to(where, copy=True).view(s.shape)
-            mgr.set_guarded(i, False)
-            self._params[i].data = value
-            self._gathered.add(i)
-        try:
-            yield [self._params[i] for i in indices]
-        finally:
-            try:
-                if writeback:
-                    with torch.no_grad():
-                        for i in indices:
-                            s = mgr.slots[i]
-                            if not mgr.own(s.chunk_id):
-                                continue
-                            src = self._params[i].data.reshape(-1)
-                            mgr.chunks[MASTER][s.chunk_id].payload[s.offset : s.end].copy_(src)
-                            if mgr.states[i] is not TensorState.HOLD_AFTER_BWD:  # else the slot holds the gradient
-                                mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end].copy_(src)
-            finally:
-                for i in indices:
-                    self._params[i].data = self._views[i]
-                    mgr.set_guarded(i, True)
-                self._gathered.clear()
+        return self.access.gathered(indices, writeback=writeback, device=torch.device(device) if device else self.device)
 
     def gathered_active(self) -> bool:
-        return bool(self._gathered)
+        return self.access.gathered_active()
 
     def parameter_aliases(self) -> dict[str, list[str]]:
         """Tied parameters: first name -> the other names of the same tensor."""
@@ -1048,8 +831,8 @@ class ChunkEngine:
             "warmup_non_model_peak_bytes": mgr.trace.max_non_model,
             "moments_per_micro_step": mgr.trace.n_moments,
             "micro_steps": self.micro_step,
-            "schedule": self._phase.value,
-            "replans": self.replans,
+            "schedule": self.schedule.phase.value,
+            "replans": self.schedule.replans,
         }
 
     def remove_hooks(self) -> None:

@@ -33,15 +33,17 @@ own keys; tied parameters come back as one tensor, as in plain PyTorch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+from torch import nn
 
 from chunkstar.chunk.state import ChunkLocation, TensorState
-from chunkstar.errors import ChunkStateError
+from chunkstar.errors import ChunkStateError, DeviceMemoryError
 from chunkstar.events import Stage
 from chunkstar.hooks.module_hooks import AfterBackward, output_tensors, substitute
-from chunkstar.hooks.param_guard import ReadOnlySnapshot, mutated_tensors, op_name, plain, tensor_args
+from chunkstar.hooks.param_guard import ReadOnlyGradient, ReadOnlySnapshot, mutated_tensors, op_name, plain, tensor_args
 from chunkstar.runtime.chunk_manager import MASTER, PARAM
 
 if TYPE_CHECKING:
@@ -71,10 +73,23 @@ class ParamAccess:
         self._sd_depth = 0  # nesting of module.state_dict() calls in progress
         self._sd_memo: dict[int, torch.Tensor] = {}  # slot index -> fp32 value handed out in this state_dict()
         self._sd_masters: dict[int, torch.Tensor] | None = None  # gathered master chunks (several processes)
+        self._gathered: set[int] = set()  # slot indices inside gathered_parameters()
 
     # ------------------------------------------------------------------ dispatch
     def param_index(self, p: torch.Tensor) -> int | None:
         return self.engine.param_index(p)
+
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p.grad``: a read-only copy of the gradient while it sits in the slot (this
+        rank's chunks), else what autograd left there (None once folded)."""
+        i = self.engine.param_index(p)
+        if i is not None and self.mgr.states[i] is TensorState.HOLD_AFTER_BWD:
+            s = self.mgr.slots[i]
+            if self.mgr.own(s.chunk_id):
+                slot = self.mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end]
+                return slot.detach().clone().view(s.shape).to(self.engine.device).as_subclass(ReadOnlyGradient)
+        with torch._C.DisableTorchFunctionSubclass():
+            return p.grad
 
     def on_param_access(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         eng = self.engine
@@ -218,6 +233,59 @@ class ParamAccess:
         if isinstance(out, (list, tuple)):
             return type(out)(safe(o) for o in out)
         return safe(out)
+
+    # ------------------------------------------------------------------ gathered_parameters()
+    def gathered_active(self) -> bool:
+        return bool(self._gathered)
+
+    @contextlib.contextmanager
+    def gathered(self, indices: list[int], *, writeback: bool, device: torch.device) -> Iterator[list[nn.Parameter]]:
+        """The body of ``engine.gathered_parameters()`` (the engine checks the stage):
+        each parameter's ``.data`` becomes an fp32 copy of its master on ``device``,
+        unguarded; on exit the values go back (``writeback``) and the views return."""
+        eng = self.engine
+        mgr = self.mgr
+        if self._gathered:
+            raise ChunkStateError("gathered_parameters() blocks cannot be nested")
+        need = sum(mgr.slots[i].numel * 4 for i in indices)
+        if device.type == "cuda" and device == eng.device:
+            # real device memory: evict chunks to make room for the fp32 values
+            try:
+                with mgr.probe.paused():
+                    mgr.make_room(need, protect=set(), where="gathered_parameters()")
+            except DeviceMemoryError:
+                raise DeviceMemoryError(
+                    device=str(eng.device), needed=need, free=max(0, mgr.chunk_budget() - mgr.pinned_bytes()),
+                    budget=mgr.capacity, where=f"gathered_parameters() ({len(indices)} parameters in fp32)",
+                    advice="gather fewer parameters at a time, or pass device=\"cpu\" to gather them in host memory",
+                ) from None  # fmt: skip
+        masters = eng.full_masters()
+        params = [self._param(i) for i in indices]
+        for i, p in zip(indices, params):
+            s = mgr.slots[i]
+            value = masters[s.chunk_id][s.offset : s.end].to(device, copy=True).view(s.shape)
+            mgr.set_guarded(i, False)
+            p.data = value
+            self._gathered.add(i)
+        try:
+            yield params  # type: ignore[misc]
+        finally:
+            try:
+                if writeback:
+                    with torch.no_grad():
+                        for i, p in zip(indices, params):
+                            s = mgr.slots[i]
+                            if not mgr.own(s.chunk_id):
+                                continue  # its owner writes it back
+                            src = p.data.reshape(-1)
+                            mgr.chunks[MASTER][s.chunk_id].payload[s.offset : s.end].copy_(src)
+                            if mgr.states[i] is not TensorState.HOLD_AFTER_BWD:  # else the slot holds the gradient
+                                mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end].copy_(src)
+            finally:
+                for i, p in zip(indices, params):
+                    p.data = eng.param_view(i)
+                    mgr.set_guarded(i, True)
+                self._gathered.clear()
 
     # ------------------------------------------------------------------ module.state_dict()
     def begin_state_dict(self) -> None:

@@ -1,0 +1,258 @@
+"""The iteration's schedule: warm-up tracing, checks against the frozen trace, re-planning.
+
+Note [iteration]: an iteration runs from the first training forward after the
+previous backward to the end of the next backward, however many forwards it
+holds (R-Drop runs two); moments are numbered across all of them. The first
+``WARMUP_PASSES`` iterations are traced (:attr:`TracePhase.WARMUP`); then the
+trace is the schedule (``FROZEN``). Every later iteration is checked against
+it: its inputs' bytes, each moment's module/stage/chunks, each module's output
+bytes (and, on CUDA, the live non-model memory). A difference means the
+schedule no longer describes the run: the rest of the iteration runs as in
+warm-up (``DIVERGED``: only the moment's chunks on the device) and the next
+iterations trace again, keeping the old trace's larger peaks. A run that keeps
+changing (``MAX_REPLANS`` re-traces) runs ``UNSCHEDULED`` for good, measuring
+live. With several processes the ranks agree on phase changes at the end of
+each iteration (one small all-reduce), so collective decisions stay identical
+(Note [collective schedule] in :mod:`chunkstar.runtime.engine`).
+
+During warm-up every moment's chunk bytes plus its measured non-model peak is
+checked against the device: a budget too small fails at the end of the first
+warm-up iteration with the smallest budget that would hold what was measured.
+
+The schedule decides; the chunk manager (which it reads and whose
+``trace``/``safe_mode`` it sets) acts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable
+
+import torch
+
+from chunkstar.distributed.comm import Comm
+from chunkstar.errors import DeviceMemoryError
+from chunkstar.memory.tracer import MemoryTrace, MomentRecord, TracePhase, check_phase_transition
+from chunkstar.runtime.chunk_manager import PARAM, ChunkManager
+
+__all__ = ["MAX_REPLANS", "WARMUP_PASSES", "Schedule"]
+
+WARMUP_PASSES = 2  # training iterations traced before the schedule is frozen (see memory/tracer.py)
+MAX_REPLANS = 8  # re-traces before a run that keeps changing shape runs unscheduled
+_WARMUP = "warm-up"  # the schedule's names as a holder of the memory probe: tracing,
+_UNSCHEDULED = "unscheduled"  # and measuring live for lack of a schedule
+_log = logging.getLogger("chunkstar")
+
+
+class Schedule:
+    def __init__(self, mgr: ChunkManager, comm: Comm, device: torch.device, on_freeze: Callable[[], None]) -> None:
+        self.mgr = mgr
+        self.comm = comm
+        self.device = device
+        self._on_freeze = on_freeze  # the engine plans hybrid Adam on the new trace
+        self.phase = TracePhase.WARMUP
+        self.replans = 0
+        self._outgrown: MemoryTrace | None = None  # the trace a re-trace replaces (its peaks are kept)
+        self._diverged_why = ""  # why this iteration left the schedule ("" while on it)
+        self._warmup_disagrees = False  # a warm-up pass differed from the first one
+        # (minimum budget, moment, its chunk bytes, its non-model peak): the worst warm-up moment that did not fit
+        self._too_small: tuple[int, str, int, int] | None = None
+
+    # ------------------------------------------------------------------ iteration
+    def begin_iteration(self, input_bytes: int) -> None:
+        mgr = self.mgr
+        if self.phase is TracePhase.FROZEN and mgr.trace.grew(mgr.trace.input_bytes, input_bytes):
+            why = f"the inputs hold {input_bytes} bytes, the traced ones {mgr.trace.input_bytes}"
+            if self.comm.distributed:
+                self.diverge(why)  # re-traced from the next iteration, when all ranks agree
+            else:
+                self._retrace(why)  # trace this very iteration
+        if self.phase is TracePhase.WARMUP:
+            mgr.probe.acquire(_WARMUP)
+            mgr.trace.input_bytes = max(mgr.trace.input_bytes, input_bytes)
+            mgr.measuring_shortfall = True
+            mgr.required_peak = 0
+        elif self.phase is TracePhase.UNSCHEDULED:
+            mgr.probe.acquire(_UNSCHEDULED)  # no trace to read budgets from: measure live
+        mgr.safe_mode = self.phase is not TracePhase.FROZEN
+
+    def end_iteration(self) -> None:
+        """Close the iteration: merge a warm-up pass, freeze, or re-plan (all ranks alike).
+        Raises :class:`DeviceMemoryError` when a warm-up moment did not fit the device."""
+        mgr = self.mgr
+        too_small = None
+        mgr.probe.release(_UNSCHEDULED)
+        mgr.measuring_shortfall = False
+        if mgr.probe.held_by(_WARMUP):
+            self._close_traced_moment()  # the last moment's peak
+            mgr.probe.release(_WARMUP)
+            too_small, self._too_small = self._too_small, None
+            if not mgr.trace.end_pass(mgr.moment + 1):
+                self._warmup_disagrees = True
+        elif self.phase is TracePhase.FROZEN and not self._diverged_why and mgr.moment + 1 != mgr.trace.n_moments:
+            self.diverge(f"the iteration had {mgr.moment + 1} moments, the trace {mgr.trace.n_moments}")
+        self._too_small = None
+        mgr.safe_mode = False
+        # several processes: every rank takes the same decision (one all-reduce per iteration)
+        flags = [float(bool(self._diverged_why)), float(self._warmup_disagrees), float(too_small[0] if too_small else 0)]
+        if self.comm.distributed:
+            t = torch.tensor(flags, dtype=torch.float64)
+            flags = self.comm.all_reduce_max(t, what="the schedule check", device=self.device).tolist()
+        if flags[2] > 0:
+            raise self._too_small_error(int(flags[2]), too_small)
+        if self.phase is TracePhase.WARMUP:
+            if flags[1]:
+                self._retrace("the warm-up iterations ran different sequences of moments")
+            elif mgr.trace.passes >= WARMUP_PASSES:
+                if self._outgrown is not None:
+                    mgr.trace.absorb_peaks(self._outgrown)
+                    self._outgrown = None
+                mgr.trace.freeze()
+                self._set_phase(TracePhase.FROZEN)
+                self._on_freeze()
+        elif self.phase in (TracePhase.FROZEN, TracePhase.DIVERGED) and flags[0]:
+            self._retrace(self._diverged_why or "another rank left the schedule")
+
+    def abort(self) -> None:
+        """The iteration failed (an exception in forward or backward): stop measuring,
+        drop a partial warm-up pass, stay on the schedule otherwise."""
+        mgr = self.mgr
+        mgr.probe.release(_WARMUP)
+        mgr.probe.release(_UNSCHEDULED)
+        mgr.safe_mode = False
+        mgr.measuring_shortfall = False
+        self._too_small = None
+        if self.phase is TracePhase.WARMUP:
+            mgr.trace = MemoryTrace()
+            self._warmup_disagrees = False
+        elif self.phase is TracePhase.FROZEN:
+            self._diverged_why = ""
+
+    # ------------------------------------------------------------------ checks
+    def on_moment(self, module: str, stage: str, chunk_ids: tuple[int, ...]) -> None:
+        """A moment of the running iteration began (its number is ``mgr.moment``)."""
+        mgr = self.mgr
+        if mgr.probe.held_by(_WARMUP):
+            self._close_traced_moment()
+            if not mgr.trace.record(mgr.moment, MomentRecord(module, stage, chunk_ids)):
+                self._warmup_disagrees = True
+        elif self.phase is TracePhase.FROZEN and not self._diverged_why:
+            if not mgr.trace.matches(mgr.moment, module, stage, chunk_ids):
+                expected = mgr.trace.records[mgr.moment] if mgr.moment < mgr.trace.n_moments else None
+                self.diverge(
+                    f"moment {mgr.moment} is '{module}' ({stage}) on chunks {list(chunk_ids)}, the trace has "
+                    + (f"'{expected.module}' ({expected.stage}) on chunks {list(expected.chunks)}" if expected else "no such moment")
+                )
+            elif self.device.type == "cuda" and mgr.moment > 0:
+                live = mgr.probe.non_model_now(mgr.device_chunk_bytes)
+                traced = mgr.trace.non_model_at(mgr.moment - 1)
+                if mgr.trace.grew(traced, live):
+                    self.diverge(f"{live} bytes of non-model memory at moment {mgr.moment}, traced at most {traced}")
+
+    def on_module_output(self, began: int, label: str, nbytes: int) -> None:
+        """A module whose moment was ``began`` returned ``nbytes`` of tensors (forward)."""
+        mgr = self.mgr
+        if mgr.probe.held_by(_WARMUP):
+            mgr.trace.set_output_bytes(began, nbytes)
+        elif self.phase is TracePhase.FROZEN and mgr.trace.grew(mgr.trace.output_bytes_at(began), nbytes):
+            self.diverge(f"'{label}' returned {nbytes} bytes, traced {mgr.trace.output_bytes_at(began)}")
+
+    def on_more_chunks(self, began: int, chunk_ids: tuple[int, ...], why: str) -> None:
+        """The moment ``began`` needs more chunks than it started with (a parameter read outside its module)."""
+        mgr = self.mgr
+        if mgr.probe.held_by(_WARMUP):
+            mgr.trace.add_chunks(began, chunk_ids)
+        elif self.phase is TracePhase.FROZEN and not mgr.trace.has_chunks(began, chunk_ids):
+            self.diverge(f"{why}, which the trace did not see")
+
+    @property
+    def frozen(self) -> bool:
+        """Whether budgets, eviction and prefetch follow the trace in the running iteration."""
+        return self.phase is TracePhase.FROZEN and not self.mgr.safe_mode
+
+    # ------------------------------------------------------------------ phase changes
+    def _set_phase(self, new: TracePhase) -> None:
+        check_phase_transition(self.phase, new)
+        self.phase = new
+
+    def diverge(self, why: str) -> None:
+        """This iteration left the schedule: finish it safely, re-trace from the next one."""
+        if self.phase is not TracePhase.FROZEN or self._diverged_why:
+            return
+        self._diverged_why = why
+        self.mgr.safe_mode = True
+        if not self.comm.distributed:  # with several processes the phase changes when the ranks agree
+            self._set_phase(TracePhase.DIVERGED)
+
+    def _retrace(self, why: str) -> None:
+        """Drop the schedule and trace again (keeping the old trace's larger peaks)."""
+        mgr = self.mgr
+        self.replans += 1
+        if self.phase is TracePhase.FROZEN:
+            self._set_phase(TracePhase.DIVERGED)
+        if self.replans > MAX_REPLANS:
+            self._set_phase(TracePhase.UNSCHEDULED)
+            _log.warning(
+                "chunkstar: the run changed its shape %d times (last: %s); it now runs unscheduled "
+                "(only each moment's chunks stay on the device, no prefetch)", self.replans, why,
+            )  # fmt: skip
+        else:
+            self._set_phase(TracePhase.WARMUP)
+            _log.warning("chunkstar: the warm-up trace no longer matches the run (%s); tracing again", why)
+        if mgr.trace.frozen:
+            self._outgrown = mgr.trace
+        mgr.trace = MemoryTrace()
+        self._diverged_why = ""
+        self._warmup_disagrees = False
+
+    # ------------------------------------------------------------------ budget too small
+    def _close_traced_moment(self) -> None:
+        """Warm-up: the moment before the running one is over; its peak is known. A moment
+        whose chunks and non-model peak exceed the device is remembered for the error
+        raised at the end of this warm-up iteration (with the whole minimum)."""
+        mgr = self.mgr
+        m = mgr.moment - 1
+        mgr.trace.set_peak(m, mgr.probe.take_peak(mgr.device_chunk_bytes))
+        if not 0 <= m < mgr.trace.n_moments:
+            return
+        rec = mgr.trace.records[m]
+        # the moment's chunks, or more when it went over the budget with others pinned beside them
+        chunks = max(self._moment_chunk_bytes(rec.chunks), mgr.required_peak)
+        mgr.required_peak = 0
+        if chunks + rec.non_model_peak > mgr.capacity:
+            need = math.ceil((chunks + rec.non_model_peak) / (1.0 - mgr.slack))
+            if self._too_small is None or need > self._too_small[0]:
+                self._too_small = (need, f"'{rec.module}' ({rec.stage})", chunks, rec.non_model_peak)
+
+    def _moment_chunk_bytes(self, chunk_ids: tuple[int, ...]) -> int:
+        """Param chunk bytes a moment needs on the device (whole groups with several processes)."""
+        mgr = self.mgr
+        ids = {k for c in chunk_ids for k in mgr.layout.group(c)} if self.comm.distributed else set(chunk_ids)
+        return sum(mgr.chunks[PARAM][c].nbytes for c in ids)
+
+    def _too_small_error(self, minimum: int, too_small: tuple[int, str, int, int] | None) -> DeviceMemoryError:
+        mgr = self.mgr
+        if too_small is not None:
+            _, where, chunks, non_model = too_small
+        else:
+            where, chunks, non_model = "a moment on another rank", minimum, 0
+        biggest = max(mgr.slots, key=lambda s: s.numel)
+        big_bytes = biggest.numel * mgr.chunks[PARAM][biggest.chunk_id].dtype.itemsize
+        if big_bytes * 2 > mgr.capacity:
+            advice = (
+                f"raise 'device_memory_budget' to at least {minimum} bytes; one parameter alone, '{biggest.name}' "
+                f"({big_bytes} bytes), takes much of the device, so smaller chunks cannot help; or lower the batch "
+                "size or sequence length (or enable activation checkpointing) to shrink the non-model memory"
+            )
+        else:
+            advice = (
+                f"raise 'device_memory_budget' to at least {minimum} bytes; or lower the batch size or sequence "
+                "length (or enable activation checkpointing) to shrink the non-model memory; or lower "
+                "'default_chunk_size' so a moment needs fewer whole chunks"
+            )
+        return DeviceMemoryError(
+            device=str(self.device), needed=chunks, free=max(0, mgr.capacity - non_model), budget=mgr.capacity,
+            where=f"the warm-up iteration's moment {where}, whose non-model memory peaked at {non_model} bytes",
+            minimum=minimum, advice=advice,
+        )  # fmt: skip

@@ -1,0 +1,79 @@
+"""What each rank runs in test_habits_two_ranks (spawned, gloo on CPU)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import chunkstar
+from tests.core._models import CASES, engine_config, eviction_budget, gpt2_batch
+from tests.core.test_param_access import _encoder_loss, _seq_batch, build_encoder
+
+STEPS = 3
+
+
+def habits(rank: int, world: int, port: int, out: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        # 1. nn.TransformerEncoder (MultiheadAttention reads out_proj.weight) on two ranks
+        budget = eviction_budget(build_encoder(), torch.float32, 0.75)
+        engine, optimizer = chunkstar.initialize_engine(build_encoder, rank, engine_config("fp32", budget=budget))
+        losses = []
+        for step in range(STEPS):
+            batch = {k: v[rank : rank + 1] for k, v in _seq_batch(step).items()}  # one sequence per rank
+            loss = _encoder_loss(engine, batch, torch.float32)
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(mean.item() / world)
+        result["encoder_losses"] = losses
+        result["encoder_moves"] = engine.stats()["chunk_moves_to_host"]
+
+        # 2. GPT-2: module.state_dict() is a collective; reads of another rank's parameter
+        # name gathered_parameters(); gathered_parameters() writes back on every rank
+        case = CASES["gpt2"]
+        engine, optimizer = chunkstar.initialize_engine(
+            case.build, rank, engine_config("fp32", budget=eviction_budget(case.build(), torch.float32))
+        )
+        for step in range(2):
+            loss = engine(**{k: v[rank : rank + 1] for k, v in gpt2_batch(step).items()}).loss
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        sd = engine.module.state_dict()
+        full = engine.state_dict()
+        result["module_sd_equals_engine_sd"] = sd.keys() == full.keys() and all(torch.equal(sd[k], full[k]) for k in sd)
+        names = dict(engine.module.named_parameters())
+        foreign = next(n for n, p in names.items() if not engine.mgr.own(engine.mgr.slots[engine.index_of(p)].chunk_id))
+        try:
+            with torch.no_grad():
+                names[foreign].sum()
+            result["foreign_read"] = "no error"
+        except chunkstar.ChunkStateError as e:
+            result["foreign_read"] = str(e)
+        w = names["transformer.h.1.mlp.c_fc.weight"]
+        with engine.gathered_parameters([w]):
+            result["gathered_equal"] = bool(torch.equal(w.data, full["transformer.h.1.mlp.c_fc.weight"]))
+            w.data.mul_(0.5)
+        after = engine.state_dict()
+        result["written_back"] = bool(
+            torch.equal(after["transformer.h.1.mlp.c_fc.weight"], 0.5 * full["transformer.h.1.mlp.c_fc.weight"])
+        )
+        if rank == 0:
+            torch.save(sd, Path(out) / "module_sd.pt")
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        result["error"] = f"{type(e).__name__}: {e}"
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))
+    if "error" not in result:
+        dist.destroy_process_group()

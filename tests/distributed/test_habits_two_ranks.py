@@ -1,0 +1,50 @@
+"""Habits on two gloo ranks: a model whose modules read other modules' parameters
+(nn.TransformerEncoder) trains like one process on the full batch; module.state_dict()
+gathers (every rank calls it); a read of a parameter another rank keeps names
+gathered_parameters(), which gathers and writes back on every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.core._models import ModelCase, assert_losses_close, train_reference
+from tests.core.test_param_access import _encoder_loss, _seq_batch, build_encoder
+
+from ._habits_worker import STEPS, habits
+from ._spawn import run_ranks
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    out = tmp_path_factory.mktemp("habits")
+    results = run_ranks(habits, out)
+    assert len(results) == 2 and all("error" not in r for r in results), results
+    return results, out
+
+
+def test_transformer_encoder_on_two_ranks_matches_one_process(results: tuple[list[dict[str, Any]], Path]) -> None:
+    want = train_reference(ModelCase("encoder", build_encoder, _seq_batch, _encoder_loss), STEPS)
+    for r in results[0]:
+        assert_losses_close(r["encoder_losses"], want, 1e-5, f"encoder, rank {r['rank']}")
+        assert r["encoder_moves"] > 0
+
+
+def test_module_state_dict_is_a_collective_with_the_masters(results: tuple[list[dict[str, Any]], Path]) -> None:
+    ranks, out = results
+    assert all(r["module_sd_equals_engine_sd"] for r in ranks), ranks
+    sd = torch.load(out / "module_sd.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
+
+
+def test_reads_of_another_ranks_parameter_name_gathered_parameters(results: tuple[list[dict[str, Any]], Path]) -> None:
+    for r in results[0]:
+        assert "kept by another rank" in r["foreign_read"] and "gathered_parameters" in r["foreign_read"], r
+
+
+def test_gathered_parameters_gathers_and_writes_back_on_every_rank(results: tuple[list[dict[str, Any]], Path]) -> None:
+    for r in results[0]:
+        assert r["gathered_equal"] and r["written_back"], r
