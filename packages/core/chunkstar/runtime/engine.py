@@ -35,6 +35,7 @@ from chunkstar.chunk.layout import TensorSlot, build_layout, search_chunk_size
 from chunkstar.chunk.state import TensorState
 from chunkstar.config import EngineConfig, Precision
 from chunkstar.distributed.comm import Comm
+from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.distributed.startup import agree_on_startup
 from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError
 from chunkstar.events import EventBus, MomentBegin, MomentEnd, MoveReason, Stage, StageChanged, Tier
@@ -166,7 +167,7 @@ class ChunkEngine:
         self._accumulators: dict[int, torch.Tensor] = {}  # chunk id -> 1-D fp32 host, grads of earlier micro-batches
         self._accumulated: set[int] = set()  # slot indices with something in an accumulator
         self._boundary = False  # the running backward is the last micro-batch before a step
-        self._reduced: set[int] = set()  # chunk groups whose gradients were reduced in this backward
+        self.reducer = GroupReducer(self.mgr, self.comm, self.device, self._params)  # several processes only
 
         # the iteration and its schedule (Note [iteration] in runtime/schedule.py)
         self.schedule = Schedule(self.mgr, self.comm, self.device, on_freeze=self._plan_adam)
@@ -396,7 +397,7 @@ class ChunkEngine:
         if mgr.on_schedule and mgr.stage is Stage.FWD:
             self.schedule.on_module_output(began, mod.label, sum(t.nbytes for t in outs))
         if self.comm.distributed and mgr.stage is not Stage.BWD:
-            self._release_remote_after(indices)
+            self.reducer.release_after_forward(indices)
         if self.events.active:
             self.events.emit(MomentEnd(mgr.moment, mod.label, mgr.stage, time.perf_counter_ns()))
             mgr.memory_sample()  # the module's activations now exist
@@ -445,7 +446,7 @@ class ChunkEngine:
                 back = TensorState.HOLD_AFTER_FWD if building_graph else prior[i]
                 self.mgr.set_state(i, TensorState.HOLD if back is TensorState.COMPUTE else back)
         if self.comm.distributed and self.mgr.stage is not Stage.BWD:
-            self._release_remote_after(tuple(indices))
+            self.reducer.release_after_forward(tuple(indices))
 
     def release_after_backward(self, indices: list[int]) -> None:
         """The backward of an op outside modules is over: its parameters may move again."""
@@ -488,7 +489,7 @@ class ChunkEngine:
                     mgr.set_state(index, TensorState.COMPUTE)
                 mgr.set_state(index, TensorState.HOLD_AFTER_BWD)
                 if self.comm.distributed:
-                    self._maybe_reduce(mgr.layout.group(s.chunk_id).start)
+                    self.reducer.gradient_folded(s.chunk_id)
             else:
                 acc = self._accumulators.get(s.chunk_id)
                 if acc is None:
@@ -497,62 +498,6 @@ class ChunkEngine:
                 self._accumulated.add(index)
                 if mgr.states[index] is TensorState.COMPUTE:
                     mgr.set_state(index, TensorState.HOLD_AFTER_FWD)
-
-    # ------------------------------------------------------------------ several processes
-    # Note [collective schedule]: every rank runs the same modules in the same order,
-    # so gathers and reductions are triggered by hooks alone; releasing a gathered
-    # copy depends only on tensor states and the warm-up trace's chunk ids (the same
-    # on every rank), never on memory measurements, so no rank waits in a collective
-    # the others skip.
-    def _release_remote_after(self, indices: tuple[int, ...]) -> None:
-        """After a module's forward, drop gathered copies of other ranks' chunks its
-        groups hold, unless the next moment (per the frozen trace) needs the group."""
-        mgr = self.mgr
-        groups = {mgr.layout.group(mgr.slots[i].chunk_id).start for i in indices}
-        keep: set[int] = set()
-        if mgr.trace.frozen:
-            keep = {mgr.layout.group(c).start for c in mgr.trace.chunks_at(mgr.moment + 1)}
-        for g in sorted(groups - keep):
-            if not any(mgr.pinned(k) for k in mgr.layout.group(g)):
-                mgr.release_group(g)
-
-    def _maybe_reduce(self, start: int) -> None:
-        """Reduce a group's gradients as soon as every parameter in it has its gradient."""
-        if start in self._reduced:
-            return
-        mgr = self.mgr
-        for k in mgr.layout.group(start):
-            for sl in mgr.slots_of(k):
-                if self._params[sl.index].requires_grad and mgr.states[sl.index] is not TensorState.HOLD_AFTER_BWD:
-                    return
-        self._reduce_group(start)
-
-    def _reduce_group(self, start: int) -> None:
-        """Average the group's gradients over ranks into this rank's own chunk; drop the rest."""
-        mgr = self.mgr
-        group = list(mgr.layout.group(start))
-        own_id = group[self.comm.rank]
-        if self.device.type == "cuda" and not mgr.resident((PARAM, own_id)):
-            mgr.make_resident([(PARAM, own_id)], MoveReason.ACCESS, where=f"the gradient reduction of chunk {own_id}")
-        with torch.no_grad(), mgr.probe.paused():
-            payloads = [mgr.chunks[PARAM][k].payload for k in group]
-            if self.comm.backend != "nccl":
-                payloads = [p.float() for p in payloads]  # gloo sums in fp32: exact for fp32, better for bf16
-            summed = self.comm.reduce_group(payloads, what=f"param chunks {group[0]}..{group[-1]}")
-            own = mgr.chunks[PARAM][own_id].payload
-            inv = 1.0 / self.comm.world_size
-            for sl in mgr.slots_of(own_id):  # only gradient slots: the others still hold values
-                if mgr.states[sl.index] is TensorState.HOLD_AFTER_BWD:
-                    own[sl.offset : sl.end].copy_(summed[sl.offset : sl.end].to(summed.device) * inv)
-            for k in group:
-                if k == own_id:
-                    continue
-                for sl in mgr.slots_of(k):
-                    if mgr.states[sl.index] is TensorState.HOLD_AFTER_BWD:
-                        mgr.set_state(sl.index, TensorState.HOLD)  # its owner has the gradient now
-            if not any(mgr.pinned(k) for k in group):
-                mgr.release_group(start)
-        self._reduced.add(start)
 
     # ------------------------------------------------------------------ iteration bookkeeping
     def _set_stage(self, stage: Stage) -> None:
@@ -564,14 +509,7 @@ class ChunkEngine:
     def _end_backward(self) -> None:
         mgr = self.mgr
         if self.comm.distributed:
-            # groups with parameters that got no gradient this time are reduced now, in
-            # group order on every rank (Note [collective schedule])
-            for g in range(0, mgr.layout.n_chunks, self.comm.world_size):
-                if g not in self._reduced and any(
-                    mgr.states[sl.index] is TensorState.HOLD_AFTER_BWD for k in mgr.layout.group(g) for sl in mgr.slots_of(k)
-                ):
-                    self._reduce_group(g)
-            self._reduced.clear()
+            self.reducer.end_backward()
         with torch.no_grad(), mgr.probe.paused():
             for s in mgr.slots:
                 st = mgr.states[s.index]
@@ -587,8 +525,7 @@ class ChunkEngine:
             self._accumulators.clear()
             self._accumulated.clear()
         if self.comm.distributed:
-            for g in sorted(mgr.gathered_groups):
-                mgr.release_group(g)
+            self.reducer.release_all()
         self._end_iteration()
         self.micro_step += 1
         self._since_step += 1
