@@ -94,6 +94,13 @@ def _lm_loss_with_l2(model: Any, batch: dict[str, torch.Tensor], dtype: torch.dt
     return loss + 1e-4 * sum(p.pow(2).sum() for p in _module(model).parameters())
 
 
+def _lm_loss_l2_first(model: Any, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    # the L2 term before the forward: reads with autograd on open the iteration, and every
+    # module's use of its weights is then a second use (Note [repeated use])
+    l2 = sum(p.pow(2).sum() for p in _module(model).parameters())
+    return 1e-4 * l2 + _lm_loss(model, batch, dtype)
+
+
 def _lm_loss_with_view(model: Any, batch: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     # a view of a parameter taken outside every module, used after other ops
     w = _module(model).embed.weight.t()
@@ -107,6 +114,7 @@ CASES_OUTSIDE: dict[str, tuple[ModelCase, float]] = {
     "tied_in_parent": (ModelCase("tied_in_parent", lambda: _tied(True), _ids_batch, _lm_loss), 2.0),
     "tied_outside_modules": (ModelCase("tied_outside_modules", lambda: _tied(False), _ids_batch, _lm_loss), 2.0),
     "l2_in_loss": (ModelCase("l2_in_loss", lambda: _tied(False), _ids_batch, _lm_loss_with_l2), 4.0),
+    "l2_before_forward": (ModelCase("l2_before_forward", lambda: _tied(False), _ids_batch, _lm_loss_l2_first), 3.0),
     "view_in_loss": (ModelCase("view_in_loss", lambda: _tied(False), _ids_batch, _lm_loss_with_view), 2.0),
 }
 
@@ -255,8 +263,9 @@ def test_gathered_parameters_gives_fp32_values_and_writes_back() -> None:
 def test_deepcopy_of_the_model_is_a_plain_copy_with_current_values() -> None:
     engine, optimizer = _gpt2_engine()
     train_engine(engine, optimizer, CASES["gpt2"], 2)
-    ema_model = copy.deepcopy(engine.module)
+    ema_model = copy.deepcopy(engine.module)  # with autograd on, as users do
     assert all(type(p) is nn.Parameter for p in ema_model.parameters())
+    assert engine.stats()["stage"] == "idle"  # copying opened no training iteration
     moves = engine.stats()["chunk_moves_to_device"]
     batch = CASES["gpt2"].batch(9)
     with torch.no_grad():

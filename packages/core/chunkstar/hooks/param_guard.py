@@ -125,15 +125,9 @@ def plain(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
         return func(*args, **(kwargs or {}))
 
 
-_CLASSES: dict[tuple[int, type], type] = {}
-
-
 def guarded_class(base: type, target: GuardTarget) -> type:
-    """The guarded subclass of ``base`` (``nn.Parameter`` or a subclass of it) for ``target``."""
-    key = (id(target), base)
-    cls = _CLASSES.get(key)
-    if cls is not None:
-        return cls
+    """A guarded subclass of ``base`` (``nn.Parameter`` or a subclass of it) whose
+    accesses go to ``target``. The caller keeps one per base class (an engine owns its own)."""
 
     def __torch_function__(cls: type, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         if getattr(func, "__name__", "") == "__get__" and op_name(func) == "grad":
@@ -146,16 +140,18 @@ def guarded_class(base: type, target: GuardTarget) -> type:
         # a copy (an EMA model, say) is an ordinary parameter holding the current value
         if id(self) in memo:
             return memo[id(self)]  # type: ignore[no-any-return]
-        value = target.on_param_access(torch.Tensor.clone, (self,), {})
+        with torch.no_grad():  # a copy is a read between steps, never part of a graph
+            value = target.on_param_access(torch.Tensor.clone, (self,), {})
         result = base(value.as_subclass(torch.Tensor), self.requires_grad)
         memo[id(self)] = result
         return result  # type: ignore[no-any-return]
 
     def __reduce_ex__(self: nn.Parameter, proto: Any) -> Any:
-        value = target.on_param_access(torch.Tensor.clone, (self,), {})
+        with torch.no_grad():
+            value = target.on_param_access(torch.Tensor.clone, (self,), {})
         return base(value.as_subclass(torch.Tensor), self.requires_grad).__reduce_ex__(proto)
 
-    cls = type(
+    return type(
         base.__name__,  # repr and error messages keep the familiar name ("Parameter containing: ...")
         (base,),
         {
@@ -166,14 +162,6 @@ def guarded_class(base: type, target: GuardTarget) -> type:
             "_chunkstar_base": base,
         },
     )
-    _CLASSES[key] = cls
-    return cls
-
-
-def forget_target(target: GuardTarget) -> None:
-    """Drop the guarded classes made for ``target`` (its engine is going away)."""
-    for key in [k for k in _CLASSES if k[0] == id(target)]:
-        del _CLASSES[key]
 
 
 _WRITE_HINT = (

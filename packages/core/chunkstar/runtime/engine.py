@@ -40,7 +40,7 @@ from chunkstar.distributed.startup import agree_on_startup
 from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError
 from chunkstar.events import EventBus, MomentBegin, MomentEnd, MoveReason, Stage, StageChanged, Tier
 from chunkstar.hooks.module_hooks import AfterBackward, EngineHook, install_hooks, output_tensors, substitute
-from chunkstar.hooks.param_guard import forget_target, guarded_class
+from chunkstar.hooks.param_guard import guarded_class
 from chunkstar.memory.probes import MemoryProbe, make_probe
 from chunkstar.placement.optimizer import plan_device_adam
 from chunkstar.runtime.chunk_manager import MASTER, PARAM, STATE_LISTS, ChunkManager
@@ -183,7 +183,11 @@ class ChunkEngine:
         self._views = [p.data for p in self._params]  # each parameter's view into its param chunk's device tensor
         self.access = ParamAccess(self)
         self.mgr.slack = cfg.device_memory_slack
-        self.mgr.install_guard(self._params, [guarded_class(type(p), self.access) for p in self._params])
+        guarded: dict[type, type] = {}  # one guarded class per parameter class (Note [parameter guard])
+        for p in self._params:
+            if type(p) not in guarded:
+                guarded[type(p)] = guarded_class(type(p), self.access)
+        self.mgr.install_guard(self._params, [guarded[type(p)] for p in self._params])
         # module.state_dict() serves the fp32 masters (runtime/param_access.py); the root's hooks
         # span a whole call, so tied names get one tensor
         for mod in [m for m in model.modules() if m is model or any(True for _ in m.parameters(recurse=False))]:
@@ -768,6 +772,7 @@ class ChunkEngine:
             "warmup_non_model_peak_bytes": mgr.trace.max_non_model,
             "moments_per_micro_step": mgr.trace.n_moments,
             "micro_steps": self.micro_step,
+            "stage": self.mgr.stage.value,
             "schedule": self.schedule.phase.value,
             "replans": self.schedule.replans,
         }
@@ -778,4 +783,3 @@ class ChunkEngine:
             h.remove()
         self._handles = []
         self.mgr.remove_guard()
-        forget_target(self.access)
