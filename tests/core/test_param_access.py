@@ -387,3 +387,21 @@ def test_pickling_the_wrapped_model_says_what_to_save_instead() -> None:
     engine, _ = _gpt2_engine()
     with pytest.raises(TypeError, match=r"model.state_dict\(\)"):
         torch.save(engine.module, io.BytesIO())
+
+
+def test_module_to_the_same_device_is_harmless_and_conversions_are_refused() -> None:
+    """``model.to(device)`` after initialize_engine (a common habit) keeps training exact;
+    ``model.half()`` cannot apply and says so; ``p.data = x`` writes x through."""
+    case = CASES["gpt2"]
+    engine, optimizer = _gpt2_engine()
+    engine.module.to("cpu")
+    engine.module.to(torch.float32)
+    assert_losses_close(train_engine(engine, optimizer, case, 3), train_reference(case, 3), 1e-5, "after model.to()")
+    assert engine.stats()["replans"] == 0
+    with pytest.raises(chunkstar.ChunkStateError, match="precision and device"):
+        engine.module.half()
+    w = engine.module.transformer.h[0].mlp.c_fc.weight
+    new = torch.linspace(-1, 1, w.numel()).view(w.shape)
+    w.data = new
+    assert torch.equal(engine.state_dict()["transformer.h.0.mlp.c_fc.weight"], new)
+    train_engine(engine, optimizer, case, range(3, 4))  # the parameter is still its chunk's view

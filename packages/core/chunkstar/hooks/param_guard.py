@@ -49,6 +49,7 @@ __all__ = [
 class GuardTarget(Protocol):
     def on_param_access(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
     def grad_of(self, p: torch.Tensor) -> torch.Tensor | None: ...
+    def set_data(self, p: torch.Tensor, value: Any) -> None: ...
     def param_index(self, p: torch.Tensor) -> int | None: ...
 
 
@@ -62,6 +63,7 @@ _METADATA = frozenset(
         "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "retain_grad", "retains_grad",
         "__len__", "__hash__", "__sizeof__", "_is_view", "is_shared", "is_pinned", "is_inference", "has_names",
         "_post_accumulate_grad_hooks", "_backward_hooks", "is_conj", "is_neg", "_is_zerotensor",
+        "_has_compatible_shallow_copy_type", "is_same_size", "is_set_to", "dim_order", "__dlpack_device__",
     }
 )  # fmt: skip
 
@@ -130,8 +132,11 @@ def guarded_class(base: type, target: GuardTarget) -> type:
     accesses go to ``target``. The caller keeps one per base class (an engine owns its own)."""
 
     def __torch_function__(cls: type, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        if getattr(func, "__name__", "") == "__get__" and op_name(func) == "grad":
+        kind = getattr(func, "__name__", "")
+        if kind == "__get__" and op_name(func) == "grad":
             return target.grad_of(args[0])  # the gradient may sit in the chunk (Note [parameter guard])
+        if kind == "__set__" and op_name(func) == "data":
+            return target.set_data(args[0], args[1])  # the parameter must stay a view of its chunk
         if is_metadata(func) or _is_setter(func):
             return plain(func, args, kwargs)
         return target.on_param_access(func, args, kwargs or {})

@@ -123,6 +123,26 @@ class ParamAccess:
             and any(self._param(i).requires_grad for i in indices)
         )
 
+    def set_data(self, p: torch.Tensor, value: Any) -> None:
+        """``p.data = value`` (``module.to()``, old-style weight loading): the parameter
+        stays a view of its chunk, so the value is written through instead; what would
+        change its shape, dtype or device (``model.half()``, ``model.cuda()`` on a CPU
+        engine) is refused, since the engine owns those."""
+        if value is p:
+            return  # module._apply of a no-op conversion (model.to(the same device))
+        i = self.engine.index_of(p)
+        s = self.mgr.slots[i]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"parameter '{s.name}': .data must be a tensor, got {type(value).__name__}")
+        if tuple(value.shape) != s.shape or value.dtype != p.dtype or value.device.type != p.device.type:
+            raise ChunkStateError(
+                f"cannot set parameter '{s.name}'.data to a {value.dtype} tensor of shape {tuple(value.shape)} on "
+                f"{value.device}: chunkstar keeps it as {p.dtype} {s.shape} on {p.device} in its chunks (the config's "
+                "precision and device decide those, so model.half()/.float()/.cuda() after initialize_engine cannot "
+                "apply). To load values, copy them in: `with torch.no_grad(): p.copy_(x)`"
+            )
+        self._write_through(torch.Tensor.copy_, (p, value), {}, {id(p): i}, {id(p)})
+
     # ------------------------------------------------------------------ forward / backward
     def _forward_read(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], indices: list[int]) -> Any:
         eng = self.engine
@@ -225,7 +245,11 @@ class ParamAccess:
         with torch.no_grad():
             out = plain(func, substitute(args, values), substitute(kwargs, values))
 
+        originals = {id(v): t for t in tensor_args(args, kwargs) if id(t) in values for v in [values[id(t)]]}
+
         def safe(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and id(t) in originals:
+                return originals[id(t)]  # the op returned its input (model.to(the same device)): the parameter
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in chunk_storages:
                 return t.detach().clone().as_subclass(ReadOnlySnapshot)
             return t
