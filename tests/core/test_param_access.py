@@ -405,3 +405,84 @@ def test_module_to_the_same_device_is_harmless_and_conversions_are_refused() -> 
     w.data = new
     assert torch.equal(engine.state_dict()["transformer.h.0.mlp.c_fc.weight"], new)
     train_engine(engine, optimizer, case, range(3, 4))  # the parameter is still its chunk's view
+
+
+# ---------------------------------------------------------------------------- more families
+
+
+class LSTMLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, D)
+        self.rnn = nn.LSTM(D, D, num_layers=2, batch_first=True)
+        self.out = nn.Linear(D, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.rnn(self.emb(ids))[0])
+
+
+class WeightNormConv(nn.Module):
+    """``weight_norm`` parametrizations: Conv1d's forward reads ``parametrizations.weight.original0/1``,
+    parameters of a module whose forward never runs; BatchNorm updates buffers."""
+
+    def __init__(self) -> None:
+        from torch.nn.utils.parametrizations import weight_norm
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1 = weight_norm(nn.Conv1d(8, 32, 3, padding=1))
+        self.bn = nn.BatchNorm1d(32)
+        self.c2 = weight_norm(nn.Conv1d(32, 32, 3, padding=1))
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.c2(F.relu(self.bn(self.c1(x))))).mean(-1))
+
+
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = T5Config(
+        vocab_size=VOCAB, d_model=D, d_kv=16, d_ff=2 * D, num_layers=2, num_heads=4, dropout_rate=0.0,
+        tie_word_embeddings=True, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return T5ForConditionalGeneration(cfg)
+
+
+def _t5_batch(step: int) -> dict[str, torch.Tensor]:
+    ids = _ids_batch(step)["ids"].clamp(min=1)
+    return {"input_ids": ids, "labels": ids.flip(1)}
+
+
+def _conv_batch(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(800 + step)
+    return {"x": torch.randn(4, 8, 16, generator=g), "y": torch.randint(0, 5, (4,), generator=g)}
+
+
+FAMILIES = {
+    "t5_shared_embedding": ModelCase("t5", _t5, _t5_batch, lambda m, b, d: m(**b).loss),
+    "lstm": ModelCase("lstm", LSTMLM, _ids_batch, _lm_loss),
+    "weight_norm_conv": ModelCase(
+        "weight_norm_conv", WeightNormConv, _conv_batch, lambda m, b, d: F.cross_entropy(m(b["x"]), b["y"])
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_more_families_train_like_pytorch_at_the_budget_the_error_names(name: str) -> None:
+    """A first budget (70% of the fp32 parameters) that these activation-heavy toys
+    cannot take fails in the first iteration; the budget its error names trains exactly."""
+    case = FAMILIES[name]
+    want = train_reference(case, 4)
+    budget = eviction_budget(case.build(), torch.float32, 0.7)
+    try:
+        engine, optimizer = chunkstar.initialize_engine(case.build, 0, engine_config("fp32", budget=budget, chunk_size=1024))
+        got = train_engine(engine, optimizer, case, 4)
+    except chunkstar.DeviceMemoryError as e:
+        assert e.minimum is not None and e.minimum > budget and engine.micro_step == 0, str(e)
+        engine, optimizer = chunkstar.initialize_engine(case.build, 0, engine_config("fp32", budget=e.minimum, chunk_size=1024))
+        got = train_engine(engine, optimizer, case, 4)
+    assert_losses_close(got, want, 1e-5, name)
+    assert engine.stats()["chunk_moves_to_host"] > 0
