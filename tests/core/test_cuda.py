@@ -57,3 +57,52 @@ def test_cuda_mlp_matches_pytorch_under_a_budget_smaller_than_the_params() -> No
     assert stats["chunk_moves_to_host"] > 0
     assert stats["device_chunk_bytes_peak"] <= stats["device_budget_bytes"]
     assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_cuda_parameters_read_outside_modules_and_between_steps() -> None:
+    """nn.TransformerEncoder (MultiheadAttention reads out_proj.weight) under eviction on
+    the GPU, then reads between steps (values on the device), p.grad, module.state_dict()."""
+    dev = torch.device("cuda")
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+        return nn.Sequential(nn.TransformerEncoder(layer, 4, enable_nested_tensor=False), nn.Linear(128, 10))
+
+    g = torch.Generator().manual_seed(2)
+    data = [(torch.randn(2, 16, 128, generator=g).to(dev), torch.randint(0, 10, (2, 16), generator=g).to(dev)) for _ in range(4)]
+    ref = build().to(dev)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    want = []
+    for x, y in data:
+        loss = nn.functional.cross_entropy(ref(x).reshape(-1, 10), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    param_bytes = sum(p.numel() * 4 for p in ref.parameters())
+    base = torch.cuda.memory_allocated(dev)
+    engine, optimizer = chunkstar.initialize_engine(
+        build, 0,
+        {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0, "device": "cuda",
+         "device_memory_budget": base + int(param_bytes * 0.8) + (16 << 20), "default_chunk_size": 40_000},
+    )  # fmt: skip
+    got = []
+    for x, y in data:
+        loss = nn.functional.cross_entropy(engine(x).reshape(-1, 10), y.reshape(-1))
+        engine.backward(loss)
+        if len(got) == 0:
+            assert all(p.grad is not None and p.grad.device.type == "cuda" for p in engine.module.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+        got.append(loss.item())
+    assert got == pytest.approx(want, rel=1e-5)
+    assert engine.stats()["chunk_moves_to_host"] > 0
+    masters = engine.module.state_dict()
+    for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
+        with torch.no_grad():
+            v = p.detach().clone()
+        assert v.device.type == "cuda"
+        torch.testing.assert_close(v, q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(masters[name], q.detach().cpu(), rtol=1e-5, atol=1e-6, msg=name)
