@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from chunkstar.chunk.chunk import Chunk
+from chunkstar.device.copy_engine import SerialCopies
 from chunkstar.events import Tier
 
 NUMEL = 16 * 2**20
@@ -28,10 +29,12 @@ def test_chunk_move_roundtrip(benchmark: Any, ratio: Any) -> None:
     chunk = Chunk(0, "param", NUMEL, torch.float32, torch.device("cpu"))
     chunk.allocate(Tier.HOST)
     chunk.payload.fill_(1.5)
+    copies = SerialCopies()
 
     def roundtrip() -> None:
-        chunk.move_to(Tier.DEVICE)
-        chunk.move_to(Tier.HOST)
+        chunk.move_to(Tier.DEVICE, copies)
+        chunk.move_to(Tier.HOST, copies)
+        chunk.wait_ready()
 
     benchmark.pedantic(roundtrip, **PEDANTIC)
     assert chunk.tier is Tier.HOST and float(chunk.payload[NUMEL - 1]) == 1.5

@@ -7,6 +7,7 @@ import torch
 
 from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.state import ChunkLocation, TensorState, check_tensor_transition
+from chunkstar.device.copy_engine import CopyThread, SerialCopies
 from chunkstar.errors import ChunkStateError
 from chunkstar.events import Tier
 
@@ -32,18 +33,25 @@ def test_training_cycle_is_legal() -> None:
         check_tensor_transition("w", a, b)
 
 
-def test_chunk_moves_keep_views_valid_and_free_the_other_tier() -> None:
+@pytest.mark.parametrize("engine", ["serial", "copy-thread"])
+def test_chunk_moves_keep_views_valid_and_free_the_other_tier(engine: str) -> None:
+    """Through either CPU copy engine (the copy thread with a delay before every copy,
+    so a read that does not wait for its copy would see stale bytes)."""
+    copies = SerialCopies() if engine == "serial" else CopyThread(delay=(0.005, 0.01))
     c = Chunk(0, "param", 8, torch.float32, torch.device("cpu"))
     c.allocate(Tier.HOST)
     c.payload.copy_(torch.arange(8.0))
     (view,) = c.device_views([(2, 6, (2, 2))])
-    c.move_to(Tier.DEVICE)
+    c.move_to(Tier.DEVICE, copies)
     assert c.location is ChunkLocation.DEVICE
+    c.wait_ready()  # what make_resident does before a module reads the views
     assert torch.equal(view, torch.tensor([[2.0, 3.0], [4.0, 5.0]]))
-    c.move_to(Tier.HOST)
-    assert c.device_view.untyped_storage().nbytes() == 0  # the device copy is really gone
-    c.payload[2] = 42.0
-    c.move_to(Tier.DEVICE)
+    c.move_to(Tier.HOST, copies)
+    c.payload[2] = 42.0  # payload waits for the eviction's copy to land
+    assert c.device_view.untyped_storage().nbytes() == 0  # the device copy is really gone (freed after its copy)
+    c.move_to(Tier.DEVICE, copies)
+    c.wait_ready()
     assert view[0, 0].item() == 42.0  # the same view sees the data again
     with pytest.raises(ChunkStateError):
-        c.move_to(Tier.DEVICE)
+        c.move_to(Tier.DEVICE, copies)
+    copies.close()

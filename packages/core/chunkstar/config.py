@@ -113,6 +113,12 @@ class EngineConfig:
     """Start copies of the next moments' chunks early (CUDA copy stream)."""
     hybrid_adam: bool = True
     """Run Adam on the device for the chunks that fit in the margin after the warm-up peak."""
+    overlap: bool = True
+    """Chunk copies run on the device's copy engine (CUDA copy stream, the CPU virtual
+    device's copy thread) beside compute; false keeps the serial reference path."""
+    device_link_bandwidth: float | None = None
+    """CPU virtual device only: bytes per second every chunk copy takes at least, so the
+    run behaves like a device behind a PCIe link (None: copies take what memcpy takes)."""
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config as given (for run metadata)."""
 
@@ -130,6 +136,8 @@ _TOP_KEYS = {
     "eviction_policy": '"furthest_next_use" or "lru"',
     "prefetch": "true or false",
     "hybrid_adam": "true or false",
+    "overlap": "true or false",
+    "device_link_bandwidth": 'bytes per second as a number or a string like "16GB/s" (cpu device only)',
 }
 
 # Bounds on fp16 loss scaling. A scale of 2**63 (9.2e18) already turns the fp16
@@ -345,6 +353,17 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
     slack_default = 0.1 if device.type == "cuda" else 0.0
     slack = _number(cfg.get("device_memory_slack", slack_default), "device_memory_slack", lo=0.0, hi=_MAX_SLACK)
 
+    bandwidth = None
+    if cfg.get("device_link_bandwidth") is not None:
+        if device.type != "cpu":
+            raise ConfigError(
+                "device_link_bandwidth", "emulates a link on the cpu virtual device only; a real device has its own"
+            )
+        raw_bw = cfg["device_link_bandwidth"]
+        if isinstance(raw_bw, str) and raw_bw.strip().lower().endswith("/s"):
+            raw_bw = raw_bw.strip()[:-2]
+        bandwidth = float(parse_bytes(raw_bw, "device_link_bandwidth"))
+
     chunk_raw = cfg.get("default_chunk_size", "auto")
     chunk_size = None if chunk_raw == "auto" else _integer(chunk_raw, "default_chunk_size", lo=1)
 
@@ -367,5 +386,7 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
         eviction_policy=policy,
         prefetch=_boolean(cfg.get("prefetch", True), "prefetch"),
         hybrid_adam=_boolean(cfg.get("hybrid_adam", True), "hybrid_adam"),
+        overlap=_boolean(cfg.get("overlap", True), "overlap"),
+        device_link_bandwidth=bandwidth,
         raw=dict(cfg),
     )

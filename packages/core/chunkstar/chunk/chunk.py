@@ -10,6 +10,14 @@ to 0 bytes and re-admitting resizes it back before copying in, so the storage
 object (and every view of it) stays the same while the memory comes and goes.
 On the CPU virtual device the "device" tensor is an ordinary CPU tensor held
 apart from the host copy, so a move is a real copy there too.
+
+Note [pending copy]: a move hands the copy to a copy engine
+(:mod:`chunkstar.device.copy_engine`) and may return before the bytes have
+landed. The chunk remembers the copy's event; reading the payload, moving the
+chunk again or releasing it first waits on that event, so no reader ever sees
+half a copy, and an evicted chunk's device bytes are freed only after its copy
+has read them. Parameters are views of the device tensor: a module reads them
+only after the runtime made the chunk resident and waited (``make_resident``).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from chunkstar.chunk.state import ChunkLocation, check_location_transition
+from chunkstar.device.copy_engine import CopyEngine, CopyEvent
 from chunkstar.events import Tier
 
 __all__ = ["Chunk"]
@@ -37,8 +46,8 @@ class Chunk:
         self._device_buf.untyped_storage().resize_(0)
         # 1-D, host (pinned when the device is CUDA); exists only while location is HOST
         self._host_buf: torch.Tensor | None = None
-        # CUDA event recorded on the copy stream by a prefetch; None when no copy is pending
-        self._ready: torch.cuda.Event | None = None
+        # the last copy of this chunk's payload, until someone has waited on it (Note [pending copy])
+        self._pending: CopyEvent | None = None
 
     def __repr__(self) -> str:
         return f"Chunk({self.list_name}[{self.chunk_id}], {self.numel} x {self.dtype}, {self.location.name})"
@@ -50,9 +59,9 @@ class Chunk:
 
     @property
     def payload(self) -> torch.Tensor:
-        """The buffer holding the chunk's data now, wherever it is."""
+        """The buffer holding the chunk's data now, wherever it is (once its last copy has landed)."""
+        self.wait_ready()
         if self.location is ChunkLocation.DEVICE:
-            self.wait_ready()
             return self._device_buf
         if self.location is ChunkLocation.HOST:
             assert self._host_buf is not None
@@ -102,42 +111,30 @@ class Chunk:
             self._host_buf.zero_()
         self.location = new
 
-    def move_to(self, tier: Tier, copy_stream: torch.cuda.Stream | None = None) -> None:
-        """Copy the payload to ``tier`` and free it in the other one.
+    def move_to(self, tier: Tier, copies: CopyEngine, *, prefetch: bool = False) -> None:
+        """Copy the payload to ``tier`` and free it in the other one, through ``copies``.
 
-        With ``copy_stream`` (CUDA only, for prefetch) the host-to-device copy
-        runs on that stream and the chunk remembers an event; :meth:`wait_ready`
-        makes the compute stream wait for it before the chunk is used.
+        The copy may still be running when this returns (Note [pending copy]): the
+        chunk keeps its event, and every reader of the payload waits on it first
+        (:attr:`payload`, :meth:`wait_ready`). An eviction frees the device bytes
+        once its copy is done (a deferred free, run by the copy engine).
         """
+        self.wait_ready()  # the previous move of this chunk must have landed (buffers, freed bytes)
         if tier is Tier.DEVICE:
             check_location_transition(repr(self), self.location, ChunkLocation.DEVICE)
             assert self._host_buf is not None
-            # The storage is allocated on the compute (current) stream, so the caching
-            # allocator ties the block to it; the copy stream waits for that stream
-            # before writing, and the compute stream waits for the copy (wait_ready)
-            # before reading, so the block is never reused while a copy is in flight.
+            # The storage is allocated on the compute (current) stream/thread before the
+            # copy is queued, and the consumer waits on the copy's event before reading.
             self._grow_device()
-            if copy_stream is not None:
-                copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(copy_stream):
-                    # overlaps with the compute stream's kernels of the current moment
-                    self._device_buf.copy_(self._host_buf, non_blocking=True)
-                    self._ready = torch.cuda.Event()
-                    self._ready.record(copy_stream)
-            else:
-                # H2D from pinned memory is asynchronous on the current stream; later
-                # kernels on that stream are ordered after it, and the caching host
-                # allocator keeps the pinned block alive until the copy is done.
-                self._device_buf.copy_(self._host_buf, non_blocking=self._pin)
-            self._host_buf = None
+            src, self._host_buf = self._host_buf, None  # the copy engine holds the host bytes until done
+            self._pending = copies.copy(self._device_buf, src, prefetch=prefetch)
             self.location = ChunkLocation.DEVICE
         else:
             check_location_transition(repr(self), self.location, ChunkLocation.HOST)
-            self.wait_ready()
             host = self._new_host()
-            # D2H is synchronous: the host side (CPU Adam, state_dict) reads it next.
-            host.copy_(self._device_buf)
-            self._device_buf.untyped_storage().resize_(0)
+            storage = self._device_buf.untyped_storage()
+            # the device bytes are freed after the copy has read them (deferred free)
+            self._pending = copies.copy(host, self._device_buf, then=lambda: storage.resize_(0))
             self._host_buf = host
             self.location = ChunkLocation.HOST
 
@@ -157,7 +154,11 @@ class Chunk:
         self.location = ChunkLocation.RELEASED
 
     def wait_ready(self) -> None:
-        """Order the compute stream after a pending prefetch copy of this chunk."""
-        if self._ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._ready)
-            self._ready = None
+        """Wait for the pending copy of this chunk (on CUDA: order the compute stream after it)."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+    @property
+    def copy_pending(self) -> bool:
+        return self._pending is not None and not self._pending.done()

@@ -55,7 +55,7 @@ from chunkstar.distributed.comm import Comm, DistributedError
 
 __all__ = ["MAY_DIFFER", "agree_on_startup", "config_fields", "weights_checksum"]
 
-MAY_DIFFER = frozenset({"device", "device_memory_budget", "device_memory_slack", "raw"})
+MAY_DIFFER = frozenset({"device", "device_memory_budget", "device_memory_slack", "overlap", "device_link_bandwidth", "raw"})
 """EngineConfig fields a rank may set for itself (``device`` is compared by its type only)."""
 
 _BLOCK = 1 << 20  # elements per block of the weighted sum (bounds its float64 temporaries to 8 MiB)

@@ -25,6 +25,7 @@ from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.layout import ChunkLayout, TensorSlot
 from chunkstar.chunk.state import ChunkLocation, TensorState, check_tensor_transition
 from chunkstar.config import EvictionPolicyName
+from chunkstar.device.copy_engine import CopyEngine, SerialCopies
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import DeviceMemoryError
 from chunkstar.events import ChunkAllocated, ChunkFreed, ChunkMoved, EventBus, MemorySample, MoveReason, Stage, Tier
@@ -52,6 +53,7 @@ class ChunkManager:
         probe: MemoryProbe,
         events: EventBus,
         comm: Comm | None = None,
+        copies: CopyEngine | None = None,
     ) -> None:
         self.layout = layout
         self.comm = comm or Comm()
@@ -76,7 +78,9 @@ class ChunkManager:
             self._slots_by_chunk[s.chunk_id].append(s)
 
         # CUDA: prefetch copies run here, overlapping the compute stream's kernels
-        self.copy_stream: torch.cuda.Stream | None = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # how chunk payloads travel (CUDA streams, the CPU copy thread, or serial): chunk.py's
+        # Note [pending copy]; set by the engine from the config (overlap, device_link_bandwidth)
+        self.copies: CopyEngine = SerialCopies() if copies is None else copies
         self.trace = MemoryTrace()
         # Set by the engine: while tracing (or off the traced schedule) the device keeps
         # only what the running moment needs, leaving activations all the room there is.
@@ -232,6 +236,7 @@ class ChunkManager:
         """All-gather the param chunks of the group starting at ``start`` (own chunk resident)."""
         group = list(self.layout.group(start))
         own = self.chunks[PARAM][group[self.comm.rank]]
+        own.wait_ready()  # its load may still be in flight: the collective reads it
         outputs = []
         t0 = time.perf_counter_ns()
         with self.probe.paused(), torch.profiler.record_function("chunkstar::all_gather"):
@@ -338,9 +343,8 @@ class ChunkManager:
     def move(self, key: Key, tier: Tier, reason: MoveReason) -> None:
         chunk = self.chunks[key[0]][key[1]]
         t0 = time.perf_counter_ns()
-        stream = self.copy_stream if reason is MoveReason.PREFETCH else None
         with self.probe.paused(), torch.profiler.record_function(f"chunkstar::{reason.value}_to_{tier.value}"):
-            chunk.move_to(tier, copy_stream=stream)
+            chunk.move_to(tier, self.copies, prefetch=reason is MoveReason.PREFETCH)
         t1 = time.perf_counter_ns()
         if tier is Tier.DEVICE:
             self.device_chunk_bytes += chunk.nbytes

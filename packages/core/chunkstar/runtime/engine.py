@@ -34,6 +34,7 @@ from torch import nn
 from chunkstar.chunk.layout import TensorSlot, build_layout, search_chunk_size
 from chunkstar.chunk.state import TensorState
 from chunkstar.config import EngineConfig, Precision
+from chunkstar.device.copy_engine import make_copy_engine
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.distributed.startup import agree_on_startup
@@ -131,7 +132,7 @@ class ChunkEngine:
         self.optimizer: ChunkAdam | None = None  # the ChunkAdam over this engine attaches itself; checkpoints carry it
         self.mgr = ChunkManager(
             layout, dtype, cfg.device, _device_capacity(cfg), cfg.eviction_policy, make_probe(cfg.device), self.events,
-            self.comm,
+            self.comm, make_copy_engine(cfg.device, cfg.overlap, cfg.device_link_bandwidth),
         )  # fmt: skip
         # Chunk by chunk: copy the parameters in, then point them at their views, which
         # frees the model's own (fp32) storage as we go, so host memory peaks at about
