@@ -99,7 +99,9 @@ class EngineConfig:
     """Fraction in [0, 0.5) of the device capacity kept free for allocator fragmentation and
     communication buffers: the engine plans with ``capacity * (1 - slack)``. ``parse_config``
     defaults it to 0.1 on CUDA (Gemini keeps 10%) and 0.0 on the cpu virtual device."""
-    precision: Precision = Precision.BF16
+    precision: Precision = Precision.FP32
+    """Dtype of the param chunks: ``parse_config`` gives bf16 or fp16 when the config enables
+    one, fp32 otherwise (as DeepSpeed does)."""
     optimizer: AdamConfig = field(default_factory=AdamConfig)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     gradient_clipping: float = 0.0

@@ -70,10 +70,11 @@ class StageChanged:
 
 @dataclass(frozen=True)
 class MomentBegin:
-    """A module's pre-hook (forward or backward) or an optimizer chunk step began."""
+    """A moment began: a module's pre-hook (forward or backward), or a parameter read
+    outside its module (Note [parameter guard]). Optimizer steps are stages, not moments."""
 
     index: int
-    """Position of the moment within the current micro-step (0-based)."""
+    """Position of the moment within the current iteration (0-based)."""
     module: str
     stage: Stage
     t_ns: int

@@ -10,6 +10,14 @@ the ranks agree (:mod:`chunkstar.runtime.schedule`).
 A group's gradients are reduced as soon as every parameter in it has its
 gradient (NCCL reduce-scatter; gloo all-reduce in fp32), averaged over the
 ranks into the owner's chunk; the other ranks' copies become values again.
+
+Note [pending gradients]: "every parameter has its gradient" means every slot
+of the group whose parameter requires grad is in HOLD_AFTER_BWD. Once per
+backward the reducer counts, per group, the slots that must be in that state
+for this to hold: those requiring grad, plus those holding a gradient without
+requiring grad (a backward never moves such a slot in or out of that state).
+The manager counts the slots in HOLD_AFTER_BWD per chunk as states change, so
+each gradient costs a comparison, not a scan of its group's slots.
 """
 
 from __future__ import annotations
@@ -33,6 +41,9 @@ class GroupReducer:
         self.device = device
         self._params = params
         self._reduced: set[int] = set()  # first chunk ids of the groups reduced in this backward
+        # per group (chunk id // world size): slots in HOLD_AFTER_BWD once it is complete, counted
+        # at this backward's first gradient (Note [pending gradients]); None between backwards
+        self._need: list[int] | None = None
 
     def release_after_forward(self, indices: Sequence[int]) -> None:
         """After a module's forward, drop gathered copies of other ranks' chunks its
@@ -49,25 +60,40 @@ class GroupReducer:
     def gradient_folded(self, chunk_id: int) -> None:
         """A gradient was folded into ``chunk_id``: reduce its group once all its gradients are in."""
         mgr = self.mgr
-        start = mgr.layout.group(chunk_id).start
-        if start in self._reduced:
+        group = mgr.layout.group(chunk_id)
+        if group.start in self._reduced:
             return
-        for k in mgr.layout.group(start):
-            for sl in mgr.slots_of(k):
-                if self._params[sl.index].requires_grad and mgr.states[sl.index] is not TensorState.HOLD_AFTER_BWD:
-                    return
-        self._reduce(start)
+        need = self._need if self._need is not None else self._count_needed()
+        if sum(mgr.grads_in(k) for k in group) < need[group.start // mgr.layout.world_size]:
+            return
+        self._reduce(group.start)
+
+    def _count_needed(self) -> list[int]:
+        """Per group, the slots in HOLD_AFTER_BWD once all its gradients are in (Note [pending gradients])."""
+        mgr = self.mgr
+        world = mgr.layout.world_size
+        states = mgr.states
+        need = [0] * -(-mgr.layout.n_chunks // world)
+        for s in mgr.slots:
+            if self._params[s.index].requires_grad or states[s.index] is TensorState.HOLD_AFTER_BWD:
+                need[s.chunk_id // world] += 1
+        self._need = need
+        return need
 
     def end_backward(self) -> None:
         """Reduce the groups with parameters that got no gradient this time, in group
         order on every rank (Note [collective schedule])."""
         mgr = self.mgr
         for g in range(0, mgr.layout.n_chunks, self.comm.world_size):
-            if g not in self._reduced and any(
-                mgr.states[sl.index] is TensorState.HOLD_AFTER_BWD for k in mgr.layout.group(g) for sl in mgr.slots_of(k)
-            ):
+            if g not in self._reduced and any(mgr.grads_in(k) for k in mgr.layout.group(g)):
                 self._reduce(g)
         self._reduced.clear()
+        self._need = None
+
+    def reset(self) -> None:
+        """A backward failed: forget what was reduced or counted in it (the next backward starts clean)."""
+        self._reduced.clear()
+        self._need = None
 
     def release_all(self) -> None:
         for g in sorted(self.mgr.gathered_groups):
@@ -87,11 +113,11 @@ class GroupReducer:
             summed = self.comm.reduce_group(payloads, what=f"param chunks {group[0]}..{group[-1]}")
             own = mgr.chunks[PARAM][own_id].payload
             inv = 1.0 / self.comm.world_size
-            for sl in mgr.slots_of(own_id):  # only gradient slots: the others still hold values
-                if mgr.states[sl.index] is TensorState.HOLD_AFTER_BWD:
-                    own[sl.offset : sl.end].copy_(summed[sl.offset : sl.end].to(own.device) * inv)
+            # only gradient slots (the others still hold values), one copy per contiguous run of them
+            for a, b in _gradient_runs(mgr, own_id):
+                own[a:b].copy_(summed[a:b].to(own.device) * inv)
             for k in group:
-                if k == own_id:
+                if k == own_id or not mgr.grads_in(k):
                     continue
                 for sl in mgr.slots_of(k):
                     if mgr.states[sl.index] is TensorState.HOLD_AFTER_BWD:
@@ -99,3 +125,18 @@ class GroupReducer:
             if not any(mgr.pinned(k) for k in group):
                 mgr.release_group(start)
         self._reduced.add(start)
+
+
+def _gradient_runs(mgr: ChunkManager, chunk_id: int) -> list[tuple[int, int]]:
+    """(start, end) element ranges of the chunk's slots in HOLD_AFTER_BWD, adjacent slots merged."""
+    runs: list[tuple[int, int]] = []
+    if not mgr.grads_in(chunk_id):
+        return runs
+    for sl in mgr.slots_of(chunk_id):
+        if mgr.states[sl.index] is not TensorState.HOLD_AFTER_BWD:
+            continue
+        if runs and runs[-1][1] == sl.offset:
+            runs[-1] = (runs[-1][0], sl.end)
+        else:
+            runs.append((sl.offset, sl.end))
+    return runs

@@ -1,9 +1,12 @@
 """The one place that acts on placement: residency, budgets, moves, tensor states.
 
-The manager owns the four chunk lists and every tensor's state. Hooks and the
-optimizer tell it what they need (``access``, ``release``, ``place_for_adam``);
-it asks the pure policies in :mod:`chunkstar.placement` what to evict, performs
-the copies, keeps the byte accounting and emits events.
+The manager owns the four chunk lists and every tensor's state. The engine's
+hook targets and the optimizer tell it what they need (``make_resident``,
+``set_state``, ``to_host``, ``make_room``); it asks the pure policies in
+:mod:`chunkstar.placement` what to evict, hands the copies to its copy engine
+(:mod:`chunkstar.device`), keeps the byte accounting and emits events. It also
+swaps each parameter's class when its tensor enters or leaves COMPUTE (Note
+[parameter guard] in :mod:`chunkstar.hooks.param_guard`).
 
 Note [budget per moment]: the device holds chunks *and* non-model data
 (activations, temporaries). The chunk budget of a moment is the capacity minus
@@ -27,7 +30,7 @@ from chunkstar.chunk.state import ChunkLocation, TensorState, check_tensor_trans
 from chunkstar.config import EvictionPolicyName
 from chunkstar.device.copy_engine import CopyEngine, SerialCopies
 from chunkstar.distributed.comm import Comm
-from chunkstar.errors import DeviceMemoryError
+from chunkstar.errors import ChunkStateError, DeviceMemoryError
 from chunkstar.events import ChunkAllocated, ChunkFreed, ChunkMoved, EventBus, MemorySample, MoveReason, Stage, Tier
 from chunkstar.memory.probes import MemoryProbe
 from chunkstar.memory.tracer import MemoryTrace
@@ -40,6 +43,26 @@ CHUNK_LISTS = (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ)
 STATE_LISTS = (MASTER, EXP_AVG, EXP_AVG_SQ)
 
 Key = tuple[str, int]
+
+_COMPUTE, _HOLD_AFTER_FWD, _HOLD_AFTER_BWD = TensorState.COMPUTE, TensorState.HOLD_AFTER_FWD, TensorState.HOLD_AFTER_BWD
+
+
+def _legal(old: TensorState, new: TensorState) -> bool:
+    try:
+        check_tensor_transition("", old, new)
+    except ChunkStateError:
+        return False
+    return True
+
+
+# (id(old), id(new)) of every transition check_tensor_transition allows (the one definition
+# stays in chunk/state.py): set_state's fast test, with the check itself for the error
+_LEGAL_TRANSITIONS = frozenset((id(a), id(b)) for a in TensorState for b in TensorState if _legal(a, b))
+
+
+def _keys(name: str, ids: Iterable[int]) -> list[Key]:
+    """``(name, id)`` for ``ids`` in ascending order."""
+    return [(name, cid) for cid in sorted(ids)]
 
 
 class ChunkManager:
@@ -71,11 +94,19 @@ class ChunkManager:
         }
         self.slots: tuple[TensorSlot, ...] = layout.slots
         self.states: list[TensorState] = [TensorState.FREE] * len(layout.slots)
-        # derived cache of the states, kept by set_state only: COMPUTE tensors per param chunk
+        # derived caches of the states, kept by set_state only, per param chunk: tensors in
+        # COMPUTE (the chunk is pinned), in HOLD_AFTER_FWD and in HOLD_AFTER_BWD (gradients),
+        # so per-step work visits the chunks that have such tensors, not every slot
         self._compute_count: list[int] = [0] * layout.n_chunks
+        self._fwd_count: list[int] = [0] * layout.n_chunks
+        self._grad_count: list[int] = [0] * layout.n_chunks
+        self._chunk_of: list[int] = [s.chunk_id for s in layout.slots]  # by slot index
         self._slots_by_chunk: list[list[TensorSlot]] = [[] for _ in range(layout.n_chunks)]
         for s in layout.slots:
             self._slots_by_chunk[s.chunk_id].append(s)
+        # derived from the chunks' locations, kept by _on_resident/_on_left_device only: ids of
+        # the chunks on the device per list, the only ones make_room looks at (eviction candidates)
+        self._on_device: dict[str, set[int]] = {name: set() for name in CHUNK_LISTS}
 
         # CUDA: prefetch copies run here, overlapping the compute stream's kernels
         # how chunk payloads travel (CUDA streams, the CPU copy thread, or serial): chunk.py's
@@ -116,22 +147,49 @@ class ChunkManager:
 
     # ------------------------------------------------------------------ states
     def set_state(self, index: int, new: TensorState) -> None:
+        # hot: about five calls per parameter per step, so enum members are compared by
+        # identity and legal transitions looked up by id (Enum.__hash__ is Python code)
         old = self.states[index]
         if old is new:
             return
-        check_tensor_transition(self.slots[index].name, old, new)
-        cid = self.slots[index].chunk_id
-        if old is TensorState.COMPUTE:
+        if (id(old), id(new)) not in _LEGAL_TRANSITIONS:
+            check_tensor_transition(self.slots[index].name, old, new)  # raises, naming the parameter
+        cid = self._chunk_of[index]
+        if old is _COMPUTE:
             self._compute_count[cid] -= 1
             if self._guard:
                 p, _, guarded = self._guard[index]
                 p.__class__ = guarded
-        if new is TensorState.COMPUTE:
+        elif old is _HOLD_AFTER_FWD:
+            self._fwd_count[cid] -= 1
+        elif old is _HOLD_AFTER_BWD:
+            self._grad_count[cid] -= 1
+        if new is _COMPUTE:
             self._compute_count[cid] += 1
             if self._guard:
                 p, base, _ = self._guard[index]
                 p.__class__ = base
+        elif new is _HOLD_AFTER_FWD:
+            self._fwd_count[cid] += 1
+        elif new is _HOLD_AFTER_BWD:
+            self._grad_count[cid] += 1
         self.states[index] = new
+
+    def grads_in(self, chunk_id: int) -> int:
+        """Tensors of the chunk holding their gradient (HOLD_AFTER_BWD)."""
+        return self._grad_count[chunk_id]
+
+    def slots_in_use(self) -> list[int]:
+        """Indices of the tensors in COMPUTE or HOLD_AFTER_FWD (used since the last
+        backward ended), in chunk order; visits only the chunks that hold such tensors."""
+        states = self.states
+        return [
+            s.index
+            for cid, (c, f) in enumerate(zip(self._compute_count, self._fwd_count))
+            if c or f
+            for s in self._slots_by_chunk[cid]
+            if states[s.index] is _COMPUTE or states[s.index] is _HOLD_AFTER_FWD
+        ]
 
     def install_guard(self, params: Sequence[torch.Tensor], guarded: Sequence[type]) -> None:
         """Guard every parameter not in COMPUTE (Note [parameter guard] in hooks/param_guard.py)."""
@@ -198,12 +256,13 @@ class ChunkManager:
         self._clock += 1
         self._last_use[key] = self._clock
 
-    def _next_use(self, key: Key) -> int | None:
-        if key[0] != PARAM or not self.trace.frozen or not self.on_schedule or self.safe_mode:
+    def _next_use_after(self) -> int | None:
+        """The moment the param chunks' next uses count from now (None: no schedule to read)."""
+        if not self.trace.frozen or not self.on_schedule or self.safe_mode:
             return None
         if self.stage is Stage.OPTIM or self.stage is Stage.IDLE:
-            return self.trace.next_use(key[1], -1)
-        return self.trace.next_use(key[1], self.moment)
+            return -1
+        return self.moment
 
     def make_resident(self, keys: Sequence[Key], reason: MoveReason, where: str, *, gather_groups: bool = False) -> None:
         """Bring ``keys`` to the device, evicting others as the policy says.
@@ -246,6 +305,7 @@ class ChunkManager:
                     outputs.append(torch.empty_like(own.device_view))  # no aliasing of input and output
                 else:
                     outputs.append(c.materialize_on_device())
+                    self._on_resident((PARAM, k))
                     self.device_chunk_bytes += c.nbytes
                     self.bytes_gathered += c.nbytes
             self.device_chunk_bytes_peak = max(self.device_chunk_bytes_peak, self.device_chunk_bytes)
@@ -271,6 +331,7 @@ class ChunkManager:
                 continue
             with self.probe.paused():
                 c.release()
+            self._on_left_device((PARAM, k))
             self.device_chunk_bytes -= c.nbytes
             if self.events.active:
                 self.events.emit(ChunkFreed(k, PARAM, Tier.DEVICE, c.nbytes, time.perf_counter_ns()))
@@ -289,15 +350,7 @@ class ChunkManager:
         excess = self.device_chunk_bytes + need - target
         if excess <= 0:
             return
-        candidates = []
-        for name in CHUNK_LISTS:
-            for c in self.chunks[name]:
-                key = (name, c.chunk_id)
-                if c.location is not ChunkLocation.DEVICE or key in protect:
-                    continue
-                if name == PARAM and (self.pinned(c.chunk_id) or not self.own(c.chunk_id)):
-                    continue  # in use, or a gathered remote copy (freed on a schedule all ranks share)
-                candidates.append(ResidentChunk(key, c.nbytes, self._next_use(key), self._last_use.get(key, 0)))
+        candidates = self._eviction_candidates(protect)
         victims = choose_evictions(candidates, excess, self.policy.value)
         if victims is None:
             freed = sum(c.nbytes for c in candidates)
@@ -312,6 +365,42 @@ class ChunkManager:
         for v in victims:
             assert isinstance(v, tuple)
             self.move(v, Tier.HOST, MoveReason.EVICTION)
+
+    def _eviction_candidates(self, protect: set[Key]) -> list[ResidentChunk]:
+        """The chunks on the device that may move now, by list then chunk id (the order the
+        policy's ties keep). Read from the resident index, so an eviction costs in proportion
+        to what the device holds, not to the size of the model."""
+        after = self._next_use_after()
+        next_use = self.trace.next_use
+        last_use = self._last_use
+        out: list[ResidentChunk] = []
+        for name in CHUNK_LISTS:
+            ids = self._on_device[name]
+            if not ids:
+                continue
+            ids = ids - {cid for n, cid in protect if n == name}
+            chunks = self.chunks[name]
+            if name != PARAM:
+                out += [ResidentChunk(k, chunks[k[1]].nbytes, None, last_use.get(k, 0)) for k in _keys(name, ids)]
+                continue
+            # not in use, and not a gathered remote copy (freed on a schedule all ranks share)
+            count = self._compute_count
+            if self.layout.world_size > 1:
+                ids = {cid for cid in ids if self.own(cid)}
+            movable = _keys(name, (cid for cid in ids if not count[cid]))
+            if after is None:
+                out += [ResidentChunk(k, chunks[k[1]].nbytes, None, last_use.get(k, 0)) for k in movable]
+            else:
+                out += [ResidentChunk(k, chunks[k[1]].nbytes, next_use(k[1], after), last_use.get(k, 0)) for k in movable]
+        return out
+
+    def _on_resident(self, key: Key) -> None:
+        """Chunk ``key`` got its device payload (a move in, a gather)."""
+        self._on_device[key[0]].add(key[1])
+
+    def _on_left_device(self, key: Key) -> None:
+        """Chunk ``key`` lost its device payload (a move out, a release)."""
+        self._on_device[key[0]].discard(key[1])
 
     def memory_error(self, where: str, required: Sequence[Key], free: int, non_model: int | None = None) -> DeviceMemoryError:
         """The error for chunks ``required`` at once that do not fit ``free`` chunk bytes,
@@ -345,6 +434,7 @@ class ChunkManager:
         t0 = time.perf_counter_ns()
         with self.probe.paused(), torch.profiler.record_function(f"chunkstar::{reason.value}_to_{tier.value}"):
             chunk.move_to(tier, self.copies, prefetch=reason is MoveReason.PREFETCH)
+        self._on_resident(key) if tier is Tier.DEVICE else self._on_left_device(key)
         t1 = time.perf_counter_ns()
         if tier is Tier.DEVICE:
             self.device_chunk_bytes += chunk.nbytes

@@ -357,13 +357,17 @@ class ChunkEngine:
         # with every parameter used twice the whole model would be pinned at once. So a
         # repeated use marks its own end: an identity on the module's inputs whose
         # backward releases the parameters. First uses need none (the fold releases them).
-        repeated = torch.is_grad_enabled() and any(self.mgr.states[i] is TensorState.HOLD_AFTER_FWD for i in indices)
+        # Frozen parameters (requires_grad=False: LoRA's base weights) get no gradient, so no
+        # fold ever releases them: they too are released when the module's backward is over.
+        grad = torch.is_grad_enabled()
+        repeated = grad and any(self.mgr.states[i] is TensorState.HOLD_AFTER_FWD for i in indices)
+        release = list(indices) if repeated else [i for i in indices if not self._params[i].requires_grad] if grad else []
         self._access(mod.label, indices)
         self._stack.append((module_key, self.mgr.moment))
-        if repeated:
+        if release:
             inputs = [t for t in output_tensors((args, kwargs)) if t.requires_grad]
             if inputs:
-                aliases = AfterBackward.apply(lambda: self.release_after_backward(list(indices)), *inputs)
+                aliases = AfterBackward.apply(lambda: self.release_after_backward(release), *inputs)
                 subs = {id(t): a for t, a in zip(inputs, aliases)}
                 return substitute(args, subs), substitute(kwargs, subs)
         return None
@@ -515,8 +519,11 @@ class ChunkEngine:
         mgr = self.mgr
         if self.comm.distributed:
             self.reducer.end_backward()
+        # only the slots either branch below acts on: those in COMPUTE or HOLD_AFTER_FWD (the
+        # manager finds them chunk by chunk) and, at a boundary, those with an accumulator
+        todo = sorted(self._accumulated.union(mgr.slots_in_use()) if self._boundary else mgr.slots_in_use())
         with torch.no_grad(), mgr.probe.paused():
-            for s in mgr.slots:
+            for s in (mgr.slots[i] for i in todo):
                 st = mgr.states[s.index]
                 if self._boundary and s.index in self._accumulated and st is not TensorState.HOLD_AFTER_BWD:
                     # got gradients in earlier micro-batches only: its gradient is the accumulator
@@ -562,6 +569,8 @@ class ChunkEngine:
         self._untraced_depth = 0
         mgr.on_schedule = True
         self.access.reset()
+        if self.comm.distributed:
+            self.reducer.reset()
         with torch.no_grad():
             self.drop_pending_grads()
             for s in mgr.slots:
@@ -603,6 +612,12 @@ class ChunkEngine:
         mgr = self.mgr
         with torch.no_grad():
             for cid, slots in slots_by_chunk.items():
+                if not mgr.own(cid):
+                    # another rank's chunk (a gradient not reduced yet): its owner keeps the value;
+                    # this rank's gathered copy is dropped with the group
+                    for s in slots:
+                        mgr.set_state(s.index, TensorState.HOLD)
+                    continue
                 p = mgr.chunks[PARAM][cid].payload
                 master = mgr.chunks[MASTER][cid].payload.to(p.device)
                 for s in slots:
