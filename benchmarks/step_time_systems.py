@@ -148,7 +148,7 @@ def _gpt2_config(spec: RunSpec) -> Any:
     return config
 
 
-def _build_model(spec: RunSpec) -> Any:
+def build_model(spec: RunSpec) -> Any:
     """The GPT-2 under test, fp32 on CPU; seeding here gives every system the same weights."""
     import torch
     from transformers import GPT2LMHeadModel
@@ -167,7 +167,7 @@ def count_parameters(spec: RunSpec) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _batches(spec: RunSpec) -> Iterator[Any]:
+def batches(spec: RunSpec) -> Iterator[Any]:
     """``warmup + steps`` token batches, int64 [batch, seq] on CPU, the same in every child."""
     import torch
 
@@ -176,7 +176,7 @@ def _batches(spec: RunSpec) -> Iterator[Any]:
         yield torch.randint(0, spec.vocab_size, (spec.batch, spec.seq), generator=generator)
 
 
-def _adamw_params(spec: RunSpec) -> dict[str, Any]:
+def adamw_params(spec: RunSpec) -> dict[str, Any]:
     """The AdamW settings every system gets, in DeepSpeed's (and chunkstar's) JSON shape."""
     return {"lr": spec.lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 
@@ -192,7 +192,7 @@ def _time_steps(
     times: list[float] = []
     total = spec.warmup + spec.steps
     busy0 = own0 = clock0 = 0.0
-    for i, ids in enumerate(_batches(spec)):
+    for i, ids in enumerate(batches(spec)):
         if i == spec.warmup:
             if before_timed is not None:
                 before_timed()
@@ -228,10 +228,10 @@ def _run_pytorch(spec: RunSpec) -> dict[str, Any]:
     """Plain PyTorch: fp32 params, bf16 autocast, fused AdamW, global-norm clipping."""
     import torch
 
-    model = _build_model(spec)
+    model = build_model(spec)
     model.train()
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, **_adamw_params(spec), fused=True)
+    optimizer = torch.optim.AdamW(params, **adamw_params(spec), fused=True)
 
     def step(ids: torch.Tensor) -> float:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -247,7 +247,7 @@ def _run_pytorch(spec: RunSpec) -> dict[str, Any]:
     return {**record, "rss_after_setup_mib": rss_setup, "optimizer": "torch.optim.AdamW(fused=True)"}
 
 
-def _import_chunkstar() -> Any:
+def import_chunkstar() -> Any:
     """``chunkstar`` as installed, else from this checkout's ``packages/core``."""
     try:
         import chunkstar
@@ -260,6 +260,19 @@ def _import_chunkstar() -> Any:
     return chunkstar
 
 
+def chunkstar_config(spec: RunSpec, budget: int) -> dict[str, Any]:
+    """chunkstar's config for this benchmark: bf16, clipping at 1.0, AdamW, the CPU virtual
+    device with a ``budget``-byte device tier, chunk size searched."""
+    return {
+        "optimizer": {"type": "AdamW", "params": adamw_params(spec)},
+        "bf16": {"enabled": True},
+        "gradient_clipping": 1.0,
+        "device": "cpu",
+        "device_memory_budget": budget,
+        "default_chunk_size": "auto",
+    }
+
+
 def _run_chunkstar(spec: RunSpec, *, pressure: bool) -> dict[str, Any]:
     """chunkstar on the CPU virtual device (``device: "cpu"``) under a device memory budget.
 
@@ -268,7 +281,7 @@ def _run_chunkstar(spec: RunSpec, *, pressure: bool) -> dict[str, Any]:
     (or ``pressure_budget_bytes``), so chunks must be evicted to the host tier
     and fetched back within every step.
     """
-    chunkstar = _import_chunkstar()
+    chunkstar = import_chunkstar()
 
     n_params = count_parameters(spec)
     if pressure and spec.pressure_budget_bytes is not None:
@@ -277,16 +290,8 @@ def _run_chunkstar(spec: RunSpec, *, pressure: bool) -> dict[str, Any]:
         budget = int(n_params * 2 * spec.pressure_fraction)
     else:
         budget = spec.free_budget_bytes
-    config = {
-        "optimizer": {"type": "AdamW", "params": _adamw_params(spec)},
-        "bf16": {"enabled": True},
-        "gradient_clipping": 1.0,
-        "device": "cpu",
-        "device_memory_budget": budget,
-        "default_chunk_size": "auto",
-    }
     engine, optimizer = chunkstar.initialize_engine(
-        model_func=lambda: _build_model(spec), local_rank=0, config=config
+        model_func=lambda: build_model(spec), local_rank=0, config=chunkstar_config(spec, budget)
     )
 
     def step(ids: Any) -> float:
@@ -332,7 +337,7 @@ def _deepspeed_config(spec: RunSpec, *, ds_cpu_adam: bool) -> dict[str, Any]:
     from chunkstar_bench.child import deepspeed_zero3_offload_config
 
     return deepspeed_zero3_offload_config(
-        batch=spec.batch, adamw=_adamw_params(spec), pin_memory=False, ds_cpu_adam=ds_cpu_adam
+        batch=spec.batch, adamw=adamw_params(spec), pin_memory=False, ds_cpu_adam=ds_cpu_adam
     )
 
 
@@ -371,11 +376,11 @@ def _run_deepspeed(spec: RunSpec) -> dict[str, Any]:
     # leaves torch's defaults (N(0, 1) embeddings, loss ~300 instead of ~10.8),
     # and the weights would differ from the other systems'. deepspeed.initialize
     # partitions and offloads the finished model instead.
-    model = _build_model(spec)
+    model = build_model(spec)
     config = _deepspeed_config(spec, ds_cpu_adam=ds_cpu_adam)
     client_optimizer = None
     if not ds_cpu_adam:
-        client_optimizer = torch.optim.AdamW(model.parameters(), **_adamw_params(spec), fused=True)
+        client_optimizer = torch.optim.AdamW(model.parameters(), **adamw_params(spec), fused=True)
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=model.parameters(), optimizer=client_optimizer, config=config
     )

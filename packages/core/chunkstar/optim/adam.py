@@ -37,6 +37,10 @@ __all__ = ["ChunkAdam", "global_grad_norm"]
 
 _FORMAT = "chunkstar.ChunkAdam/1"
 _BATCH_ELEMENTS = 1 << 22  # gradient elements per batch of fused calls (16 MiB of fp32 copies)
+# A run longer than a batch is cut every _BATCH_ELEMENTS elements from its start, a multiple
+# of any vector width: the fused kernel vectorises each tensor from its start and finishes the
+# last (numel mod width) elements with scalar code that rounds differently (measured: a cut
+# at element 997 changes exp_avg_sq bits, cuts at multiples of 8 do not).
 
 
 def _runs(slots: list[TensorSlot], key: Callable[[TensorSlot], Any]) -> list[tuple[Any, int, int]]:
@@ -168,9 +172,11 @@ class ChunkAdam(torch.optim.Optimizer):
     def _update(self, grad_slots: dict[int, list[TensorSlot]], factor: torch.Tensor, apply_factor: bool) -> None:
         """Pass 2: fused Adam over the fp32 views of many chunks' runs at once, one call
         per (device, parameter group, step count), then a foreach cast of the masters
-        back into the param slots. Chunks are taken in batches of at most
-        ``_BATCH_ELEMENTS`` gradient elements: bf16/fp16 gradients need fp32 copies,
-        and all of them at once would cost 4 bytes per parameter of extra memory."""
+        back into the param slots. Runs are taken in batches of at most
+        ``_BATCH_ELEMENTS`` gradient elements, a longer run in pieces of that size: bf16/fp16
+        gradients need fp32 copies, and all of them at once would cost 4 bytes per
+        parameter of extra memory (one chunk's worth, too, when a chunk is large: a tied
+        embedding alone in its chunk). Which batch a piece joins does not change its bits."""
         mgr = self._engine.mgr
         fused = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
         buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]] = {}
@@ -197,16 +203,18 @@ class ChunkAdam(torch.optim.Optimizer):
             m = mgr.chunks[EXP_AVG][cid].payload
             v = mgr.chunks[EXP_AVG_SQ][cid].payload
             for (gi, step), a, b in _runs(slots, lambda s: (self._group_of[s.index], self._steps[s.index])):
-                lists = buckets.setdefault((p.device, gi, step), ([], [], [], [], []))
-                lists[0].append(master[a:b])
-                lists[1].append(p[a:b] if p.dtype == torch.float32 else p[a:b].float())  # fp32 gradient
-                lists[2].append(m[a:b])
-                lists[3].append(v[a:b])
-                lists[4].append(p[a:b])
-                pending += b - a
-            if pending >= _BATCH_ELEMENTS:
-                flush()
-                pending = 0
+                for lo in range(a, b, _BATCH_ELEMENTS):
+                    hi = min(lo + _BATCH_ELEMENTS, b)
+                    if pending + hi - lo > _BATCH_ELEMENTS:
+                        flush()
+                        pending = 0
+                    lists = buckets.setdefault((p.device, gi, step), ([], [], [], [], []))
+                    lists[0].append(master[lo:hi])
+                    lists[1].append(p[lo:hi] if p.dtype == torch.float32 else p[lo:hi].float())  # fp32 gradient
+                    lists[2].append(m[lo:hi])
+                    lists[3].append(v[lo:hi])
+                    lists[4].append(p[lo:hi])
+                    pending += hi - lo
         flush()
         for slots in grad_slots.values():
             for s in slots:

@@ -42,7 +42,9 @@ from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError
 from chunkstar.events import EventBus, MomentBegin, MomentEnd, MoveReason, Stage, StageChanged, Tier
 from chunkstar.hooks.module_hooks import AfterBackward, EngineHook, install_hooks, output_tensors, substitute
 from chunkstar.hooks.param_guard import guarded_class
+from chunkstar.memory.host_heap import HostHeap, release_moment
 from chunkstar.memory.probes import MemoryProbe, make_probe
+from chunkstar.memory.tracer import TracePhase
 from chunkstar.placement.optimizer import plan_device_adam
 from chunkstar.runtime.chunk_manager import MASTER, PARAM, STATE_LISTS, ChunkManager
 from chunkstar.runtime.param_access import ParamAccess
@@ -172,6 +174,12 @@ class ChunkEngine:
 
         # the iteration and its schedule (Note [iteration] in runtime/schedule.py)
         self.schedule = Schedule(self.mgr, self.comm, self.device, on_freeze=self._plan_adam)
+        # CPU virtual device: the heap's free pages go back to the system right before each
+        # iteration's non-model peak (Note [host heap] in memory/host_heap.py)
+        self.host_heap: HostHeap | None = HostHeap() if cfg.device.type == "cpu" else None
+        self._release_at: int | None = None  # this iteration's traced peak moment (None: no trace)
+        self._release_each_moment = False  # no trace yet in warm-up: release at every forward moment
+        self._heap_released = False  # the heap was released in this iteration
         self._iter_open = False  # a training forward began and its backward has not ended
         self._untraced_depth = 0  # evaluation forwards running (not on the schedule)
         self._implicit = False  # a module was called directly (not through the engine) at IDLE
@@ -240,6 +248,8 @@ class ChunkEngine:
             loss = loss / gas
         if self.scaler_enabled:
             loss = loss * self.scaler.scale
+        if self._release_at is None or not self._heap_released and self._release_at <= self.mgr.moment:
+            self._release_heap()  # no trace (or its peak moment was not reached): the turn stands in for the peak
         self._set_stage(Stage.BWD)
         try:
             loss.backward()
@@ -284,6 +294,18 @@ class ChunkEngine:
         mgr = self.mgr
         mgr.moment = -1
         self.schedule.begin_iteration(sum(t.nbytes for t in output_tensors((args, kwargs))))
+        # where the peak is: in the latest trace (frozen, or the warm-up's earlier passes), or unknown
+        self._heap_released = False
+        heap = self.host_heap is not None
+        traced = heap and mgr.trace.passes > 0
+        self._release_at = release_moment([r.non_model_peak for r in mgr.trace.records]) if traced else None
+        self._release_each_moment = heap and not traced and self.schedule.phase is TracePhase.WARMUP
+
+    def _release_heap(self) -> None:
+        """Before the iteration's peak (Note [host heap] in memory/host_heap.py)."""
+        if self.host_heap is not None:
+            self.host_heap.release()
+            self._heap_released = True
 
     def _begin_untraced(self) -> None:
         """An evaluation forward: its moments are not the schedule's."""
@@ -311,6 +333,8 @@ class ChunkEngine:
         mgr.module = module
         if mgr.on_schedule:
             self.schedule.on_moment(module, mgr.stage.value, chunk_ids)
+            if mgr.moment == self._release_at or self._release_each_moment and mgr.stage is Stage.FWD:
+                self._release_heap()
         if self.events.active:
             self.events.emit(MomentBegin(mgr.moment, module, mgr.stage, time.perf_counter_ns()))
 

@@ -1,0 +1,89 @@
+"""Handing the CPU virtual device's freed heap pages back to the system.
+
+This module is a mechanism (one libc call) and the choice of the moment for it in an
+iteration; it is not an allocator and it moves no data.
+
+Note [host heap]: on the CPU virtual device every tier is process memory, and
+so are the activations. glibc's malloc serves requests below its mmap
+threshold (which it raises on the fly, up to 32 MiB, as large blocks are
+freed) from its heap, and keeps the pages of freed blocks resident for reuse;
+on its own it returns only the top of the heap. A training iteration frees
+most of its temporaries before its memory peak (the forward's intermediate
+results), and its chunk moves leave payload-sized holes, so at the peak the
+heap holds live data *plus* pages freed earlier, and the process's RSS is the
+live bytes plus whatever glibc kept, which varies from run to run with the
+heap's layout. Measured on the 51.5M GPT-2 of ``benchmarks/step_time.py``
+(``benchmarks/host_memory.py``): chunkstar's live bytes at the peak equal plain
+PyTorch's (14 bytes/param of model data against PyTorch's 12 plus its 2
+bytes/param of autocast weight copies), but glibc kept 110-250 MiB free beside
+them, against PyTorch's 100-130.
+
+``malloc_trim(0)`` hands every whole free page of every arena back (madvise;
+the address space stays, nothing moves). It takes a few milliseconds, and pages
+reused afterwards fault back in zeroed, so the engine calls it right before
+the iteration's peak only:
+
+* with a trace (the frozen one, or the first warm-up pass's during the
+  second): once, at the start of the moment with the largest traced
+  non-model peak; at the forward/backward turn instead if the iteration got
+  there without reaching that moment;
+* in the first warm-up pass (no trace, the peak could be anywhere): at the
+  start of every forward moment and at the turn, once per run;
+* with no trace otherwise (a run that keeps changing shape): at the turn, when
+  the forward's temporaries are freed and the loss and the start of backward,
+  which usually hold the peak, are still to come.
+
+On the 51.5M GPT-2 the peak moment is ``lm_head``'s forward, which spans the loss
+and the start of backward: peak RSS falls to the live bytes plus ~20 MiB, for
+~45k more page faults and 3-6% more time per step. The engine decides when;
+:class:`HostHeap` only does it. Where libc has no ``malloc_trim`` (macOS, musl)
+it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Callable, Sequence
+
+__all__ = ["HostHeap", "release_moment"]
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(None)  # the symbols already loaded in this process, libc among them
+    except (OSError, TypeError):  # no dlopen(NULL) (Windows)
+        return None
+    fn = getattr(libc, "malloc_trim", None)
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+class HostHeap:
+    """The process's malloc heap, as far as giving free pages back goes (Note [host heap])."""
+
+    def __init__(self) -> None:
+        self._malloc_trim = _find_malloc_trim()
+        self.releases = 0
+        """Times :meth:`release` asked libc to hand free pages back."""
+
+    @property
+    def available(self) -> bool:
+        """Whether this libc can hand free heap pages back (glibc)."""
+        return self._malloc_trim is not None
+
+    def release(self) -> None:
+        """Hand every whole free page of the heap back to the system (no-op without glibc)."""
+        if self._malloc_trim is not None:
+            self._malloc_trim(0)
+            self.releases += 1
+
+
+def release_moment(non_model_peaks: Sequence[int]) -> int | None:
+    """The moment to release the heap at: the first one holding the largest non-model
+    peak of the iteration (None for an empty trace)."""
+    if not non_model_peaks:
+        return None
+    return max(range(len(non_model_peaks)), key=non_model_peaks.__getitem__)

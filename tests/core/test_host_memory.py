@@ -1,0 +1,120 @@
+"""Host memory of the CPU virtual device: what the engine does to keep RSS near the live bytes.
+
+* The optimizer's fp32 gradient copies are taken in batches of at most
+  ``_BATCH_ELEMENTS`` elements, a longer run (a tied embedding alone in its
+  chunk, say) in pieces of that size, which changes no bit of the result.
+* The engine hands glibc's free heap pages back once per iteration, right
+  before its peak (Note [host heap] in chunkstar/memory/host_heap.py); that
+  moves no data, so training is bit-identical with and without it.
+
+RSS itself depends on glibc's heap layout and is measured by
+``benchmarks/host_memory.py``, not asserted here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import chunkstar
+from chunkstar.memory import host_heap
+from chunkstar.memory.host_heap import HostHeap, release_moment
+from chunkstar.optim import adam
+
+from ._models import CASES, engine_config, train_engine
+
+STEPS = 4
+
+
+def _train(dtype: str, *, heap: bool = True) -> tuple[list[float], dict[str, torch.Tensor], chunkstar.ChunkEngine]:
+    case = CASES["gpt2"]
+    engine, optimizer = chunkstar.initialize_engine(
+        model_func=case.build, local_rank=0, config=engine_config(dtype, budget="64MB", chunk_size="auto")
+    )
+    if not heap:
+        engine.host_heap = None
+    losses = train_engine(engine, optimizer, case, STEPS, dtype=dtype)
+    return losses, engine.state_dict(), engine
+
+
+def _assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_adam_batches_and_cut_runs_give_the_same_bits(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(adam, "_BATCH_ELEMENTS", 1 << 40)  # one batch: every run whole
+    whole_losses, whole, _ = _train(dtype)
+    monkeypatch.setattr(adam, "_BATCH_ELEMENTS", 1 << 10)  # many batches, long runs cut mid-tensor
+    cut_losses, cut, _ = _train(dtype)
+    assert cut_losses == whole_losses
+    _assert_bitwise(cut, whole)
+
+
+def test_adam_fp32_copies_stay_within_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No fused call gets more than ``_BATCH_ELEMENTS`` gradient elements, even from a chunk larger than that."""
+    limit = 1 << 10
+    monkeypatch.setattr(adam, "_BATCH_ELEMENTS", limit)
+    sizes: list[int] = []
+    fused = torch._fused_adamw_
+
+    def spy(masters: list[torch.Tensor], *args: object, **kwargs: object) -> None:
+        sizes.append(sum(t.numel() for t in masters))
+        fused(masters, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch, "_fused_adamw_", spy)
+    _, _, engine = _train("bf16")
+    assert engine.mgr.layout.chunk_sizes[0] > limit  # the tied embedding's chunk is larger than a batch
+    assert sizes and max(sizes) <= limit, max(sizes)
+
+
+def test_training_is_the_same_with_and_without_heap_releases() -> None:
+    losses, state, engine = _train("bf16")
+    plain_losses, plain, _ = _train("bf16", heap=False)
+    assert losses == plain_losses
+    _assert_bitwise(state, plain)
+    assert engine.host_heap is not None
+    if engine.host_heap.available:
+        assert engine.host_heap.releases > STEPS  # every forward moment of the first pass, then one per iteration
+    else:
+        assert engine.host_heap.releases == 0
+
+
+def test_the_heap_is_released_before_each_iterations_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = CASES["gpt2"]
+    engine, optimizer = chunkstar.initialize_engine(
+        model_func=case.build, local_rank=0, config=engine_config("bf16", budget="64MB", chunk_size="auto")
+    )
+    heap = engine.host_heap
+    assert heap is not None
+    at: list[tuple[int, int, str]] = []  # (step, moment, stage) of each release
+    step = 0
+    monkeypatch.setattr(heap, "release", lambda: at.append((step, engine.mgr.moment, engine.mgr.stage.value)))
+    peaks: list[int | None] = []
+    for step in range(STEPS):
+        records = engine.mgr.trace.records
+        peaks.append(release_moment([r.non_model_peak for r in records]) if engine.mgr.trace.passes else None)
+        train_engine(engine, optimizer, case, range(step, step + 1), dtype="bf16")
+    # first warm-up pass, no trace: at every forward moment, then at the forward/backward turn
+    first = [(m, st) for s, m, st in at if s == 0]
+    n_forward = sum(r.stage == "fwd" for r in engine.mgr.trace.records)
+    assert peaks[0] is None and len(first) == n_forward + 1 and all(st == "fwd" for _, st in first), first
+    # later iterations: once, at the start of the traced peak moment
+    for s in range(1, STEPS):
+        assert [m for t, m, _ in at if t == s] == [peaks[s]], (s, at)
+
+
+def test_release_moment_is_the_first_largest_peak() -> None:
+    assert release_moment([]) is None
+    assert release_moment([3, 9, 1, 9]) == 1
+    assert release_moment([5]) == 0
+
+
+def test_without_malloc_trim_release_does_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_heap, "_find_malloc_trim", lambda: None)
+    heap = HostHeap()
+    assert not heap.available
+    heap.release()
+    assert heap.releases == 0
