@@ -34,6 +34,21 @@ def _module(model: Any) -> nn.Module:
     return getattr(model, "module", model)
 
 
+def _reference_opt(model: nn.Module) -> torch.optim.Optimizer:
+    """The reference optimizer of every plain-PyTorch run here (the engine's config in _models)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
+
+
+def _reference_step(ref: nn.Module, opt: torch.optim.Optimizer, case: ModelCase, step: int) -> float:
+    """One plain-PyTorch step: loss, backward, global-norm clipping at 1.0, AdamW."""
+    loss = case.loss(ref, case.batch(step), torch.float32)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
 # ---------------------------------------------------------------------------- models
 
 
@@ -154,16 +169,12 @@ def test_reads_between_steps_return_current_values_like_pytorch() -> None:
     """print(p), norms, p.detach().clone() and an EMA between steps: the reference's figures."""
     case = CASES["gpt2"]
     ref = case.build()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
+    ref_opt = _reference_opt(ref)
     engine, optimizer = _gpt2_engine()
     ref_ema = [p.detach().clone() for p in ref.parameters()]
     ema = [p.detach().clone() for p in engine.module.parameters()]
     for step in range(4):
-        loss = case.loss(ref, case.batch(step), torch.float32)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
+        _reference_step(ref, ref_opt, case, step)
         engine.backward(case.loss(engine, case.batch(step), torch.float32))
         # between backward and step the slots hold gradients: reads still give the values
         before = [p.detach().clone() for p in engine.module.parameters()]
@@ -216,19 +227,15 @@ def test_writes_to_a_parameter_between_steps_reach_the_master_like_pytorch() -> 
             model.transformer.ln_f.weight.copy_(torch.linspace(0.5, 1.5, model.transformer.ln_f.weight.numel()))
 
     ref = case.build()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
+    ref_opt = _reference_opt(ref)
     engine, optimizer = _gpt2_engine()
     want, got = [], []
     for step in range(5):
         if step == 2:
             perturb(ref)
             perturb(engine.module)
-        loss = case.loss(ref, case.batch(step), torch.float32)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        want.append(loss.item())
+        loss_value = _reference_step(ref, ref_opt, case, step)
+        want.append(loss_value)
         mine = case.loss(engine, case.batch(step), torch.float32)
         engine.backward(mine)
         optimizer.step()
@@ -281,12 +288,9 @@ def test_deepcopy_of_the_model_is_a_plain_copy_with_current_values() -> None:
 
 def _reference_after(case: ModelCase, steps: int) -> nn.Module:
     ref = case.build()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
+    opt = _reference_opt(ref)
     for step in range(steps):
-        case.loss(ref, case.batch(step), torch.float32).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
+        _reference_step(ref, opt, case, step)
     return ref
 
 
@@ -340,15 +344,11 @@ def test_module_load_state_dict_writes_through_and_training_matches() -> None:
     engine2, optimizer2 = _gpt2_engine()
     engine2.module.load_state_dict(donor)
     got = train_engine(engine2, optimizer2, case, 3)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
+    opt = _reference_opt(ref)
     want = []
     for step in range(3):
-        loss = case.loss(ref, case.batch(step), torch.float32)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+        loss_value = _reference_step(ref, opt, case, step)
+        want.append(loss_value)
     assert_losses_close(got, want, 1e-5, "gpt2 after module.load_state_dict")
 
 
