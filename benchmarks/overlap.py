@@ -1,123 +1,268 @@
-"""Overlapped vs serial chunk copies under an emulated device link, beside plain PyTorch.
+"""Overlapped vs serial chunk copies under an emulated device link, beside plain PyTorch and DeepSpeed.
 
-Runs one GPT-2 (bf16, about 30M parameters) under a device budget of about half
-its bf16 parameter bytes plus its measured non-model memory, on the CPU virtual
-device with ``device_link_bandwidth`` 1 GB/s and 8 GB/s, ``overlap`` false (the
-serial reference) and true, and plain PyTorch (autocast bf16, fused AdamW) on
-the same batches, each configuration in its own process, interleaved over
-``--rounds``. Prints median seconds per step and the ratios the runtime-v2
-issue asks for (overlapped/serial at 1 GB/s, overlapped/PyTorch at 8 GB/s).
+What it measures
+    One training step of a GPT-2 of about 30M parameters (hidden 512, 8 layers,
+    vocab 8192, batch 4 x seq 128, bf16, AdamW, clipping 1.0; one torch thread,
+    so the other core is free for the copy thread), for these rows:
 
-    python benchmarks/overlap.py --rounds 2
+    ``pytorch``                PyTorch: fp32 params, autocast bf16, fused AdamW
+    ``chunkstar-1gb-serial``   chunkstar, device budget of about half the bf16 parameter
+    ``chunkstar-1gb-overlap``  bytes (``--budget-fraction``) plus the non-model memory,
+    ``chunkstar-8gb-serial``   on the CPU virtual device with ``device_link_bandwidth``
+    ``chunkstar-8gb-overlap``  1 GB/s or 8 GB/s (each chunk copy takes at least
+                               bytes / bandwidth) and ``overlap`` false (the serial
+                               reference) or true
+    ``deepspeed``              DeepSpeed ZeRO-3, params and optimizer offloaded to CPU, bf16.
+                               It runs WITHOUT the emulated link: its copies are plain
+                               memcpy on this machine, so its time is for reference only
+    ``chunkstar-free``         chunkstar with a budget that holds everything (no pressure):
+                               with ``pytorch``, the pair the peak-RSS target compares
 
-DeepSpeed is not run here: its copies are plain memcpy on this machine, with no
-emulated link (benchmarks/step_time.py has it, labelled so).
+    Every row runs in its own process, and the rows are interleaved over
+    ``--rounds`` (round-robin, a fresh process each), so slow spells of a shared
+    machine fall on all rows alike. The runners, the timing, the batches and the
+    peak-RSS measurement (``ru_maxrss`` of the child: imports, set-up and
+    training included) are ``benchmarks/step_time_systems.py``'s, the ones
+    ``benchmarks/step_time.py`` uses; this script picks the model, the budgets
+    and the link.
+
+How to read it
+    ``median s/step`` pools the timed steps of every round. ``last loss`` should
+    agree across rows to about 1e-2 (same weights, same batches). The three
+    target lines check the issue's targets: overlapped/serial step time at
+    1 GB/s <= 0.70, overlapped at 8 GB/s <= 1.10x PyTorch, chunkstar's peak RSS
+    without pressure <= PyTorch's. A MISS is a finding, not an error: the exit
+    status is 0 whenever the benchmark ran.
+
+This is a script, not a timed test::
+
+    python benchmarks/overlap.py                      # every row, 2 rounds
+    python benchmarks/overlap.py --systems pytorch,chunkstar-1gb-serial,chunkstar-1gb-overlap --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
-_REPO = Path(__file__).resolve().parent.parent
-_RESULT = "OVERLAP_RESULT "
+from step_time_systems import RESULT_PREFIX, RunSpec, child_main, count_parameters, run_chunkstar
+
+_NON_MODEL_BYTES = 200_000_000
+"""Room the pressured budgets leave for activations and temporaries: the warm-up
+non-model peak of this model and batch, measured at ~186 MB (``chunkstar-free``
+prints what it measured)."""
+
+_BASE = RunSpec(
+    system="*", steps=6, warmup=3, batch=4, seq=128, seed=0, n_embd=512, n_layer=8, n_head=8, vocab_size=8192,
+    n_positions=256, lr=1e-4, free_budget_bytes=16 * 2**30, pressure_fraction=0.5, threads=1,
+)  # fmt: skip
+"""The model and batches of every row; ``steps``, ``warmup``, ``pressure_fraction`` come from the command line."""
 
 
-def _child(system: str, link: str | None, overlap: bool, steps: int, warmup: int, budget_frac: float) -> None:
-    sys.path.insert(0, str(_REPO / "packages" / "core"))
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One configuration of the table, run in its own process."""
 
-    torch.set_num_threads(1)  # one core computes, the other is the copy engine's
+    name: str
+    """Its ``--systems`` key."""
+    label: str
+    """Its name in the table."""
+    system: str
+    """The ``step_time_systems`` runner it uses when it has no link (``pytorch``, ``deepspeed``, ``chunkstar``)."""
+    link: str | None = None
+    """``device_link_bandwidth`` of a pressured chunkstar row; None for the others."""
+    overlap: bool = True
+    """chunkstar's ``overlap`` (a pressured row's; the others keep the default)."""
 
-    def build() -> torch.nn.Module:
-        torch.manual_seed(0)
-        cfg = GPT2Config(vocab_size=8192, n_positions=256, n_embd=512, n_layer=8, n_head=8,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-        return GPT2LMHeadModel(cfg)
 
-    g = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, 8192, (4, 128), generator=g) for _ in range(warmup + steps)]
-    times: list[float] = []
-    extra: dict[str, object] = {}
-    if system == "pytorch":
-        model = build()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        for ids in data:
-            t0 = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            times.append(time.perf_counter() - t0)
+ROWS: tuple[Row, ...] = (
+    Row("pytorch", "PyTorch (autocast bf16)", "pytorch"),
+    Row("chunkstar-1gb-serial", "chunkstar link 1GB/s overlap off", "chunkstar-pressure", "1GB/s", False),
+    Row("chunkstar-1gb-overlap", "chunkstar link 1GB/s overlap on", "chunkstar-pressure", "1GB/s", True),
+    Row("chunkstar-8gb-serial", "chunkstar link 8GB/s overlap off", "chunkstar-pressure", "8GB/s", False),
+    Row("chunkstar-8gb-overlap", "chunkstar link 8GB/s overlap on", "chunkstar-pressure", "8GB/s", True),
+    Row("deepspeed", "DeepSpeed ZeRO-3 offload (no emulated link)", "deepspeed"),
+    Row("chunkstar-free", "chunkstar, no pressure (budget holds all)", "chunkstar"),
+)
+"""Every row, in the order they run in a round and are printed."""
+_BY_NAME = {row.name: row for row in ROWS}
+
+
+# --------------------------------------------------------------------------- child side
+
+
+def _run_linked(spec: RunSpec, row: Row, budget_fraction: float) -> dict[str, Any]:
+    """A pressured chunkstar row: budget = ``budget_fraction`` of the bf16 parameter bytes + the non-model room."""
+    budget = int(count_parameters(spec) * 2 * budget_fraction) + _NON_MODEL_BYTES
+    extra = {"overlap": row.overlap, "device_link_bandwidth": row.link}
+    return run_chunkstar(dataclasses.replace(spec, pressure_budget_bytes=budget), pressure=True, extra_config=extra)
+
+
+def _child(row: Row, spec: RunSpec) -> int:
+    if row.link is None:
+        return child_main(dataclasses.replace(spec, system=row.system))
+    runner = functools.partial(_run_linked, row=row, budget_fraction=spec.pressure_fraction)
+    return child_main(dataclasses.replace(spec, system=row.name), runner)
+
+
+# --------------------------------------------------------------------------- parent side
+
+
+def _run_child(row: Row, spec: RunSpec, timeout: float) -> dict[str, Any]:
+    """One row in a fresh interpreter: its ``step_time_systems`` record, or an error record."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", row.name, "--spec", spec.to_json()]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": f"error: timed out after {timeout:.0f} s"}
+    line = next((x for x in out.stdout.splitlines() if x.startswith(RESULT_PREFIX)), None)
+    if line is None:
+        record: dict[str, Any] = {"status": f"error: child exited with status {out.returncode}, no result"}
     else:
-        import chunkstar
-
-        bf16_bytes = sum(p.numel() for p in build().parameters()) * 2
-        non_model = 200_000_000  # measured: the warm-up peak of this model and batch is ~186 MB
-        config = {
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": True},
-            "gradient_clipping": 1.0, "device": "cpu", "device_memory_budget": int(bf16_bytes * budget_frac) + non_model,
-            "overlap": overlap, "device_link_bandwidth": link,
-        }  # fmt: skip
-        engine, opt = chunkstar.initialize_engine(build, 0, config)
-        for ids in data:
-            t0 = time.perf_counter()
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            times.append(time.perf_counter() - t0)
-        stats = engine.stats()
-        extra = {"moves_per_step": stats["chunk_moves_to_device"] / len(data), "schedule": stats["schedule"]}
-    timed = times[warmup:]
-    print(_RESULT + json.dumps({"times": timed, "last_loss": float(loss.item()), **extra}), flush=True)
+        record = json.loads(line[len(RESULT_PREFIX) :])
+    if record["status"] != "ok":
+        print(out.stderr[-3000:], file=sys.stderr)
+    return record
 
 
-def main() -> int:
+def _merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record per row: timed steps of every round pooled, the highest peak RSS, the first failure if any."""
+    failed = [r for r in rounds if r["status"] != "ok"]
+    if failed:
+        return failed[0]
+    times = [t for r in rounds for t in r["step_times_s"]]
+    return {
+        **rounds[0],
+        "step_times_s": times,
+        "median_step_s": statistics.median(times),
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in rounds),
+        "other_load_cores": max((r.get("other_load_cores") or 0.0) for r in rounds),
+    }
+
+
+def _ok(results: dict[str, dict[str, Any]], name: str) -> bool:
+    return results.get(name, {}).get("status") == "ok"
+
+
+def targets(results: dict[str, dict[str, Any]]) -> list[str]:
+    """The issue's three targets as lines ending in PASS or MISS ("n/a" where a side did not run or failed)."""
+    checks = (
+        ("overlapped / serial step time at 1 GB/s", "chunkstar-1gb-overlap", "chunkstar-1gb-serial",
+         "median_step_s", 0.70),
+        ("overlapped at 8 GB/s / PyTorch step time", "chunkstar-8gb-overlap", "pytorch", "median_step_s", 1.10),
+        ("peak RSS chunkstar without pressure / PyTorch", "chunkstar-free", "pytorch", "peak_rss_mib", 1.00),
+    )  # fmt: skip
+    lines = []
+    for text, num, den, key, limit in checks:
+        if _ok(results, num) and _ok(results, den):
+            ratio = results[num][key] / results[den][key]
+            lines.append(f"{text}: {ratio:.2f} (target <= {limit:.2f}) {'PASS' if ratio <= limit else 'MISS'}")
+        else:
+            lines.append(f"{text}: - (target <= {limit:.2f}) n/a")
+    return lines
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    """The rows run, in ``ROWS`` order: median s/step, ratio to PyTorch, peak RSS, last loss."""
+    base = results["pytorch"]["median_step_s"] if _ok(results, "pytorch") else None
+    lines = [f"{'system':<44} {'median s/step':>13} {'vs PyTorch':>10} {'peak RSS MiB':>12} {'last loss':>9}"]
+    for row in ROWS:
+        if row.name not in results:
+            continue
+        r = results[row.name]
+        if r["status"] != "ok":
+            lines.append(f"{row.label:<44} {r['status']}")
+            continue
+        ratio = f"{r['median_step_s'] / base:.2f}x" if base else "-"
+        lines.append(
+            f"{row.label:<44} {r['median_step_s']:>13.3f} {ratio:>10} {r['peak_rss_mib']:>12.0f} "
+            f"{r['losses'][-1]:>9.4f}"
+        )
+    return "\n".join(lines)
+
+
+def _notes(results: dict[str, dict[str, Any]]) -> list[str]:
+    notes = []
+    for name, r in results.items():
+        if r["status"] != "ok":
+            continue
+        if "chunkstar_moves_per_timed_step" in r:
+            moves = r["chunkstar_moves_per_timed_step"]
+            notes.append(
+                f"{name}: budget {r['device_budget_bytes'] / 2**20:.0f} MiB, per timed step "
+                f"{moves.get('chunk_moves_to_device', 0):.1f} chunk moves to the device, "
+                f"{moves.get('chunk_moves_to_host', 0):.1f} to the host"
+            )
+        if name == "chunkstar-free" and "warmup_non_model_peak_bytes" in r.get("chunkstar_stats", {}):
+            measured = r["chunkstar_stats"]["warmup_non_model_peak_bytes"]
+            notes.append(
+                f"{name}: measured non-model peak {measured / 1e6:.0f} MB "
+                f"(the pressured budgets leave {_NON_MODEL_BYTES / 1e6:.0f} MB)"
+            )
+        for note in r.get("notes", []):
+            notes.append(f"{name}: NOTE {note}")
+    load = {name: r["other_load_cores"] for name, r in results.items() if r.get("other_load_cores") is not None}
+    if load:
+        notes.append("other load (cores busy elsewhere during the timed steps, max over rounds): "
+                     + ", ".join(f"{name} {v:.2f}" for name, v in load.items()))  # fmt: skip
+    return notes
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds, a fresh process each (default 2)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per run (default 6)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     ap.add_argument("--budget-fraction", type=float, default=0.5, help="of the bf16 parameter bytes (default 0.5)")
-    ap.add_argument("--child", nargs=3, metavar=("SYSTEM", "LINK", "OVERLAP"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.child:
-        system, link, overlap = args.child
-        _child(system, None if link == "-" else link, overlap == "1", args.steps, args.warmup, args.budget_fraction)
-        return 0
-    runs = [("pytorch", "-", "0")] + [("chunkstar", link, ov) for link in ("1GB/s", "8GB/s") for ov in ("0", "1")]
-    got: dict[tuple[str, str, str], list[float]] = {r: [] for r in runs}
-    losses: dict[tuple[str, str, str], float] = {}
-    for rnd in range(args.rounds):
-        for run in runs:
-            cmd = [sys.executable, __file__, "--child", *run, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--budget-fraction", str(args.budget_fraction)]  # fmt: skip
-            print(f"[round {rnd + 1}/{args.rounds}] {run[0]} link={run[1]} overlap={run[2]}", file=sys.stderr, flush=True)
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-            line = next((x for x in out.stdout.splitlines() if x.startswith(_RESULT)), None)
-            if line is None:
-                print(out.stderr[-3000:], file=sys.stderr)
-                return 1
-            rec = json.loads(line[len(_RESULT):])
-            got[run] += rec["times"]
-            losses[run] = rec["last_loss"]
-    med = {r: statistics.median(t) for r, t in got.items()}
-    print(f"{'system':<34} {'median s/step':>14} {'vs PyTorch':>11} {'last loss':>10}")
-    for r in runs:
-        name = "PyTorch (autocast bf16)" if r[0] == "pytorch" else f"chunkstar link {r[1]} overlap {'on' if r[2] == '1' else 'off'}"
-        print(f"{name:<34} {med[r]:>14.3f} {med[r] / med[runs[0]]:>10.2f}x {losses[r]:>10.4f}")
-    slow = ("chunkstar", "1GB/s", "1"), ("chunkstar", "1GB/s", "0")
-    fast = ("chunkstar", "8GB/s", "1")
-    print(f"overlapped / serial at 1 GB/s: {med[slow[0]] / med[slow[1]]:.2f} (target <= 0.70)")
-    print(f"overlapped at 8 GB/s / PyTorch: {med[fast] / med[runs[0]]:.2f}x (target <= 1.10x)")
+    ap.add_argument("--systems", default=",".join(_BY_NAME), help=f"comma-separated subset of {','.join(_BY_NAME)}")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per run (default 1800)")
+    ap.add_argument("--child", choices=list(_BY_NAME), help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child is None:
+        names = {s.strip() for s in args.systems.split(",") if s.strip()}
+        unknown = sorted(names - set(_BY_NAME))
+        if unknown or not names:
+            ap.error(f"--systems: unknown {unknown}; choose from {','.join(_BY_NAME)}")
+        args.systems = [row for row in ROWS if row.name in names]
+        if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+            ap.error("--steps and --rounds must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    if args.child is not None:
+        return _child(_BY_NAME[args.child], RunSpec.from_json(args.spec))
+    spec = dataclasses.replace(_BASE, steps=args.steps, warmup=args.warmup, pressure_fraction=args.budget_fraction)
+    rows: list[Row] = args.systems
+    runs: dict[str, list[dict[str, Any]]] = {row.name: [] for row in rows}
+    for rnd in range(1, args.rounds + 1):
+        for row in rows:
+            print(f"[round {rnd}/{args.rounds}] {row.name} ...", file=sys.stderr, flush=True)
+            record = _run_child(row, spec, args.timeout)
+            shown = f"{record['median_step_s']:.3f} s/step" if record["status"] == "ok" else record["status"]
+            print(f"[round {rnd}/{args.rounds}] {row.name}: {shown}", file=sys.stderr, flush=True)
+            runs[row.name].append(record)
+    results = {name: _merge_rounds(records) for name, records in runs.items()}
+    n_params = next((r["n_params"] for r in results.values() if "n_params" in r), None)
+    print(
+        f"GPT-2 n_embd={spec.n_embd} n_layer={spec.n_layer} vocab={spec.vocab_size}"
+        + (f", {n_params:,} parameters ({n_params * 2 / 2**20:.1f} MiB in bf16)" if n_params else "")
+        + f"; batch {spec.batch} x seq {spec.seq}; {spec.threads} torch thread; {args.warmup} warm-up + "
+        f"{args.steps} timed steps x {args.rounds} rounds; pressured budgets: {args.budget_fraction:g} of the bf16 "
+        f"parameter bytes + {_NON_MODEL_BYTES / 1e6:.0f} MB non-model"
+    )
+    print(table(results))
+    print("\n".join(targets(results)))
+    print("\n".join(_notes(results)))
     return 0
 
 

@@ -55,7 +55,7 @@ class RunSpec:
     """Everything a child needs to run one system; identical for all systems but ``system``."""
 
     system: str
-    """Which set-up to run, one of ``SYSTEMS``."""
+    """Which set-up to run, one of ``SYSTEMS`` (any label when ``child_main`` is handed the runner)."""
     steps: int
     """Timed steps (the median of these is the reported step time)."""
     warmup: int
@@ -273,13 +273,15 @@ def chunkstar_config(spec: RunSpec, budget: int) -> dict[str, Any]:
     }
 
 
-def _run_chunkstar(spec: RunSpec, *, pressure: bool) -> dict[str, Any]:
+def run_chunkstar(spec: RunSpec, *, pressure: bool, extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """chunkstar on the CPU virtual device (``device: "cpu"``) under a device memory budget.
 
     Without pressure the budget is far above everything the step needs; with
     pressure it is ``pressure_fraction`` of the model's bf16 parameter bytes
     (or ``pressure_budget_bytes``), so chunks must be evicted to the host tier
-    and fetched back within every step.
+    and fetched back within every step. ``extra_config`` keys are added to
+    :func:`chunkstar_config`'s (``benchmarks/overlap.py`` sets ``overlap`` and
+    ``device_link_bandwidth`` this way).
     """
     chunkstar = import_chunkstar()
 
@@ -290,9 +292,8 @@ def _run_chunkstar(spec: RunSpec, *, pressure: bool) -> dict[str, Any]:
         budget = int(n_params * 2 * spec.pressure_fraction)
     else:
         budget = spec.free_budget_bytes
-    engine, optimizer = chunkstar.initialize_engine(
-        model_func=lambda: build_model(spec), local_rank=0, config=chunkstar_config(spec, budget)
-    )
+    config = {**chunkstar_config(spec, budget), **(extra_config or {})}
+    engine, optimizer = chunkstar.initialize_engine(model_func=lambda: build_model(spec), local_rank=0, config=config)
 
     def step(ids: Any) -> float:
         loss = engine(input_ids=ids, labels=ids).loss
@@ -405,17 +406,20 @@ def _run_deepspeed(spec: RunSpec) -> dict[str, Any]:
 
 _RUNNERS: dict[str, Callable[[RunSpec], dict[str, Any]]] = {
     "pytorch": _run_pytorch,
-    "chunkstar": lambda spec: _run_chunkstar(spec, pressure=False),
-    "chunkstar-pressure": lambda spec: _run_chunkstar(spec, pressure=True),
+    "chunkstar": lambda spec: run_chunkstar(spec, pressure=False),
+    "chunkstar-pressure": lambda spec: run_chunkstar(spec, pressure=True),
     "deepspeed": _run_deepspeed,
 }
 
 
-def child_main(spec: RunSpec) -> int:
+def child_main(spec: RunSpec, runner: Callable[[RunSpec], dict[str, Any]] | None = None) -> int:
     """Run one system and print its record as one ``RESULT_PREFIX`` line on stdout.
 
-    A failure is reported in the record (``status: "error: ..."``, traceback on
-    stderr) rather than by crashing, so the parent can print the other rows.
+    ``runner`` replaces the one ``SYSTEMS`` names for ``spec.system`` (how
+    ``benchmarks/overlap.py`` runs chunkstar with its own config keys under the
+    same timing, error handling and peak-RSS measurement). A failure is
+    reported in the record (``status: "error: ..."``, traceback on stderr)
+    rather than by crashing, so the parent can print the other rows.
     """
     # Offline by construction: models come from configs, never from the Hub.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -427,7 +431,7 @@ def child_main(spec: RunSpec) -> int:
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
         result["n_params"] = count_parameters(spec)
-        result.update(_RUNNERS[spec.system](spec))
+        result.update((runner or _RUNNERS[spec.system])(spec))
         result["torch_threads"] = torch.get_num_threads()  # after the run: a system may change it
         times = result["step_times_s"]
         result["median_step_s"] = statistics.median(times)

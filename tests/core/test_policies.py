@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from chunkstar.placement.eviction import ResidentChunk, choose_evictions
 from chunkstar.placement.optimizer import plan_device_adam
+from chunkstar.placement.prefetch import MAX_LOOKAHEAD, PrefetchView, Upcoming, plan_prefetch
 
 
 def _c(key: str, nbytes: int, next_use: int | None, last_use: int) -> ResidentChunk:
@@ -40,3 +41,53 @@ def test_device_adam_only_in_margin_after_params_and_peak() -> None:
     assert plan_device_adam(params, states, capacity=1500, non_model_peak=200) == {0}
     assert plan_device_adam(params, states, capacity=10_000, non_model_peak=200) == {0, 1, 2}
     assert plan_device_adam(params, states, capacity=250, non_model_peak=0) == set()  # params alone do not fit
+
+
+# ---------------------------------------------------------------------- prefetch
+def _view(device_bytes: int, budget_now: int, resident: dict[str, int | None], sizes: dict[str, int]) -> PrefetchView:
+    """``resident``: the movable chunks on the device with their next use (moments from now)."""
+    return PrefetchView(
+        device_bytes=device_bytes,
+        budget_now=budget_now,
+        nbytes=sizes.__getitem__,
+        resident=resident.__contains__,
+        movable=lambda: list(resident.items()),
+    )
+
+
+def test_prefetch_brings_the_next_moments_chunks_in_order_within_the_window() -> None:
+    sizes = dict.fromkeys("abcde", 10)
+    upcoming = [Upcoming(1, 100, ["a"]), Upcoming(2, 100, ["b", "c"]), Upcoming(3, 100, ["d"]), Upcoming(4, 100, ["e"])]
+    plan = plan_prefetch(_view(0, 100, {}, sizes), upcoming, now=0, window_bytes=30)
+    assert plan == [("a", []), ("b", []), ("c", [])]  # d would be the 40th byte ahead
+
+
+def test_the_window_counts_resident_chunks_too_so_it_bounds_how_far_a_plan_looks() -> None:
+    sizes = dict.fromkeys("abc", 10)
+    upcoming = [Upcoming(1, 100, ["a"]), Upcoming(2, 100, ["b"]), Upcoming(3, 100, ["c"])]
+    assert plan_prefetch(_view(10, 100, {"a": 1}, sizes), upcoming, now=0, window_bytes=20) == [("b", [])]
+    # many moments that need nothing new: at most MAX_LOOKAHEAD of them are looked at
+    many = [Upcoming(j, 100, ["a"]) for j in range(1, 2 * MAX_LOOKAHEAD)] + [Upcoming(2 * MAX_LOOKAHEAD, 100, ["b"])]
+    assert plan_prefetch(_view(10, 100, {"a": 1}, sizes), many, now=0, window_bytes=1000) == []
+
+
+def test_prefetch_evicts_only_chunks_needed_later_furthest_first() -> None:
+    sizes = {"x": 10, "near": 10, "far": 10, "never": 10}
+    # full device: 30 of 30 bytes; "near" is needed at moment 2, before x (moment 3)
+    view = _view(30, 30, {"near": 2, "far": 9, "never": None}, sizes)
+    plan = plan_prefetch(view, [Upcoming(1, 30, []), Upcoming(3, 30, ["x"])], now=0, window_bytes=100)
+    assert plan == [("x", ["never"])]
+    view = _view(30, 30, {"near": 2, "far": 9}, sizes)
+    assert plan_prefetch(view, [Upcoming(3, 30, ["x"])], now=0, window_bytes=100) == [("x", ["far"])]
+    view = _view(20, 20, {"near": 2, "a": 1}, {**sizes, "a": 10})
+    assert plan_prefetch(view, [Upcoming(3, 20, ["x"])], now=0, window_bytes=100) == []  # both are needed sooner
+
+
+def test_prefetch_fits_every_moment_until_the_use_and_never_skips_ahead() -> None:
+    sizes = {"a": 10, "b": 10, "c": 1}
+    # moment 1 has room for 15 chunk bytes only (big activations): a (10) fits, b after it does not,
+    # and c, small enough, is not brought past b
+    upcoming = [Upcoming(1, 15, ["a"]), Upcoming(2, 100, ["b"]), Upcoming(3, 100, ["c"])]
+    assert plan_prefetch(_view(0, 100, {}, sizes), upcoming, now=0, window_bytes=100) == [("a", [])]
+    # the running moment's own budget counts too
+    assert plan_prefetch(_view(0, 5, {}, sizes), upcoming, now=0, window_bytes=100) == []

@@ -55,3 +55,30 @@ def test_chunk_moves_keep_views_valid_and_free_the_other_tier(engine: str) -> No
     with pytest.raises(ChunkStateError):
         c.move_to(Tier.DEVICE, copies)
     copies.close()
+
+
+@pytest.mark.parametrize("engine", ["serial", "copy-thread"])
+def test_a_clean_chunk_leaves_the_device_without_a_copy_and_a_written_one_with_one(engine: str) -> None:
+    """Note [clean host copy]: a chunk brought with ``keep_host`` keeps its host buffer;
+    until its payload is touched on the device, evicting it copies nothing."""
+    copies = SerialCopies() if engine == "serial" else CopyThread(delay=(0.005, 0.01))
+    c = Chunk(0, "param", 8, torch.float32, torch.device("cpu"))
+    c.allocate(Tier.HOST)
+    c.payload.copy_(torch.arange(8.0))
+    assert c.move_to(Tier.DEVICE, copies, keep_host=True)
+    c.wait_ready()
+    assert c.clean and c.has_host_buffer
+    assert not c.move_to(Tier.HOST, copies)  # no bytes copied back
+    assert c.device_view.untyped_storage().nbytes() == 0
+    assert torch.equal(c.payload, torch.arange(8.0))
+
+    c.move_to(Tier.DEVICE, copies, keep_host=True)
+    host = c._host_buf
+    c.payload[0] = -1.0  # a write on the device: the host copy is stale now
+    assert not c.clean
+    assert c.move_to(Tier.HOST, copies)  # copied back, into the buffer it kept
+    assert c.payload[0].item() == -1.0 and c._host_buf is host
+
+    c.move_to(Tier.DEVICE, copies)  # without keep_host the host buffer goes
+    assert not c.has_host_buffer
+    copies.close()

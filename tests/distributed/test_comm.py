@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from chunkstar.distributed.comm import Comm, DistributedError
-from chunkstar.optim.adam import global_grad_norm
+from chunkstar.optim.adam import global_grad_norm, range_norms
 
 GPU_STAND_IN = torch.device("meta")
 
@@ -46,9 +46,9 @@ def test_exchange_device_by_backend() -> None:
 def test_gradient_norm_goes_to_the_engine_device_under_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[torch.Tensor] = []
     _record_all_reduce(monkeypatch, seen)
-    grads = [[torch.ones(4), torch.ones(5)]]  # host-Adam chunks: their norms start on the CPU
+    norms = [range_norms([torch.ones(4), torch.ones(5)])]  # host-Adam chunks: their norms start on the CPU
     with pytest.raises(DistributedError, match="gradient norm"):
-        global_grad_norm(grads, Comm(0, 2, "nccl"), GPU_STAND_IN)
+        global_grad_norm(norms, Comm(0, 2, "nccl"), GPU_STAND_IN)
     assert len(seen) == 1
     assert seen[0].device == GPU_STAND_IN and seen[0].dtype == torch.float32
 
@@ -56,7 +56,7 @@ def test_gradient_norm_goes_to_the_engine_device_under_nccl(monkeypatch: pytest.
 def test_gradient_norm_stays_on_the_cpu_under_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[torch.Tensor] = []
     _record_all_reduce(monkeypatch, seen)
-    total = global_grad_norm([[torch.ones(4), torch.ones(5)]], Comm(0, 2, "gloo"), GPU_STAND_IN)
+    total = global_grad_norm([range_norms([torch.ones(4), torch.ones(5)])], Comm(0, 2, "gloo"), GPU_STAND_IN)
     assert [t.device.type for t in seen] == ["cpu"] and seen[0].dtype == torch.float32
     assert total.device.type == "cpu" and total.dim() == 0
     assert float(total) == pytest.approx(math.sqrt(2 * 9))  # both ranks' squares
@@ -73,8 +73,8 @@ def test_gradient_norm_of_one_process_matches_torch() -> None:
     g = torch.Generator().manual_seed(0)
     groups = [[torch.randn(7, generator=g), torch.randn(3, generator=g)], [torch.randn(11, generator=g).bfloat16()]]
     want = torch.linalg.vector_norm(torch.cat([t.float() for rs in groups for t in rs]))
-    total = global_grad_norm(groups, Comm(), torch.device("cpu"))
+    total = global_grad_norm([range_norms(rs) for rs in groups], Comm(), torch.device("cpu"))
     assert total.device.type == "cpu" and total.dtype == torch.float32
     torch.testing.assert_close(total, want)
-    assert math.isinf(float(global_grad_norm([[torch.tensor([1.0, math.inf])]], Comm(), torch.device("cpu"))))
-    assert math.isnan(float(global_grad_norm([[torch.tensor([math.nan])]], Comm(), torch.device("cpu"))))
+    assert math.isinf(float(global_grad_norm([range_norms([torch.tensor([1.0, math.inf])])], Comm(), torch.device("cpu"))))
+    assert math.isnan(float(global_grad_norm([range_norms([torch.tensor([math.nan])])], Comm(), torch.device("cpu"))))

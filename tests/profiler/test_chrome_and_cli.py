@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import chunkstar_profiler
+from chunkstar.events import MoveReason
 from chunkstar_profiler.cli import main
 
 
@@ -28,7 +29,8 @@ def test_phases_tracks_and_counters(recorded: dict[str, Any], tmp_path: Path) ->
     assert {"stages", "moments (modules)", "moves to device", "moves to host"} <= names
     p = chunkstar_profiler.load(str(recorded["path"]))
     xs = [e for e in ev if e["ph"] == "X"]
-    assert sum(1 for e in xs if e["cat"] in ("access", "eviction", "prefetch", "optimizer")) == len(p.moves)
+    reasons = {r.value for r in MoveReason}
+    assert sum(1 for e in xs if e["cat"] in reasons) == len(p.moves)
     assert sum(e["args"]["bytes"] for e in xs if "bytes" in e["args"]) == int(p.moves["nbytes"].sum())
     counters = [e for e in ev if e["ph"] == "C"]
     assert {"device memory", "host memory", "device budget"} <= {e["name"] for e in counters}

@@ -44,11 +44,11 @@ def test_placements_follow_the_moves(recorded: dict[str, Any]) -> None:
     p = chunkstar_profiler.load(str(recorded["path"]))
     pl = p.placements
     assert (pl["t_end_s"] >= pl["t_start_s"]).all()
-    for (lst, cid), grp in pl.groupby(["chunk_list", "chunk_id"]):
+    for (lst, cid, tier), grp in pl.groupby(["chunk_list", "chunk_id", "tier"]):
         grp = grp.sort_values("t_start_s")
-        # one tier at a time: a stay may overlap the next only by the copy between them
-        assert (grp["t_start_s"].to_numpy()[1:] >= grp["t_start_s"].to_numpy()[:-1]).all(), (lst, cid)
-        assert (grp["tier"].to_numpy()[1:] != grp["tier"].to_numpy()[:-1]).all(), (lst, cid)
+        # a chunk's stays in one tier follow each other; a host stay may span device stays
+        # (a clean host copy kept while the chunk is on the device, Note [clean host copy])
+        assert (grp["t_start_s"].to_numpy()[1:] >= grp["t_end_s"].to_numpy()[:-1]).all(), (lst, cid, tier)
     device_stays = pl[pl["tier"] == "device"]
     assert len(device_stays) >= (p.moves["dst"] == "device").sum()
 

@@ -112,7 +112,10 @@ class EngineConfig:
     """Elements per chunk; None means search the size that wastes least ("auto")."""
     eviction_policy: EvictionPolicyName = EvictionPolicyName.FURTHEST_NEXT_USE
     prefetch: bool = True
-    """Start copies of the next moments' chunks early (CUDA copy stream)."""
+    """Start copies of the next moments' chunks early, evicting chunks needed later."""
+    prefetch_window: int | None = None
+    """Bytes of prefetch copies in flight at most, looking ahead over the schedule (None:
+    "auto", four times the largest param chunk)."""
     hybrid_adam: bool = True
     """Run Adam on the device for the chunks that fit in the margin after the warm-up peak."""
     overlap: bool = True
@@ -137,6 +140,7 @@ _TOP_KEYS = {
     "device_memory_slack": "a fraction in [0, 0.5) of the device capacity kept free (default 0.1 on cuda, 0 on cpu)",
     "eviction_policy": '"furthest_next_use" or "lru"',
     "prefetch": "true or false",
+    "prefetch_window": 'bytes of prefetch copies in flight at most, as an integer or a string like "64MB", or "auto"',
     "hybrid_adam": "true or false",
     "overlap": "true or false",
     "device_link_bandwidth": 'bytes per second as a number or a string like "16GB/s" (cpu device only)',
@@ -366,6 +370,11 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
             raw_bw = raw_bw.strip()[:-2]
         bandwidth = float(parse_bytes(raw_bw, "device_link_bandwidth"))
 
+    window_raw = cfg.get("prefetch_window", "auto")
+    window = None if window_raw == "auto" else parse_bytes(window_raw, "prefetch_window")
+    if window is not None and window <= 0:
+        raise ConfigError("prefetch_window", f"got {window_raw!r}; expected {_TOP_KEYS['prefetch_window']} (> 0)")
+
     chunk_raw = cfg.get("default_chunk_size", "auto")
     chunk_size = None if chunk_raw == "auto" else _integer(chunk_raw, "default_chunk_size", lo=1)
 
@@ -387,6 +396,7 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
         chunk_size=chunk_size,
         eviction_policy=policy,
         prefetch=_boolean(cfg.get("prefetch", True), "prefetch"),
+        prefetch_window=window,
         hybrid_adam=_boolean(cfg.get("hybrid_adam", True), "hybrid_adam"),
         overlap=_boolean(cfg.get("overlap", True), "overlap"),
         device_link_bandwidth=bandwidth,

@@ -60,6 +60,8 @@ class MoveReason(enum.Enum):
     """The recorded schedule says it is needed soon."""
     OPTIMIZER = "optimizer"
     """Placed where its Adam update runs (host for CPU Adam, device for device Adam)."""
+    OFFLOAD = "offload"
+    """Its gradients were complete during backward: sent to the host, where its Adam update runs."""
 
 
 @dataclass(frozen=True)

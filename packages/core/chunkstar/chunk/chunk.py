@@ -18,6 +18,20 @@ chunk again or releasing it first waits on that event, so no reader ever sees
 half a copy, and an evicted chunk's device bytes are freed only after its copy
 has read them. Parameters are views of the device tensor: a module reads them
 only after the runtime made the chunk resident and waited (``make_resident``).
+Host-side work on the payload (the optimizer's update on a worker thread) is a
+second pending event, ``_work``: readers wait on it too, and the next copy to
+the device is handed it as ``after``, so the copy engine orders the copy behind
+the update without stopping the compute thread.
+
+Note [clean host copy]: a param chunk brought to the device may keep its host
+buffer (``keep_host``). Until something writes the device payload the two
+agree, and evicting the chunk needs no copy back: the device bytes are simply
+freed (Gemini keeps such copies too). Any access to :attr:`payload` on the
+device may be a write, so it marks the host copy stale; the runtime also
+compares the parameters' version counters, which an in-place write by the
+module itself bumps (see ChunkManager.move). A stale host buffer is kept as the
+destination of the next copy back, so a chunk that travels every step does not
+allocate host memory every step.
 """
 
 from __future__ import annotations
@@ -26,13 +40,22 @@ import torch
 
 from chunkstar.chunk.state import ChunkLocation, check_location_transition
 from chunkstar.device.copy_engine import CopyEngine, CopyEvent
+from chunkstar.device.pinned import PinnedBuffers
 from chunkstar.events import Tier
 
 __all__ = ["Chunk"]
 
 
 class Chunk:
-    def __init__(self, chunk_id: int, list_name: str, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        chunk_id: int,
+        list_name: str,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        pinned: PinnedBuffers | None = None,
+    ) -> None:
         self.chunk_id = chunk_id
         self.list_name = list_name
         self.numel = numel
@@ -40,14 +63,20 @@ class Chunk:
         self.device = device
         self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.location = ChunkLocation.RELEASED
-        self._pin = device.type == "cuda"
+        # where host buffers come from: exactly-sized pinned ones for a chunk that travels to a
+        # CUDA device (kept for life: pinning costs far more than the bytes), else plain memory
+        self._pinned = pinned
         # 1-D, on `device`; storage is 0 bytes unless location is DEVICE (Note [persistent device storage])
         self._device_buf = torch.empty(numel, dtype=dtype, device=device)
         self._device_buf.untyped_storage().resize_(0)
-        # 1-D, host (pinned when the device is CUDA); exists only while location is HOST
+        # 1-D, host (pinned when the device is CUDA); exists while location is HOST, and may
+        # stay while the chunk is on the device (Note [clean host copy]): valid or stale
         self._host_buf: torch.Tensor | None = None
+        self._host_valid = False
         # the last copy of this chunk's payload, until someone has waited on it (Note [pending copy])
         self._pending: CopyEvent | None = None
+        # host-side work on the host payload still running (the optimizer's update)
+        self._work: CopyEvent | None = None
 
     def __repr__(self) -> str:
         return f"Chunk({self.list_name}[{self.chunk_id}], {self.numel} x {self.dtype}, {self.location.name})"
@@ -59,9 +88,12 @@ class Chunk:
 
     @property
     def payload(self) -> torch.Tensor:
-        """The buffer holding the chunk's data now, wherever it is (once its last copy has landed)."""
+        """The buffer holding the chunk's data now, wherever it is (once its last copy and
+        any host-side work have landed). On the device the caller may write it, so a
+        clean host copy is dropped (Note [clean host copy])."""
         self.wait_ready()
         if self.location is ChunkLocation.DEVICE:
+            self._host_valid = False
             return self._device_buf
         if self.location is ChunkLocation.HOST:
             assert self._host_buf is not None
@@ -97,7 +129,9 @@ class Chunk:
         self._device_buf.untyped_storage().resize_(self.nbytes)
 
     def _new_host(self) -> torch.Tensor:
-        return torch.empty(self.numel, dtype=self.dtype, pin_memory=self._pin)
+        if self._pinned is not None:
+            return self._pinned.take(self.numel, self.dtype)
+        return torch.empty(self.numel, dtype=self.dtype)
 
     def allocate(self, tier: Tier) -> None:
         """First placement: zero-filled payload in ``tier``."""
@@ -109,34 +143,74 @@ class Chunk:
         else:
             self._host_buf = self._new_host()
             self._host_buf.zero_()
+            self._host_valid = True
         self.location = new
 
-    def move_to(self, tier: Tier, copies: CopyEngine, *, prefetch: bool = False) -> None:
-        """Copy the payload to ``tier`` and free it in the other one, through ``copies``.
+    @property
+    def clean(self) -> bool:
+        """On the device with a host copy that still agrees (Note [clean host copy])."""
+        return self.location is ChunkLocation.DEVICE and self._host_valid
+
+    @property
+    def has_host_buffer(self) -> bool:
+        """Host bytes are allocated for this chunk (its payload, or a copy kept on the side)."""
+        return self._host_buf is not None
+
+    def mark_dirty(self) -> None:
+        """The device payload was (or may have been) written: the host copy is stale."""
+        self._host_valid = False
+
+    @property
+    def host_buffer(self) -> torch.Tensor:
+        """The host payload without waiting: for work that is ordered after the chunk's
+        pending copy by its own ``after`` events (the optimizer's worker)."""
+        assert self._host_buf is not None and self.location is ChunkLocation.HOST, repr(self)
+        return self._host_buf
+
+    def set_work(self, event: CopyEvent) -> None:
+        """Host-side work on the host payload was queued; readers and the next copy wait for it."""
+        assert self.location is ChunkLocation.HOST, repr(self)
+        self._work = event
+
+    def move_to(self, tier: Tier, copies: CopyEngine, *, prefetch: bool = False, keep_host: bool = False) -> bool:
+        """Copy the payload to ``tier`` and free it in the other one, through ``copies``;
+        returns whether bytes were copied (an eviction of a clean chunk copies none).
 
         The copy may still be running when this returns (Note [pending copy]): the
         chunk keeps its event, and every reader of the payload waits on it first
         (:attr:`payload`, :meth:`wait_ready`). An eviction frees the device bytes
-        once its copy is done (a deferred free, run by the copy engine).
+        once its copy is done (a deferred free, run by the copy engine). With
+        ``keep_host`` a move to the device keeps the host buffer as a clean copy.
         """
-        self.wait_ready()  # the previous move of this chunk must have landed (buffers, freed bytes)
         if tier is Tier.DEVICE:
+            self._wait_copy()  # the previous move must have landed (buffers, freed bytes)
             check_location_transition(repr(self), self.location, ChunkLocation.DEVICE)
             assert self._host_buf is not None
             # The storage is allocated on the compute (current) stream/thread before the
             # copy is queued, and the consumer waits on the copy's event before reading.
+            # Host-side work still running on the source goes to the copy engine as
+            # ``after``: the copy, not this thread, waits for it.
             self._grow_device()
-            src, self._host_buf = self._host_buf, None  # the copy engine holds the host bytes until done
-            self._pending = copies.copy(self._device_buf, src, prefetch=prefetch)
+            src = self._host_buf  # the copy engine holds the host bytes until done
+            self._host_buf = src if keep_host or self._pinned is not None else None
+            self._host_valid = keep_host
+            self._pending = copies.to_device(self._device_buf, src, prefetch=prefetch, after=self._work)
+            self._work = None  # the copy lands after it
             self.location = ChunkLocation.DEVICE
-        else:
-            check_location_transition(repr(self), self.location, ChunkLocation.HOST)
-            host = self._new_host()
-            storage = self._device_buf.untyped_storage()
-            # the device bytes are freed after the copy has read them (deferred free)
-            self._pending = copies.copy(host, self._device_buf, then=lambda: storage.resize_(0))
-            self._host_buf = host
-            self.location = ChunkLocation.HOST
+            return True
+        self.wait_ready()
+        check_location_transition(repr(self), self.location, ChunkLocation.HOST)
+        self.location = ChunkLocation.HOST
+        if self._host_valid:  # clean: the host copy is the payload
+            self._device_buf.untyped_storage().resize_(0)
+            return False
+        host = self._host_buf if self._host_buf is not None else self._new_host()
+        storage = self._device_buf.untyped_storage()
+        # the device bytes are freed after the copy has read them (deferred free)
+        self._pending = copies.to_host(host, self._device_buf, then=lambda: storage.resize_(0))
+        self._host_buf = host
+        self._host_valid = True
+        return True
 
     def materialize_on_device(self) -> torch.Tensor:
         """Give a released (remote) chunk its device bytes, uninitialised; the caller
@@ -154,11 +228,25 @@ class Chunk:
         self.location = ChunkLocation.RELEASED
 
     def wait_ready(self) -> None:
-        """Wait for the pending copy of this chunk (on CUDA: order the compute stream after it)."""
+        """Wait for the pending copy of this chunk (on CUDA: order the compute stream after
+        it) and for host-side work on it."""
+        self._wait_copy()
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    def _wait_copy(self) -> None:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
 
     @property
+    def pending_copy(self) -> CopyEvent | None:
+        """The event of this chunk's last copy if nobody has waited on it yet (work that
+        reads the landed bytes is ordered after it)."""
+        return self._pending
+
+    @property
     def copy_pending(self) -> bool:
-        return self._pending is not None and not self._pending.done()
+        """A copy or host-side work of this chunk has not finished yet."""
+        return (self._pending is not None and not self._pending.done()) or (self._work is not None and not self._work.done())

@@ -7,14 +7,14 @@ An optional ``then`` callback runs once the copy is done, in the engine's own
 order (an eviction frees the device bytes it copied from there: a deferred
 free). Three implementations:
 
-* :class:`SerialCopies` - the copy runs in the calling thread before ``copy``
+* :class:`SerialCopies` - the copy runs in the calling thread before it
   returns (``overlap: false``: the reference path of tests and benchmarks);
 * :class:`CopyThread` - the CPU virtual device's copy engine: copies run in
-  order on one worker thread, overlapping the compute thread (two cores here);
-* :class:`CudaCopies` - CUDA: host-to-device copies of prefetches run on a copy
-  stream beside the compute stream and are ordered by events; the other copies
-  stay on the compute stream (a device-to-host copy is waited for before its
-  device bytes are freed).
+  order on one worker thread per direction, overlapping the compute thread;
+* :class:`CudaCopies` - CUDA: prefetches run on a copy stream and copies to
+  the host on another, beside the compute stream, ordered by events; the
+  device bytes a copy to the host read are freed once it is done (deferred
+  frees). With ``overlap: false`` every copy stays on the compute stream.
 
 Both CPU engines can emulate a PCIe-attached device: with a link bandwidth
 each copy takes at least ``bytes / bandwidth`` (config ``device_link_bandwidth``),
@@ -40,6 +40,8 @@ __all__ = [
     "CopyEvent",
     "CopyThread",
     "CudaCopies",
+    "HostWorker",
+    "InlineWorker",
     "SerialCopies",
     "debug_delay_from_env",
     "make_copy_engine",
@@ -56,10 +58,17 @@ class CopyEvent(Protocol):
 
 
 class CopyEngine(Protocol):
-    def copy(
-        self, dst: torch.Tensor, src: torch.Tensor, *, then: Callable[[], None] | None = None, prefetch: bool = False
+    def to_device(
+        self, dst: torch.Tensor, src: torch.Tensor, *, prefetch: bool = False, after: CopyEvent | None = None
     ) -> CopyEvent:
-        """Start ``dst.copy_(src)`` (1-D tensors of equal size); ``prefetch`` marks a copy nobody waits for yet."""
+        """Start ``dst.copy_(src)`` (1-D, equal sizes) from a host buffer the caller keeps
+        alive, once ``after`` (host-side work on ``src``) is done; ``prefetch`` marks a copy
+        nobody waits for yet."""
+        ...
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, then: Callable[[], None] | None = None) -> CopyEvent:
+        """Start ``dst.copy_(src)`` into a host buffer; ``then`` runs once the copy has
+        read ``src`` (an eviction frees the device bytes there: a deferred free)."""
         ...
 
     def close(self) -> None: ...
@@ -114,14 +123,20 @@ class _Pace:
 
 
 class SerialCopies:
-    """Copies in the calling thread: every copy is done when ``copy`` returns."""
+    """Copies in the calling thread: every copy is done when it returns."""
 
     def __init__(self, bandwidth: float | None = None, delay: tuple[float, float] | None = None) -> None:
         self._pace = _Pace(bandwidth, delay)
 
-    def copy(
-        self, dst: torch.Tensor, src: torch.Tensor, *, then: Callable[[], None] | None = None, prefetch: bool = False
+    def to_device(
+        self, dst: torch.Tensor, src: torch.Tensor, *, prefetch: bool = False, after: CopyEvent | None = None
     ) -> CopyEvent:
+        if after is not None:
+            after.wait()
+        self._pace.run(dst, src)
+        return _DONE
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, then: Callable[[], None] | None = None) -> CopyEvent:
         self._pace.run(dst, src)
         if then is not None:
             then()
@@ -139,59 +154,138 @@ class _ThreadEvent:
     def wait(self) -> None:
         self._flag.wait()
         if self.error is not None:
-            raise RuntimeError(f"chunkstar: a chunk copy failed on the copy thread: {self.error!r}") from self.error
+            raise RuntimeError(f"chunkstar: a chunk copy or update failed on a worker thread: {self.error!r}") from self.error
 
     def done(self) -> bool:
         return self._flag.is_set()
 
 
-def _copy_worker(jobs: queue.SimpleQueue, pace: _Pace) -> None:  # type: ignore[type-arg]
+def _worker_loop(jobs: queue.SimpleQueue) -> None:  # type: ignore[type-arg]
     while True:
         job = jobs.get()
         if job is None:
             return
-        dst, src, then, event = job
+        fn, after, event = job
         try:
-            pace.run(dst, src)
-            if then is not None:
-                then()
+            if after is not None:
+                after.wait()
+            with torch.no_grad():  # grad mode is per thread: chunk buffers are plain data here
+                fn()
         except BaseException as e:  # handed to whoever waits on the event
             event.error = e
         finally:
-            del dst, src, then, job  # the buffers may be freed as soon as the copy is done
+            del fn, after, job  # the buffers may be freed as soon as the job is done
             event._flag.set()
 
 
-class CopyThread:
-    """The CPU virtual device's copy engine: one worker thread runs the copies in order.
+def _stop_lane(jobs: queue.SimpleQueue, thread: threading.Thread) -> None:  # type: ignore[type-arg]
+    jobs.put(None)
+    if thread is not threading.current_thread():
+        thread.join()
 
-    The worker holds references to both buffers until the copy is done, so a
-    caller may drop its own (an evicted chunk's device bytes are freed by the
-    ``then`` callback, on the worker, after the copy). Torch ops on the worker
-    run outside the compute thread's dispatch modes (they are thread-local), so
-    the warm-up's memory probe does not count them."""
 
-    def __init__(self, bandwidth: float | None = None, delay: tuple[float, float] | None = None) -> None:
+class _Lane:
+    """One worker thread running jobs in the order they were queued."""
+
+    def __init__(self, name: str) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # type: ignore[type-arg]
-        self._thread = threading.Thread(
-            target=_copy_worker, args=(self._jobs, _Pace(bandwidth, delay)), name="chunkstar-copy", daemon=True
-        )
+        self._thread = threading.Thread(target=_worker_loop, args=(self._jobs,), name=name, daemon=True)
         self._thread.start()
-        # the worker must not outlive the engine that owns this object
-        self._finalizer = weakref.finalize(self, self._jobs.put, None)
+        # The worker must not outlive the object that owns it, nor the interpreter: at exit
+        # (finalize runs at exit too) its queued jobs finish before torch is torn down.
+        self._finalizer = weakref.finalize(self, _stop_lane, self._jobs, self._thread)
 
-    def copy(
-        self, dst: torch.Tensor, src: torch.Tensor, *, then: Callable[[], None] | None = None, prefetch: bool = False
-    ) -> CopyEvent:
+    def submit(self, fn: Callable[[], None], after: CopyEvent | None = None) -> CopyEvent:
         event = _ThreadEvent()
-        self._jobs.put((dst, src, then, event))
+        self._jobs.put((fn, after, event))
         return event
 
     def close(self) -> None:
         self._finalizer()
 
 
+class CopyThread:
+    """The CPU virtual device's copy engine: one worker thread per direction (a PCIe
+    link copies both ways at once), each running its copies in order.
+
+    A worker holds references to both buffers until the copy is done, so a
+    caller may drop its own (an evicted chunk's device bytes are freed by the
+    ``then`` callback, on the worker, after the copy). Torch ops on the workers
+    run outside the compute thread's dispatch modes (they are thread-local), so
+    the warm-up's memory probe does not count them. Copies of one chunk in
+    opposite directions are ordered by the chunk (it waits for its pending copy
+    before the next move)."""
+
+    def __init__(self, bandwidth: float | None = None, delay: tuple[float, float] | None = None) -> None:
+        self._pace = _Pace(bandwidth, delay)
+        self._to_device = _Lane("chunkstar-copy-h2d")
+        self._to_host = _Lane("chunkstar-copy-d2h")
+
+    def to_device(
+        self, dst: torch.Tensor, src: torch.Tensor, *, prefetch: bool = False, after: CopyEvent | None = None
+    ) -> CopyEvent:
+        pace = self._pace
+        return self._to_device.submit(lambda: pace.run(dst, src), after)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, then: Callable[[], None] | None = None) -> CopyEvent:
+        pace = self._pace
+
+        def job() -> None:
+            pace.run(dst, src)
+            if then is not None:
+                then()
+
+        return self._to_host.submit(job)
+
+    def close(self) -> None:
+        self._to_device.close()
+        self._to_host.close()
+
+
+class HostWorker:
+    """Host-side work off the compute thread, in order: the optimizer's updates and
+    gradient norms (``overlap: true``). Each job's event is set when it is done; a
+    failure is raised to whoever waits on it. ``delay`` (the debug setting
+    ``CHUNKSTAR_DEBUG_COPY_DELAY_MS``) sleeps a random time before each job, so a
+    reader that forgot to wait for an update sees the old value."""
+
+    def __init__(self, delay: tuple[float, float] | None = None) -> None:
+        self._lane = _Lane("chunkstar-host-work")
+        self._delay = delay
+        self._rng = random.Random(1)
+
+    def submit(self, fn: Callable[[], None], after: CopyEvent | None = None) -> CopyEvent:
+        if self._delay is not None:
+            pause = self._rng.uniform(*self._delay)
+
+            def delayed() -> None:
+                time.sleep(pause)
+                fn()
+
+            return self._lane.submit(delayed, after)
+        return self._lane.submit(fn, after)
+
+    def close(self) -> None:
+        self._lane.close()
+
+
+class InlineWorker:
+    """The serial reference of :class:`HostWorker`: each job runs before ``submit`` returns."""
+
+    def submit(self, fn: Callable[[], None], after: CopyEvent | None = None) -> CopyEvent:
+        if after is not None:
+            after.wait()
+        with torch.no_grad():
+            fn()
+        return _DONE
+
+    def close(self) -> None:
+        pass
+
+
 class _CudaEvent:
+    """A copy on a copy stream: the compute stream waits for it (no host sync)."""
+
     def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
         self._event = event
         self._device = device
@@ -203,21 +297,73 @@ class _CudaEvent:
         return bool(self._event.query())
 
 
+class _CudaToHost:
+    """A device-to-host copy on the copy stream. Its readers are on the host, so
+    :meth:`wait` synchronizes on it. Its ``then`` (freeing the device bytes it read: a
+    deferred free, instead of ``record_stream``) runs in the thread that owns the
+    engine, the first time that thread finds the copy done (:meth:`wait`, or the
+    engine's :meth:`CudaCopies.poll` at every copy); a worker thread that waits for
+    the bytes only synchronizes."""
+
+    def __init__(self, event: torch.cuda.Event, then: Callable[[], None] | None, owner: int) -> None:
+        self._event = event
+        self._then = then
+        self._owner = owner
+
+    def _fire(self) -> None:
+        if self._then is not None and threading.get_ident() == self._owner:
+            then, self._then = self._then, None
+            then()
+
+    def wait(self) -> None:
+        self._event.synchronize()
+        self._fire()
+
+    def done(self) -> bool:
+        if not self._event.query():
+            return False
+        self._fire()
+        return True
+
+    @property
+    def freed(self) -> bool:
+        return self._then is None
+
+
 class CudaCopies:
-    """CUDA: prefetches (host to device) on a copy stream ordered by events; other copies
-    on the compute stream, where later kernels are ordered after them. A device-to-host
-    copy is synchronous: its ``then`` (freeing the device bytes) and the host-side
-    readers (CPU Adam, state_dict) need it finished."""
+    """CUDA copies (``overlap: true``): prefetches (host to device) on a copy stream,
+    device-to-host copies on another (a PCIe link copies both ways at once), each
+    ordered after the compute stream's work so far and waited for by event: the
+    compute stream waits for a prefetch before reading it, the host synchronizes on a
+    copy to the host before reading it. The device bytes a copy to the host read are
+    freed once the copy is done (deferred frees, polled at every copy), never while
+    the copy stream may still read them. Loads that were not prefetched run on the
+    compute stream. Host-side work a copy must follow (``after``) is waited for in
+    the calling thread: a stream cannot wait on a thread.
 
-    def __init__(self, device: torch.device) -> None:
+    ``serial`` (``overlap: false``, the reference path): every copy on the compute
+    stream, a copy to the host synchronized at once."""
+
+    def __init__(self, device: torch.device, serial: bool = False) -> None:
         self.device = device
-        # prefetch copies run here, overlapping the compute stream's kernels
-        self.stream = torch.cuda.Stream(device)
+        self.serial = serial
+        self.stream = None if serial else torch.cuda.Stream(device)  # prefetches (host to device)
+        self.to_host_stream = None if serial else torch.cuda.Stream(device)
+        self._owner = threading.get_ident()
+        self._unfreed: list[_CudaToHost] = []  # copies to the host whose device bytes are not freed yet
 
-    def copy(
-        self, dst: torch.Tensor, src: torch.Tensor, *, then: Callable[[], None] | None = None, prefetch: bool = False
+    def poll(self) -> None:
+        """Free the device bytes of the copies to the host that are done."""
+        if self._unfreed:
+            self._unfreed = [e for e in self._unfreed if not e.done()]
+
+    def to_device(
+        self, dst: torch.Tensor, src: torch.Tensor, *, prefetch: bool = False, after: CopyEvent | None = None
     ) -> CopyEvent:
-        if prefetch and dst.device.type == "cuda" and src.device.type == "cpu":
+        self.poll()
+        if after is not None:
+            after.wait()
+        if prefetch and self.stream is not None:
             # The destination was allocated on the compute stream, so the copy stream waits
             # for it first; the consumer waits on the event before reading (CopyEvent.wait).
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -225,24 +371,39 @@ class CudaCopies:
                 dst.copy_(src, non_blocking=src.is_pinned())
                 event = torch.cuda.Event()
                 event.record(self.stream)
-            if then is not None:
-                then()
             return _CudaEvent(event, self.device)
-        dst.copy_(src, non_blocking=src.is_pinned() and dst.device.type == "cuda")
-        if dst.device.type == "cpu" and src.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the host side reads it next
-        if then is not None:
-            then()
+        dst.copy_(src, non_blocking=src.is_pinned())
         return _DONE
 
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, then: Callable[[], None] | None = None) -> CopyEvent:
+        self.poll()
+        if self.to_host_stream is None or not dst.is_pinned():
+            dst.copy_(src)
+            torch.cuda.current_stream(self.device).synchronize()  # the host side reads it next
+            if then is not None:
+                then()
+            return _DONE
+        # after the kernels that wrote src; src's bytes stay allocated until the copy is done
+        self.to_host_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.to_host_stream):
+            dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.to_host_stream)
+        done = _CudaToHost(event, then, self._owner)
+        if then is not None:
+            self._unfreed.append(done)
+        return done
+
     def close(self) -> None:
-        pass
+        if self._unfreed:
+            torch.cuda.synchronize(self.device)
+            self.poll()
 
 
 def make_copy_engine(device: torch.device, overlap: bool, bandwidth: float | None) -> CopyEngine:
     """The copy engine for ``device``: CUDA streams, or on the CPU virtual device a copy
     thread (``overlap``) or the serial reference path, both paced by ``bandwidth`` (bytes/s)."""
     if device.type == "cuda":
-        return CudaCopies(device)
+        return CudaCopies(device, serial=not overlap)
     delay = debug_delay_from_env()
     return CopyThread(bandwidth, delay) if overlap else SerialCopies(bandwidth, delay)

@@ -20,24 +20,29 @@ them, against PyTorch's 100-130.
 
 ``malloc_trim(0)`` hands every whole free page of every arena back (madvise;
 the address space stays, nothing moves). It takes a few milliseconds, and pages
-reused afterwards fault back in zeroed, so the engine calls it right before
-the iteration's peak only:
+reused afterwards fault back in zeroed (that is most of its cost: measured
+0.45 -> 0.50 s/step on the 30M GPT-2 of ``benchmarks/overlap.py``, 3-6% on the
+51.5M one), so the engine calls it right before the iteration's peak only:
 
-* with a trace (the frozen one, or the first warm-up pass's during the
-  second): once, at the start of the moment with the largest traced
-  non-model peak; at the forward/backward turn instead if the iteration got
-  there without reaching that moment;
-* in the first warm-up pass (no trace, the peak could be anywhere): at the
-  start of every forward moment and at the turn, once per run;
-* with no trace otherwise (a run that keeps changing shape): at the turn, when
-  the forward's temporaries are freed and the loss and the start of backward,
-  which usually hold the peak, are still to come.
+* in warm-up (no frozen trace: the peak could be anywhere): at the start of
+  every forward moment, and at the forward/backward turn when there is no
+  trace yet or the traced peak moment was not reached;
+* on the frozen schedule: once, at the start of the moment with the largest
+  traced non-model peak (at the turn instead if the iteration got there
+  without reaching that moment) - unless the previous frozen iteration loaded
+  param chunks. Under pressure every step frees and allocates chunk payloads
+  and activations anyway, so handing the pages back only has the next moves
+  fault them in again (12% of the step on the 30M GPT-2 at 8 GB/s), for a
+  peak RSS that the chunks' own traffic sets;
+* around an optimizer step that moves the optimizer state (the first step
+  after warm-up, when it fits on the device): before it, and after it if it
+  moved more than a quarter of the state's bytes - the host buffers it left
+  are free pages that nothing else would give back.
 
 On the 51.5M GPT-2 the peak moment is ``lm_head``'s forward, which spans the loss
-and the start of backward: peak RSS falls to the live bytes plus ~20 MiB, for
-~45k more page faults and 3-6% more time per step. The engine decides when;
-:class:`HostHeap` only does it. Where libc has no ``malloc_trim`` (macOS, musl)
-it does nothing.
+and the start of backward: peak RSS falls to the live bytes plus ~20 MiB. The
+engine decides when; :class:`HostHeap` only does it. Where libc has no
+``malloc_trim`` (macOS, musl) it does nothing.
 """
 
 from __future__ import annotations

@@ -8,13 +8,27 @@ step is two passes over the chunks that hold gradients:
    host for host Adam, the device with its state chunks for device Adam,
    see :mod:`chunkstar.placement.optimizer`) and take the L2 norm of its
    gradient ranges (the global norm for clipping; inf/nan means fp16 overflow);
-2. *update*: one fused Adam call per device, parameter group and step count,
-   over the fp32 views of every chunk's runs of slots, then one foreach cast of
-   the new masters back into the param slots.
+2. *update*: fused Adam over the fp32 views of the chunks' runs of slots, then
+   a foreach cast of the new masters back into the param slots.
+
+Note [gradient pipeline]: with one process, a chunk whose gradients are
+complete during backward is handed over at once (:meth:`ChunkAdam.take_gradients`):
+a host-Adam chunk starts its copy to the host and its per-range norms are
+taken where the gradient lies (on CUDA on the device before it leaves; on the
+CPU virtual device by the host worker once the copy has landed), so both
+overlap the rest of the backward. At the step, the global norm needs every
+partial (clipping is exact, so nothing is updated before it is known); then
+each host-Adam chunk's update is one job on the host worker, queued in the
+order the next forward needs the chunks, and its param chunk's next copy to
+the device is ordered after that job only (Note [pending copy] in
+chunk/chunk.py): the forward starts while later chunks are still updating.
+With ``overlap: false`` the worker runs each job in place: the same arithmetic
+on the same values in the same order, so both paths give the same bits.
 
 It subclasses ``torch.optim.Optimizer`` so LR schedulers work through
-``param_groups``. Parameters that got no gradient are skipped, as
-``torch.optim`` skips parameters whose ``.grad`` is None.
+``param_groups`` (a queued update keeps the hyperparameters of its step).
+Parameters that got no gradient are skipped, as ``torch.optim`` skips
+parameters whose ``.grad`` is None.
 """
 
 from __future__ import annotations
@@ -24,16 +38,18 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
+from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.layout import TensorSlot
 from chunkstar.chunk.state import TensorState
+from chunkstar.device.copy_engine import CopyEvent
 from chunkstar.distributed.comm import Comm
-from chunkstar.events import MoveReason
+from chunkstar.events import MoveReason, Tier
 from chunkstar.runtime.chunk_manager import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM
 
 if TYPE_CHECKING:
     from chunkstar.runtime.engine import ChunkEngine
 
-__all__ = ["ChunkAdam", "global_grad_norm"]
+__all__ = ["ChunkAdam", "global_grad_norm", "range_norms"]
 
 _FORMAT = "chunkstar.ChunkAdam/1"
 _BATCH_ELEMENTS = 1 << 22  # gradient elements per batch of fused calls (16 MiB of fp32 copies)
@@ -55,25 +71,30 @@ def _runs(slots: list[TensorSlot], key: Callable[[TensorSlot], Any]) -> list[tup
     return out
 
 
-def global_grad_norm(ranges_by_device: Iterable[list[torch.Tensor]], comm: Comm, device: torch.device) -> torch.Tensor:
-    """The L2 norm of every rank's gradient ranges: a 0-dim fp32 CPU tensor, inf or nan
+def range_norms(ranges: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of each gradient range, as one 1-D fp32 tensor where they lie (one foreach call)."""
+    if not ranges:
+        return torch.zeros(0)
+    return torch.stack(torch._foreach_norm(ranges, 2, dtype=torch.float32))
+
+
+def global_grad_norm(norms: list[torch.Tensor], comm: Comm, device: torch.device) -> torch.Tensor:
+    """The L2 norm of every rank's gradients from their per-range norms (1-D fp32
+    tensors, :func:`range_norms`, on any device): a 0-dim fp32 CPU tensor, inf or nan
     when a gradient overflowed.
 
-    ``ranges_by_device`` holds the ranges grouped by the device they lie on. Each
-    device takes the norms of its ranges in one foreach call and keeps them; they
-    travel once per device to ``comm.exchange_device(device)`` (``device`` is the
-    engine's: the sum is all-reduced there, on the GPU under NCCL, which reduces CUDA
-    tensors only), and the total comes to the CPU once: one sync per step, not one
-    per chunk."""
+    The parts travel to ``comm.exchange_device(device)`` (``device`` is the engine's: the
+    sum is all-reduced there, on the GPU under NCCL, which reduces CUDA tensors only),
+    and the total comes to the CPU once: one sync per step, not one per chunk."""
     where = comm.exchange_device(device)
-    parts = [torch.stack(torch._foreach_norm(rs, 2, dtype=torch.float32)).to(where) for rs in ranges_by_device if rs]
-    norms = torch.cat(parts) if parts else torch.zeros(0, device=where)  # 1-D fp32 on `where`
+    parts = [n.to(where) for n in norms if n.numel()]
+    flat = torch.cat(parts) if parts else torch.zeros(0, device=where)  # 1-D fp32 on `where`
     if comm.distributed:
         # every rank joins, even one without gradients (Note [collective schedule])
-        sq = norms.square().sum().reshape(1)
+        sq = flat.square().sum().reshape(1)
         total = comm.all_reduce_sum(sq, what="the gradient norm", device=device).sqrt()[0]
     else:
-        total = torch.linalg.vector_norm(norms)
+        total = torch.linalg.vector_norm(flat)
     return total.cpu()
 
 
@@ -90,6 +111,11 @@ class ChunkAdam(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
         self.step_count = 0  # optimizer.step() calls, skipped ones included (a checkpoint's "step")
+        # per-range gradient norms of chunks handed over during backward (Note [gradient
+        # pipeline]): the event of the job computing them (None: already computed) and its result
+        self._partials: dict[int, tuple[CopyEvent | None, list[torch.Tensor]]] = {}
+        self._order: tuple[int, list[int]] | None = None  # (id of the trace, chunk ids in next-forward order)
+        self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
         engine.optimizer = self  # engine.save_checkpoint / load_checkpoint carry this optimizer's state
 
     # ------------------------------------------------------------------ public
@@ -118,6 +144,58 @@ class ChunkAdam(torch.optim.Optimizer):
         parameter values from the fp32 masters."""
         self._engine.drop_pending_grads()
 
+    # ------------------------------------------------------------------ gradient pipeline
+    def take_gradients(self, chunk_id: int) -> None:
+        """The engine's backward is done with param chunk ``chunk_id`` (Note [gradient
+        pipeline]): a host-Adam chunk goes to the host now and its gradient norms are
+        taken on the way; a device-Adam chunk waits for the step where it is."""
+        eng = self._engine
+        mgr = eng.mgr
+        if chunk_id in eng.device_adam_chunks or chunk_id in self._partials:
+            return
+        slots = [s for s in mgr.slots_of(chunk_id) if mgr.states[s.index] is TensorState.HOLD_AFTER_BWD]
+        if not slots:
+            return
+        spans = [(a, b) for _, a, b in _runs(slots, lambda s: 0)]
+        chunk = mgr.chunks[PARAM][chunk_id]
+        last = mgr.moment >= mgr.trace.n_moments - 1  # no backward left to hide the copy behind
+        if eng.device.type == "cuda" or last:
+            # where the gradient lies, before the chunk leaves: on CUDA on the compute stream;
+            # on the CPU virtual device for the chunks the last moment completes, so the step
+            # does not wait for their copy (the same kernel on the same values either way)
+            g = chunk.payload
+            self._partials[chunk_id] = (None, [range_norms([g[a:b] for a, b in spans])])
+            mgr.offload(chunk_id)
+            return
+        mgr.offload(chunk_id)
+        host = chunk.host_buffer
+        box: list[torch.Tensor] = []
+        event = eng.host_work.submit(lambda: box.append(range_norms([host[a:b] for a, b in spans])), after=chunk.pending_copy)
+        self._partials[chunk_id] = (event, box)
+
+    def forget_gradients(self) -> None:
+        """The pending gradients were dropped (zero_grad without a step, a failed backward)."""
+        for event, _ in self._partials.values():
+            if event is not None:
+                event.wait()  # its job reads a buffer the restore is about to write
+        self._partials.clear()
+
+    def _forward_order(self) -> list[int]:
+        """Chunk ids in the order the next forward first needs them (the frozen trace's
+        order; chunks it never uses, or no trace yet, in id order after them)."""
+        mgr = self._engine.mgr
+        trace = mgr.trace
+        if self._order is None or self._order[0] != id(trace):
+            seen: dict[int, None] = {}
+            if trace.frozen:
+                for j in range(trace.n_moments):
+                    for c in trace.chunks_at(j):
+                        seen.setdefault(c, None)
+            for c in range(mgr.layout.n_chunks):
+                seen.setdefault(c, None)
+            self._order = (id(trace), list(seen))
+        return self._order[1]
+
     # ------------------------------------------------------------------ step
     def _step(self) -> None:
         eng = self._engine
@@ -129,17 +207,36 @@ class ChunkAdam(torch.optim.Optimizer):
             if mgr.states[s.index] is TensorState.HOLD_AFTER_BWD:  # only own chunks hold gradients
                 grad_slots.setdefault(s.chunk_id, []).append(s)
         if not grad_slots and not comm.distributed:
+            self.forget_gradients()
             return
 
-        # pass 1: place, then the norm of every contiguous gradient range, one foreach
-        # call per device (a model of many chunks must not pay a kernel call per chunk)
-        ranges: dict[torch.device, list[torch.Tensor]] = {}
+        # pass 1: place, then the norm of every contiguous gradient range: handed over during
+        # backward, or now with one foreach call per device (a model of many chunks must not
+        # pay a kernel call per chunk); the parts are joined in chunk order either way
+        batched: dict[torch.device, list[torch.Tensor]] = {}
+        pieces: list[tuple[int, torch.device | None, int, int]] = []  # (chunk, device or None: a partial, start, count)
         for cid, slots in grad_slots.items():
             self._place(cid)
+            if cid in self._partials:
+                pieces.append((cid, None, 0, 0))
+                continue
             g = mgr.chunks[PARAM][cid].payload
-            for _, a, b in _runs(slots, lambda s: 0):
-                ranges.setdefault(g.device, []).append(g[a:b])
-        total = global_grad_norm(ranges.values(), comm, eng.device)  # 0-dim fp32, CPU
+            ranges = batched.setdefault(g.device, [])
+            spans = [g[a:b] for _, a, b in _runs(slots, lambda s: 0)]
+            pieces.append((cid, g.device, len(ranges), len(spans)))
+            ranges.extend(spans)
+        stacked = {dev: range_norms(rs) for dev, rs in batched.items()}
+        norms: list[torch.Tensor] = []
+        for cid, dev, start, count in pieces:
+            if dev is None:
+                event, box = self._partials[cid]
+                if event is not None:
+                    event.wait()
+                norms.append(box[0])
+            else:
+                norms.append(stacked[dev][start : start + count])
+        self._partials.clear()
+        total = global_grad_norm(norms, comm, eng.device)  # 0-dim fp32, CPU
         total_f = float(total)
         if not math.isfinite(total_f):  # fp16 overflow
             self.skipped_steps += 1
@@ -156,7 +253,19 @@ class ChunkAdam(torch.optim.Optimizer):
             factor = torch.clamp(torch.tensor(clip) / (total / scaler.scale + 1e-6), max=1.0)
         if scaler.enabled:
             factor = factor / scaler.scale
-        self._update(grad_slots, factor, apply_factor=clip > 0 or scaler.enabled)
+        apply_factor = clip > 0 or scaler.enabled
+        on_device = {cid: slots for cid, slots in grad_slots.items() if mgr.chunks[PARAM][cid].tier is not Tier.HOST}
+        self._update(on_device, factor, apply_factor)
+        if eng.device.type == "cuda" and len(on_device) < len(grad_slots):
+            # host buffers: every copy still reading one (a prefetch on the copy stream) is done
+            torch.cuda.synchronize(eng.device)
+        for cid in self._forward_order():
+            if cid in grad_slots and cid not in on_device:
+                self._update_on_host(cid, grad_slots[cid], factor, apply_factor)
+        for slots in grad_slots.values():
+            for s in slots:
+                self._steps[s.index] += 1
+                mgr.set_state(s.index, TensorState.HOLD)
         scaler.update(overflow=False)
 
     def _place(self, cid: int) -> None:
@@ -169,57 +278,132 @@ class ChunkAdam(torch.optim.Optimizer):
             for name in (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ):
                 mgr.to_host((name, cid), MoveReason.OPTIMIZER)
 
-    def _update(self, grad_slots: dict[int, list[TensorSlot]], factor: torch.Tensor, apply_factor: bool) -> None:
-        """Pass 2: fused Adam over the fp32 views of many chunks' runs at once, one call
-        per (device, parameter group, step count), then a foreach cast of the masters
-        back into the param slots. Runs are taken in batches of at most
-        ``_BATCH_ELEMENTS`` gradient elements, a longer run in pieces of that size: bf16/fp16
-        gradients need fp32 copies, and all of them at once would cost 4 bytes per
-        parameter of extra memory (one chunk's worth, too, when a chunk is large: a tied
-        embedding alone in its chunk). Which batch a piece joins does not change its bits."""
-        mgr = self._engine.mgr
-        fused = torch._fused_adamw_ if self._decoupled else torch._fused_adam_
-        buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]] = {}
-        pending = 0
+    def _buckets(
+        self,
+        buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]],
+        tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+        slots: list[TensorSlot],
+        step_of: Callable[[int], int],
+        flush: Callable[[], None],
+        pending: int,
+        scratch: torch.Tensor | None,
+    ) -> int:
+        """Add one chunk's runs (params, master, exp_avg, exp_avg_sq views) to ``buckets``
+        by (device, group, step), in pieces of at most ``_BATCH_ELEMENTS`` from each run's
+        start, calling ``flush`` before a batch would exceed that; returns the elements pending.
+        A bf16/fp16 gradient's fp32 copy goes into ``scratch`` (a batch's worth of fp32,
+        reused by every batch) where given, else into a new tensor."""
+        p, master, m, v = tensors
+        convert = p.dtype != torch.float32
+        group_of = self._group_of
+        for (gi, step), a, b in _runs(slots, lambda s: (group_of[s.index], step_of(s.index))):
+            for lo in range(a, b, _BATCH_ELEMENTS):
+                hi = min(lo + _BATCH_ELEMENTS, b)
+                if pending + hi - lo > _BATCH_ELEMENTS:
+                    flush()
+                    pending = 0
+                lists = buckets.setdefault((p.device, gi, step), ([], [], [], [], []))
+                lists[0].append(master[lo:hi])
+                if not convert:
+                    lists[1].append(p[lo:hi])
+                elif scratch is not None:
+                    lists[1].append(scratch[pending : pending + hi - lo].copy_(p[lo:hi]))  # fp32 gradient
+                else:
+                    lists[1].append(p[lo:hi].float())
+                lists[2].append(m[lo:hi])
+                lists[3].append(v[lo:hi])
+                lists[4].append(p[lo:hi])
+                pending += hi - lo
+        return pending
+
+    def _flusher(
+        self,
+        buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]],
+        factor: torch.Tensor,
+        apply_factor: bool,
+        hyper: list[tuple[float, float, float, float, float]],
+    ) -> Callable[[], None]:
+        """One fused Adam call per bucket, then the foreach cast of the masters into the param slots."""
+        decoupled = self._decoupled
 
         def flush() -> None:
+            fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
             for (device, gi, step), (masters, grads, ms, vs, params) in buckets.items():
-                group = self.param_groups[gi]
-                beta1, beta2 = group["betas"]
+                lr, beta1, beta2, weight_decay, eps = hyper[gi]
                 if apply_factor:
                     torch._foreach_mul_(grads, factor.to(device))
                 step_t = torch.tensor(float(step + 1), device=device)  # read-only in the kernel: shared
                 fused(
                     masters, grads, ms, vs, [], [step_t] * len(masters),
-                    lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                    amsgrad=False, maximize=False,
+                    lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
                 )  # fmt: skip
                 torch._foreach_copy_(params, masters)
             buckets.clear()
 
+        return flush
+
+    def _scratch(self, where: str, elements: int) -> torch.Tensor | None:
+        """A reused fp32 host buffer of at least ``min(elements, _BATCH_ELEMENTS)`` for
+        gradients' fp32 copies, one per thread that updates (``where``: "host" for the host
+        worker, "device" for the CPU virtual device's in-place updates). A new tensor per
+        batch would be freed and faulted in again every step (more so after the heap's
+        pages are handed back, Note [host heap]); CUDA's caching allocator keeps its own."""
+        need = min(elements, _BATCH_ELEMENTS)
+        if self._engine.mgr.chunks[PARAM][0].dtype == torch.float32 or need <= 0:
+            return None
+        buf = self._scratch_bufs.get(where)
+        if buf is None or buf.numel() < need:
+            buf = self._scratch_bufs[where] = torch.empty(need, dtype=torch.float32)
+        return buf
+
+    def _hyper(self) -> list[tuple[float, float, float, float, float]]:
+        """Each group's (lr, beta1, beta2, weight_decay, eps) now: a queued update keeps them."""
+        return [(g["lr"], *g["betas"], g["weight_decay"], g["eps"]) for g in self.param_groups]
+
+    def _update(self, grad_slots: dict[int, list[TensorSlot]], factor: torch.Tensor, apply_factor: bool) -> None:
+        """Pass 2 for chunks whose update runs where they are now (the device): fused Adam
+        over the fp32 views of many chunks' runs at once, one call per (device, parameter
+        group, step count), then a foreach cast of the masters back into the param slots.
+        Runs are taken in batches of at most ``_BATCH_ELEMENTS`` gradient elements, a
+        longer run in pieces of that size: bf16/fp16 gradients need fp32 copies, and all
+        of them at once would cost 4 bytes per parameter of extra memory (one chunk's
+        worth, too, when a chunk is large: a tied embedding alone in its chunk). Which
+        batch a piece joins does not change its bits."""
+        mgr = self._engine.mgr
+        buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]] = {}
+        flush = self._flusher(buckets, factor, apply_factor, self._hyper())
+        pending = 0
+        on_cpu = self._engine.device.type == "cpu"
+        scratch = self._scratch("device", sum(s.numel for ss in grad_slots.values() for s in ss)) if on_cpu else None
         for cid, slots in grad_slots.items():
-            p = mgr.chunks[PARAM][cid].payload
-            master = mgr.chunks[MASTER][cid].payload
-            m = mgr.chunks[EXP_AVG][cid].payload
-            v = mgr.chunks[EXP_AVG_SQ][cid].payload
-            for (gi, step), a, b in _runs(slots, lambda s: (self._group_of[s.index], self._steps[s.index])):
-                for lo in range(a, b, _BATCH_ELEMENTS):
-                    hi = min(lo + _BATCH_ELEMENTS, b)
-                    if pending + hi - lo > _BATCH_ELEMENTS:
-                        flush()
-                        pending = 0
-                    lists = buckets.setdefault((p.device, gi, step), ([], [], [], [], []))
-                    lists[0].append(master[lo:hi])
-                    lists[1].append(p[lo:hi] if p.dtype == torch.float32 else p[lo:hi].float())  # fp32 gradient
-                    lists[2].append(m[lo:hi])
-                    lists[3].append(v[lo:hi])
-                    lists[4].append(p[lo:hi])
-                    pending += hi - lo
+            tensors = tuple(mgr.chunks[name][cid].payload for name in (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ))
+            pending = self._buckets(buckets, tensors, slots, self._steps.__getitem__, flush, pending, scratch)  # type: ignore[arg-type]
         flush()
-        for slots in grad_slots.values():
-            for s in slots:
-                self._steps[s.index] += 1
-                mgr.set_state(s.index, TensorState.HOLD)
+
+    def _update_on_host(self, cid: int, slots: list[TensorSlot], factor: torch.Tensor, apply_factor: bool) -> None:
+        """Pass 2 for one host-Adam chunk, as a job on the host worker (Note [gradient
+        pipeline]); the four chunks' readers and the param chunk's next copy wait for it."""
+        eng = self._engine
+        mgr = eng.mgr
+        chunks: list[Chunk] = [mgr.chunks[name][cid] for name in (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ)]
+        for c in chunks[1:]:
+            c.wait_ready()  # state chunks: nothing in flight, normally
+        tensors = tuple(c.host_buffer for c in chunks)
+        hyper = self._hyper()
+        slots = list(slots)
+        # the step counts of this update, read now: the main thread counts on
+        steps = {s.index: self._steps[s.index] for s in slots}
+        scratch = self._scratch("host", sum(s.numel for s in slots))  # the worker's alone: its jobs run in turn
+
+        def job() -> None:
+            buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]] = {}
+            flush = self._flusher(buckets, factor, apply_factor, hyper)
+            self._buckets(buckets, tensors, slots, steps.__getitem__, flush, 0, scratch)  # type: ignore[arg-type]
+            flush()
+
+        event = eng.host_work.submit(job, after=chunks[0].pending_copy)
+        for c in chunks:
+            c.set_work(event)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

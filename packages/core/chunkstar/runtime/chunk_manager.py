@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -29,12 +29,14 @@ from chunkstar.chunk.layout import ChunkLayout, TensorSlot
 from chunkstar.chunk.state import ChunkLocation, TensorState, check_tensor_transition
 from chunkstar.config import EvictionPolicyName
 from chunkstar.device.copy_engine import CopyEngine, SerialCopies
+from chunkstar.device.pinned import PinnedBuffers
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError, DeviceMemoryError
 from chunkstar.events import ChunkAllocated, ChunkFreed, ChunkMoved, EventBus, MemorySample, MoveReason, Stage, Tier
 from chunkstar.memory.probes import MemoryProbe
 from chunkstar.memory.tracer import MemoryTrace
 from chunkstar.placement.eviction import ResidentChunk, choose_evictions
+from chunkstar.placement.prefetch import PrefetchView, Upcoming, plan_prefetch
 
 __all__ = ["ChunkManager", "PARAM", "MASTER", "EXP_AVG", "EXP_AVG_SQ", "CHUNK_LISTS"]
 
@@ -85,9 +87,13 @@ class ChunkManager:
         self.policy = policy
         self.probe = probe
         self.events = events
+        # param chunks travel every step on a CUDA device: their host buffers are pinned, exactly
+        # sized (device/pinned.py); state chunks travel once at most and stay in plain memory
+        self.pinned_buffers = PinnedBuffers() if device.type == "cuda" else None
         self.chunks: dict[str, list[Chunk]] = {
             name: [
-                Chunk(i, name, n, compute_dtype if name == PARAM else torch.float32, device)
+                Chunk(i, name, n, compute_dtype if name == PARAM else torch.float32, device,
+                      self.pinned_buffers if name == PARAM else None)  # fmt: skip
                 for i, n in enumerate(layout.chunk_sizes)
             ]
             for name in CHUNK_LISTS
@@ -141,6 +147,10 @@ class ChunkManager:
         self.bytes_to_device = 0
         self.bytes_to_host = 0
         self.moves_by_reason: dict[str, int] = {r.value: 0 for r in MoveReason}
+        self.clean_evictions = 0  # evictions of clean param chunks: no bytes copied (Note [clean host copy])
+        # sum of the parameters' version counters of each clean param chunk when it was loaded
+        self._clean_versions: dict[int, int] = {}
+        self._chunk_params: list[list[torch.Tensor]] = [[] for _ in range(layout.n_chunks)]
         self.gathers = 0  # all-gathers of a chunk group (several processes only)
         self.gathered_groups: set[int] = set()  # first chunk ids of groups whose remote copies are here
         self.bytes_gathered = 0  # remote bytes received by them
@@ -175,6 +185,10 @@ class ChunkManager:
             self._grad_count[cid] += 1
         self.states[index] = new
 
+    def settled(self, chunk_id: int) -> bool:
+        """No tensor of the chunk is in COMPUTE or HOLD_AFTER_FWD (none awaits its backward)."""
+        return not self._compute_count[chunk_id] and not self._fwd_count[chunk_id]
+
     def grads_in(self, chunk_id: int) -> int:
         """Tensors of the chunk holding their gradient (HOLD_AFTER_BWD)."""
         return self._grad_count[chunk_id]
@@ -194,6 +208,7 @@ class ChunkManager:
     def install_guard(self, params: Sequence[torch.Tensor], guarded: Sequence[type]) -> None:
         """Guard every parameter not in COMPUTE (Note [parameter guard] in hooks/param_guard.py)."""
         self._guard = [(p, type(p), g) for p, g in zip(params, guarded)]
+        self._chunk_params = [[params[s.index] for s in slots] for slots in self._slots_by_chunk]
         for i, (p, _, g) in enumerate(self._guard):
             if self.states[i] is not TensorState.COMPUTE:
                 p.__class__ = g
@@ -366,7 +381,7 @@ class ChunkManager:
             assert isinstance(v, tuple)
             self.move(v, Tier.HOST, MoveReason.EVICTION)
 
-    def _eviction_candidates(self, protect: set[Key]) -> list[ResidentChunk]:
+    def _eviction_candidates(self, protect: set[Key], names: Sequence[str] = CHUNK_LISTS) -> list[ResidentChunk]:
         """The chunks on the device that may move now, by list then chunk id (the order the
         policy's ties keep). Read from the resident index, so an eviction costs in proportion
         to what the device holds, not to the size of the model."""
@@ -374,7 +389,7 @@ class ChunkManager:
         next_use = self.trace.next_use
         last_use = self._last_use
         out: list[ResidentChunk] = []
-        for name in CHUNK_LISTS:
+        for name in names:
             ids = self._on_device[name]
             if not ids:
                 continue
@@ -429,33 +444,95 @@ class ChunkManager:
             minimum=math.ceil((needed + max(non_model, 0)) / (1.0 - self.slack)), advice=advice,
         )  # fmt: skip
 
+    def _versions(self, chunk_id: int) -> int:
+        """Sum of the version counters of the chunk's parameters: an in-place write to a
+        parameter (even by its own module, unguarded in COMPUTE) bumps its counter."""
+        return sum(p._version for p in self._chunk_params[chunk_id])
+
+    @property
+    def keeps_clean_copies(self) -> bool:
+        """Whether param chunks brought to the device now keep their host copy: on the
+        frozen schedule, where moves repeat every step (Note [clean host copy] in chunk/chunk.py)."""
+        return self.trace.frozen and self.on_schedule and not self.safe_mode
+
     def move(self, key: Key, tier: Tier, reason: MoveReason) -> None:
         chunk = self.chunks[key[0]][key[1]]
+        had_host = chunk.has_host_buffer
+        if tier is Tier.HOST and chunk.clean and self._clean_versions.get(key[1]) != self._versions(key[1]):
+            chunk.mark_dirty()  # written in place since it came: the host copy is stale
+        keep = (
+            tier is Tier.DEVICE and key[0] == PARAM and self.keeps_clean_copies
+            and (reason is MoveReason.ACCESS or reason is MoveReason.PREFETCH)
+        )  # fmt: skip
         t0 = time.perf_counter_ns()
         with self.probe.paused(), torch.profiler.record_function(f"chunkstar::{reason.value}_to_{tier.value}"):
-            chunk.move_to(tier, self.copies, prefetch=reason is MoveReason.PREFETCH)
+            copied = chunk.move_to(tier, self.copies, prefetch=reason is MoveReason.PREFETCH, keep_host=keep)
         self._on_resident(key) if tier is Tier.DEVICE else self._on_left_device(key)
         t1 = time.perf_counter_ns()
+        # host bytes are the host buffers allocated (a buffer kept beside the device copy counts)
+        self.host_chunk_bytes += (chunk.has_host_buffer - had_host) * chunk.nbytes
         if tier is Tier.DEVICE:
             self.device_chunk_bytes += chunk.nbytes
-            self.host_chunk_bytes -= chunk.nbytes
+            if keep:
+                self._clean_versions[key[1]] = self._versions(key[1])
             self.device_chunk_bytes_peak = max(self.device_chunk_bytes_peak, self.device_chunk_bytes)
             self.moves_to_device += 1
             self.bytes_to_device += chunk.nbytes
         else:
             self.device_chunk_bytes -= chunk.nbytes
-            self.host_chunk_bytes += chunk.nbytes
             self.moves_to_host += 1
-            self.bytes_to_host += chunk.nbytes
+            if copied:
+                self.bytes_to_host += chunk.nbytes
+            else:
+                self.clean_evictions += 1
         self.moves_by_reason[reason.value] += 1
         if self.events.active:
             src = Tier.HOST if tier is Tier.DEVICE else Tier.DEVICE
-            # a move allocates the payload in one tier and frees it in the other
-            self.events.emit(ChunkAllocated(key[1], key[0], tier, chunk.nbytes, t0))
-            self.events.emit(
-                ChunkMoved(key[1], key[0], chunk.nbytes, src, tier, reason, self.moment, self.module, t0, t1)
-            )
-            self.events.emit(ChunkFreed(key[1], key[0], src, chunk.nbytes, t1))
+            # a move allocates the payload in one tier and frees it in the other (a host
+            # buffer kept beside the device copy stays allocated)
+            if tier is Tier.DEVICE or not had_host:
+                self.events.emit(ChunkAllocated(key[1], key[0], tier, chunk.nbytes, t0))
+            nbytes = chunk.nbytes if copied else 0
+            self.events.emit(ChunkMoved(key[1], key[0], nbytes, src, tier, reason, self.moment, self.module, t0, t1))
+            if tier is Tier.HOST or not chunk.has_host_buffer:
+                self.events.emit(ChunkFreed(key[1], key[0], src, chunk.nbytes, t1))
+
+    def prefetch(self, window_bytes: int, now: int | None = None) -> None:
+        """Bring the chunks of the moments after ``now`` (default: the running moment) early,
+        evicting chunks needed later, as :func:`chunkstar.placement.prefetch.plan_prefetch`
+        plans. Never looks past the end of the iteration: the optimizer step in between
+        changes the host copies."""
+        trace = self.trace
+        start = self.moment if now is None else now
+        chunks = self.chunks
+        sharded = self.layout.world_size > 1
+
+        def upcoming() -> Iterator[Upcoming]:
+            for j in range(start + 1, trace.n_moments):
+                ids = trace.chunks_at(j)
+                # other ranks' chunks arrive by all-gather, on the schedule every rank shares
+                keys = [(PARAM, c) for c in ids if not sharded or self.own(c)]
+                yield Upcoming(j, self.capacity - trace.non_model_at(j), keys)
+
+        view = PrefetchView(
+            device_bytes=self.device_chunk_bytes,
+            budget_now=self.chunk_budget(),
+            nbytes=lambda k: chunks[k[0]][k[1]].nbytes,
+            resident=lambda k: chunks[k[0]][k[1]].location is ChunkLocation.DEVICE,
+            movable=lambda: [(c.key, c.next_use) for c in self._eviction_candidates(set(), names=(PARAM,))],
+        )
+        for key, evict in plan_prefetch(view, upcoming(), start, window_bytes):
+            for v in evict:
+                self.move(v, Tier.HOST, MoveReason.EVICTION)
+            self.move(key, Tier.DEVICE, MoveReason.PREFETCH)
+            self.touch(key)
+
+    def offload(self, chunk_id: int) -> None:
+        """Send param chunk ``chunk_id``, whose gradients are complete, to the host where its
+        Adam update runs; its copy overlaps the rest of the backward."""
+        key = (PARAM, chunk_id)
+        if self.resident(key) and not self.pinned(chunk_id):
+            self.move(key, Tier.HOST, MoveReason.OFFLOAD)
 
     def to_host(self, key: Key, reason: MoveReason) -> None:
         if self.resident(key):

@@ -34,7 +34,7 @@ from torch import nn
 from chunkstar.chunk.layout import TensorSlot, build_layout, search_chunk_size
 from chunkstar.chunk.state import TensorState
 from chunkstar.config import EngineConfig, Precision
-from chunkstar.device.copy_engine import make_copy_engine
+from chunkstar.device.copy_engine import HostWorker, InlineWorker, debug_delay_from_env, make_copy_engine
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.distributed.startup import agree_on_startup
@@ -171,6 +171,10 @@ class ChunkEngine:
         self._accumulated: set[int] = set()  # slot indices with something in an accumulator
         self._boundary = False  # the running backward is the last micro-batch before a step
         self.reducer = GroupReducer(self.mgr, self.comm, self.device, self._params)  # several processes only
+        # host-side work (the optimizer's updates, gradient norms) off the compute thread
+        # with overlap; in the calling thread on the serial reference path
+        self.host_work: HostWorker | InlineWorker = HostWorker(debug_delay_from_env()) if cfg.overlap else InlineWorker()
+        self.prefetch_window = cfg.prefetch_window or 4 * max(c.nbytes for c in self.mgr.chunks[PARAM])
 
         # the iteration and its schedule (Note [iteration] in runtime/schedule.py)
         self.schedule = Schedule(self.mgr, self.comm, self.device, on_freeze=self._plan_adam)
@@ -180,10 +184,14 @@ class ChunkEngine:
         self._release_at: int | None = None  # this iteration's traced peak moment (None: no trace)
         self._release_each_moment = False  # no trace yet in warm-up: release at every forward moment
         self._heap_released = False  # the heap was released in this iteration
+        self._heap_skip = False  # this iteration leaves the heap alone (under pressure)
+        self._moves_at_iteration = 0  # param chunk loads (access, prefetch) when the iteration began
+        self._frozen_before = False  # the iteration before ran on the frozen schedule
         self._iter_open = False  # a training forward began and its backward has not ended
         self._untraced_depth = 0  # evaluation forwards running (not on the schedule)
         self._implicit = False  # a module was called directly (not through the engine) at IDLE
         self._saved_moment = -1
+        self._bytes_before_step = 0
 
         # modules, their access sets and the running ones (Note [parameter guard])
         self._modules, self._handles = install_hooks(model, self._index, self)
@@ -248,7 +256,9 @@ class ChunkEngine:
             loss = loss / gas
         if self.scaler_enabled:
             loss = loss * self.scaler.scale
-        if self._release_at is None or not self._heap_released and self._release_at <= self.mgr.moment:
+        if self._heap_skip:
+            pass  # under pressure (Note [host heap])
+        elif self._release_at is None or not self._heap_released and self._release_at <= self.mgr.moment:
             self._release_heap()  # no trace (or its peak moment was not reached): the turn stands in for the peak
         self._set_stage(Stage.BWD)
         try:
@@ -297,9 +307,16 @@ class ChunkEngine:
         # where the peak is: in the latest trace (frozen, or the warm-up's earlier passes), or unknown
         self._heap_released = False
         heap = self.host_heap is not None
-        traced = heap and mgr.trace.passes > 0
+        # under pressure (the last frozen iteration moved chunks) the heap is left alone
+        frozen = self.schedule.phase is TracePhase.FROZEN
+        loads = mgr.moves_by_reason[MoveReason.ACCESS.value] + mgr.moves_by_reason[MoveReason.PREFETCH.value]
+        # (the warm-up's safe mode moves chunks at every moment: only a frozen iteration tells)
+        self._heap_skip = heap and frozen and self._frozen_before and loads > self._moves_at_iteration
+        self._moves_at_iteration = loads
+        self._frozen_before = frozen
+        traced = heap and mgr.trace.passes > 0 and not self._heap_skip
         self._release_at = release_moment([r.non_model_peak for r in mgr.trace.records]) if traced else None
-        self._release_each_moment = heap and not traced and self.schedule.phase is TracePhase.WARMUP
+        self._release_each_moment = heap and self.schedule.phase is TracePhase.WARMUP
 
     def _release_heap(self) -> None:
         """Before the iteration's peak (Note [host heap] in memory/host_heap.py)."""
@@ -348,25 +365,13 @@ class ChunkEngine:
             )
             for i in indices:
                 mgr.set_state(i, TensorState.COMPUTE)
-            if self.config.prefetch and mgr.trace.frozen and mgr.on_schedule and not mgr.safe_mode:
-                self._prefetch(set(chunk_ids))
+            if self._prefetching():
+                mgr.prefetch(self.prefetch_window)
             mgr.memory_sample()
 
-    def _prefetch(self, current: set[int]) -> None:
-        """Bring the next moment's chunks early when they fit without evicting anything."""
+    def _prefetching(self) -> bool:
         mgr = self.mgr
-        nxt = [c for c in mgr.trace.chunks_at(mgr.moment + 1) if c not in current and not mgr.resident((PARAM, c))]
-        if not nxt:
-            return
-        room = min(mgr.chunk_budget(), self.mgr.capacity - mgr.trace.non_model_at(mgr.moment + 1))
-        for c in nxt:
-            if not mgr.own(c):
-                continue  # other ranks' chunks arrive by all-gather, on the shared schedule
-            nbytes = mgr.chunks[PARAM][c].nbytes
-            if mgr.device_chunk_bytes + nbytes > room:
-                break
-            mgr.move((PARAM, c), Tier.DEVICE, MoveReason.PREFETCH)
-            mgr.touch((PARAM, c))
+        return self.config.prefetch and mgr.trace.frozen and mgr.on_schedule and not mgr.safe_mode
 
     # ------------------------------------------------------------------ hook targets
     def on_pre_forward(self, module_key: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
@@ -523,6 +528,8 @@ class ChunkEngine:
                 mgr.set_state(index, TensorState.HOLD_AFTER_BWD)
                 if self.comm.distributed:
                     self.reducer.gradient_folded(s.chunk_id)
+                elif self._offload_early and mgr.settled(s.chunk_id):
+                    self._grads_complete(s.chunk_id)
             else:
                 acc = self._accumulators.get(s.chunk_id)
                 if acc is None:
@@ -531,6 +538,29 @@ class ChunkEngine:
                 self._accumulated.add(index)
                 if mgr.states[index] is TensorState.COMPUTE:
                     mgr.set_state(index, TensorState.HOLD_AFTER_FWD)
+
+    @property
+    def _offload_early(self) -> bool:
+        """Whether a chunk's gradients go to the optimizer as soon as they are complete
+        (Note [gradient pipeline]): one process, the last micro-batch before a step with no
+        earlier micro-batches' gradients waiting, on the frozen schedule."""
+        mgr = self.mgr
+        return (
+            self.optimizer is not None and self._boundary and not self._accumulated
+            and mgr.trace.frozen and mgr.on_schedule and not mgr.safe_mode
+        )  # fmt: skip
+
+    def _grads_complete(self, chunk_id: int) -> None:
+        """Note [gradient pipeline]: every tensor of the chunk is done with this backward
+        (its gradient folded, or unused). Unless the schedule uses the chunk again in this
+        backward, the optimizer takes it now: its copy to the host (where host Adam runs)
+        and its gradient norm overlap the rest of the backward instead of starting after it."""
+        mgr = self.mgr
+        nu = mgr.trace.next_use(chunk_id, mgr.moment)
+        if nu is not None and mgr.moment + nu < mgr.trace.n_moments:
+            return  # read again later in this backward
+        assert self.optimizer is not None
+        self.optimizer.take_gradients(chunk_id)
 
     # ------------------------------------------------------------------ iteration bookkeeping
     def _set_stage(self, stage: Stage) -> None:
@@ -622,9 +652,20 @@ class ChunkEngine:
         self._set_stage(Stage.OPTIM)
         self.mgr.moment = -1
         self.mgr.module = "optimizer"
+        self._bytes_before_step = self.mgr.bytes_to_device + self.mgr.bytes_to_host
+        if self.host_heap is not None and any(not self.mgr.resident((MASTER, c)) for c in self.device_adam_chunks):
+            self._release_heap()  # the state is about to move to the device: start from a trimmed heap
 
     def end_optimizer_step(self) -> None:
         self._since_step = 0
+        moved = self.mgr.bytes_to_device + self.mgr.bytes_to_host - self._bytes_before_step
+        if self.host_heap is not None and moved > self.mgr.state_bytes() // 4:
+            # the placement of the optimizer state changed (the first step after warm-up moves it
+            # to the device when it fits): the host buffers it left are free heap pages now
+            self._release_heap()
+        if self._prefetching():
+            # the next forward's first chunks travel while the updates of later chunks run
+            self.mgr.prefetch(self.prefetch_window, now=-1)
         self.mgr.memory_sample()
         self.mgr.module = ""
         self._set_stage(Stage.IDLE)
@@ -653,6 +694,8 @@ class ChunkEngine:
         for s in self.mgr.slots:
             if self.mgr.states[s.index] is TensorState.HOLD_AFTER_BWD:
                 pending.setdefault(s.chunk_id, []).append(s)
+        if self.optimizer is not None:
+            self.optimizer.forget_gradients()
         if pending:
             self.restore_params_from_master(pending)
         self._accumulators.clear()
@@ -799,6 +842,7 @@ class ChunkEngine:
             "bytes_to_device": mgr.bytes_to_device,
             "bytes_to_host": mgr.bytes_to_host,
             "moves_by_reason": dict(mgr.moves_by_reason),
+            "clean_evictions": mgr.clean_evictions,
             "model_data_bytes": mgr.model_data_bytes(),
             "master_and_adam_bytes": mgr.state_bytes(),
             "world_size": self.comm.world_size,
