@@ -16,10 +16,11 @@ from typing import Any, Hashable, Sequence
 import pytest
 
 import chunkstar
+from chunkstar.chunk.lists import CHUNK_LISTS, ChunkList
 from chunkstar.chunk.state import ChunkLocation, TensorState
 from chunkstar.placement import eviction
 from chunkstar.placement.eviction import NEVER, ResidentChunk
-from chunkstar.runtime.chunk_manager import CHUNK_LISTS, PARAM, ChunkManager
+from chunkstar.runtime.chunk_manager import ChunkManager
 
 from ._models import CASES, DTYPES, engine_config, eviction_budget, train_engine
 
@@ -28,14 +29,14 @@ def _reference_candidates(mgr: ChunkManager, protect: set[Any]) -> list[Resident
     """The candidates as the manager built them before the resident index: every chunk of every list."""
     out = []
     for name in CHUNK_LISTS:
-        for c in mgr.chunks[name]:
+        for c in mgr.chunks_of(name):
             key = (name, c.chunk_id)
             if c.location is not ChunkLocation.DEVICE or key in protect:
                 continue
-            if name == PARAM and (mgr.pinned(c.chunk_id) or not mgr.own(c.chunk_id)):
+            if name == ChunkList.PARAM and (mgr.pinned(c.chunk_id) or not mgr.own(c.chunk_id)):
                 continue
             next_use = None
-            if name == PARAM and mgr.trace.frozen and mgr.on_schedule and not mgr.safe_mode:
+            if name == ChunkList.PARAM and mgr.trace.frozen and mgr.on_schedule and not mgr.safe_mode:
                 after = -1 if mgr.stage.value in ("optim", "idle") else mgr.moment
                 next_use = mgr.trace.next_use(c.chunk_id, after)
             out.append(ResidentChunk(key, c.nbytes, next_use, mgr._last_use.get(key, 0)))
@@ -64,7 +65,7 @@ def _reference_choice(candidates: Sequence[ResidentChunk], need: int, policy: st
 
 def _check_caches(mgr: ChunkManager) -> None:
     for name in CHUNK_LISTS:
-        on_device = {c.chunk_id for c in mgr.chunks[name] if c.location is ChunkLocation.DEVICE}
+        on_device = {c.chunk_id for c in mgr.chunks_of(name) if c.location is ChunkLocation.DEVICE}
         assert mgr._on_device[name] == on_device, name
     for cid in range(mgr.layout.n_chunks):
         states = [mgr.states[s.index] for s in mgr.slots_of(cid)]

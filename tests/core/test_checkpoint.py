@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import chunkstar
+from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.state import ChunkLocation
 
 from ._models import CASES, DTYPES, ModelCase, build_gpt2, engine_config, eviction_budget, n_unique_params, train_engine
@@ -94,7 +95,7 @@ def _engine(case: ModelCase, dtype: str, budget: float, extra: dict[str, object]
 
 
 def _on_device(engine: chunkstar.ChunkEngine, list_name: str) -> int:
-    return sum(c.location is ChunkLocation.DEVICE for c in engine.mgr.chunks[list_name])
+    return sum(c.location is ChunkLocation.DEVICE for c in engine.mgr.chunks_of(ChunkList(list_name)))
 
 
 @pytest.mark.parametrize("name", list(RESUME_CONFIGS))

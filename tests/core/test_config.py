@@ -62,7 +62,17 @@ BAD = {
     "slack nan": (_config(device_memory_slack=NAN), "device_memory_slack"),
     "slack string": (_config(device_memory_slack="10%"), "device_memory_slack"),
     "slack bool": (_config(device_memory_slack=True), "device_memory_slack"),
+    "prefetch_window zero": (_config(prefetch_window=0), "prefetch_window"),
+    "prefetch_window negative": (_config(prefetch_window=-5), "prefetch_window"),
+    "prefetch_window words": (_config(prefetch_window="far"), "prefetch_window"),
+    "prefetch_window bool": (_config(prefetch_window=True), "prefetch_window"),
 }
+
+
+def test_prefetch_window_parses() -> None:
+    assert chunkstar.parse_config(_config()).prefetch_window is None  # "auto"
+    assert chunkstar.parse_config(_config(prefetch_window="64MB")).prefetch_window == 64_000_000
+    assert chunkstar.parse_config(_config(prefetch_window=4096)).prefetch_window == 4096
 
 
 @pytest.mark.parametrize("what", list(BAD))

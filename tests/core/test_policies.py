@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from chunkstar.memory.tracer import MemoryTrace, MomentRecord
 from chunkstar.placement.eviction import ResidentChunk, choose_evictions
 from chunkstar.placement.optimizer import plan_device_adam
 from chunkstar.placement.prefetch import MAX_LOOKAHEAD, PrefetchView, Upcoming, plan_prefetch
@@ -91,3 +92,17 @@ def test_prefetch_fits_every_moment_until_the_use_and_never_skips_ahead() -> Non
     assert plan_prefetch(_view(0, 100, {}, sizes), upcoming, now=0, window_bytes=100) == [("a", [])]
     # the running moment's own budget counts too
     assert plan_prefetch(_view(0, 5, {}, sizes), upcoming, now=0, window_bytes=100) == []
+
+
+def test_the_trace_is_read_run_by_run_with_each_runs_largest_peak() -> None:
+    """Moments that need the same chunks (many small modules in one chunk) are one run for
+    prefetch; its budget is the tightest of its moments, from where the reader starts."""
+    trace = MemoryTrace()
+    for i, (chunks, peak) in enumerate([((0,), 5), ((0,), 9), ((1,), 2), ((1,), 7), ((0,), 1)]):
+        trace.record(i, MomentRecord("m", "fwd", chunks, non_model_peak=peak))
+    trace.end_pass(5)
+    trace.freeze()
+    assert list(trace.runs_after(-1)) == [(0, 9, (0,)), (2, 7, (1,)), (4, 1, (0,))]
+    assert list(trace.runs_after(0)) == [(1, 9, (0,)), (2, 7, (1,)), (4, 1, (0,))]
+    assert list(trace.runs_after(2)) == [(3, 7, (1,)), (4, 1, (0,))]
+    assert list(trace.runs_after(4)) == []

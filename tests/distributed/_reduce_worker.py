@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 import chunkstar
+from chunkstar.chunk.lists import CHUNK_LISTS
 from chunkstar.chunk.state import ChunkLocation, TensorState
-from chunkstar.runtime.chunk_manager import CHUNK_LISTS, ChunkManager
+from chunkstar.runtime.chunk_manager import ChunkManager
 from tests.core._models import CASES, engine_config, eviction_budget, gpt2_batch
 from tests.core.test_bookkeeping_index import _reference_candidates
 
@@ -24,7 +25,7 @@ FROZEN = "transformer.h.1.mlp.c_fc.weight"  # stops requiring grad after the fir
 def index_matches(mgr: ChunkManager, result: dict[str, Any]) -> None:
     """The resident index against the chunks' locations (gathered copies of other ranks' chunks included)."""
     for name in CHUNK_LISTS:
-        scan = {c.chunk_id for c in mgr.chunks[name] if c.location is ChunkLocation.DEVICE}
+        scan = {c.chunk_id for c in mgr.chunks_of(name) if c.location is ChunkLocation.DEVICE}
         if mgr._on_device[name] != scan:
             result["mismatches"].append([name, sorted(mgr._on_device[name]), sorted(scan)])
 

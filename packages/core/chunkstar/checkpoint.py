@@ -48,20 +48,53 @@ import os
 import re
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
 
-from chunkstar.chunk.layout import layout_fingerprint
+from chunkstar.chunk.layout import TensorSlot, layout_fingerprint
+from chunkstar.chunk.lists import STATE_LISTS, ChunkList
+from chunkstar.chunk.store import ChunkStore
 from chunkstar.errors import ChunkStateError
-from chunkstar.runtime.chunk_manager import MASTER, STATE_LISTS
 
 if TYPE_CHECKING:
     from safetensors import safe_open as SafeOpen
+    from torch import nn
 
-    from chunkstar.runtime.engine import ChunkEngine
+    from chunkstar.config import EngineConfig
+    from chunkstar.distributed.comm import Comm
+    from chunkstar.optim.adam import ChunkAdam
+    from chunkstar.optim.loss_scaler import LossScaler
 
-__all__ = ["CheckpointError", "load_checkpoint", "merge_checkpoint", "save_checkpoint", "shard_name"]
+__all__ = ["CheckpointError", "Checkpointable", "load_checkpoint", "merge_checkpoint", "save_checkpoint", "shard_name"]
+
+
+class Checkpointable(Protocol):
+    """What saving and loading a checkpoint needs of an engine (a ChunkEngine is one): the
+    chunk store's narrow door, the model's keys, and the optimizer's and loss scaler's state.
+    A Protocol, so this module depends on no runtime module and the engine may import it."""
+
+    @property
+    def mgr(self) -> ChunkStore: ...
+    @property
+    def comm(self) -> Comm: ...
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def chunk_size(self) -> int: ...
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def scaler(self) -> LossScaler: ...
+    @property
+    def optimizer(self) -> ChunkAdam | None: ...
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+    def parameter_aliases(self) -> dict[str, list[str]]: ...
+    def restore_params_from_master(self, slots_by_chunk: dict[int, list[TensorSlot]]) -> None: ...
 
 _FORMAT = "chunkstar-checkpoint/2"
 _FORMAT_V1 = "chunkstar-checkpoint/1"  # before shard identities: still merged, never loaded
@@ -184,7 +217,7 @@ def _json(value: Any, what: str) -> str:
 
 
 # ---------------------------------------------------------------------- save
-def save_checkpoint(engine: ChunkEngine, directory: str | os.PathLike[str]) -> str:
+def save_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str]) -> str:
     """Write this rank's shard atomically; returns the file written. Call it on every rank."""
     st = _safetensors()
     mgr = engine.mgr
@@ -197,9 +230,9 @@ def save_checkpoint(engine: ChunkEngine, directory: str | os.PathLike[str]) -> s
     _remove_leftovers(path)
 
     tensors: dict[str, torch.Tensor] = {}
-    with torch.no_grad(), mgr.probe.paused():
+    with torch.no_grad(), mgr.paused_probe():
         for name in STATE_LISTS:
-            for c in mgr.chunks[name]:
+            for c in mgr.chunks_of(name):
                 if mgr.own(c.chunk_id):  # host or device payload; serialised before anything changes it
                     tensors[f"{name}.{c.chunk_id}"] = c.payload.detach().to("cpu")
         slots = {id(p) for p in engine.parameters()}
@@ -232,7 +265,7 @@ def save_checkpoint(engine: ChunkEngine, directory: str | os.PathLike[str]) -> s
 
 
 # ---------------------------------------------------------------------- load
-def _layout_difference(meta: dict[str, str], engine: ChunkEngine, dtype: str) -> str:
+def _layout_difference(meta: dict[str, str], engine: Checkpointable, dtype: str) -> str:
     """What makes a shard's layout differ from the engine's, in words."""
     layout = engine.mgr.layout
     if meta.get("dtype", dtype) != dtype:
@@ -264,7 +297,7 @@ def _layout_difference(meta: dict[str, str], engine: ChunkEngine, dtype: str) ->
     return "the parameters sit at other offsets"
 
 
-def _check_own_shard(engine: ChunkEngine, directory: Path, path: Path, pending_grads: bool) -> dict[str, str]:
+def _check_own_shard(engine: Checkpointable, directory: Path, path: Path, pending_grads: bool) -> dict[str, str]:
     """Validate this rank's shard against the engine without changing anything; its metadata."""
     comm, mgr = engine.comm, engine.mgr
     if pending_grads:
@@ -297,7 +330,7 @@ def _check_own_shard(engine: ChunkEngine, directory: Path, path: Path, pending_g
             )
         keys = set(h.keys())
         for name in STATE_LISTS:
-            for c in mgr.chunks[name]:
+            for c in mgr.chunks_of(name):
                 if not mgr.own(c.chunk_id):
                     continue
                 key = f"{name}.{c.chunk_id}"
@@ -328,7 +361,7 @@ def _check_own_shard(engine: ChunkEngine, directory: Path, path: Path, pending_g
     return meta
 
 
-def _agree_on_identity(engine: ChunkEngine, directory: Path, meta: dict[str, str] | None) -> None:
+def _agree_on_identity(engine: Checkpointable, directory: Path, meta: dict[str, str] | None) -> None:
     """Every rank learns whether every rank can load, and from which run and step
     (one all-gather that every rank joins, failed or not: no rank waits alone)."""
     comm = engine.comm
@@ -360,7 +393,7 @@ def _agree_on_identity(engine: ChunkEngine, directory: Path, meta: dict[str, str
                 )
 
 
-def load_checkpoint(engine: ChunkEngine, directory: str | os.PathLike[str], *, pending_grads: bool = False) -> str:
+def load_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str], *, pending_grads: bool = False) -> str:
     """Restore what :func:`save_checkpoint` wrote (call on every rank); returns the shard read.
 
     Everything is validated on every rank before anything changes: on an error
@@ -378,9 +411,9 @@ def load_checkpoint(engine: ChunkEngine, directory: str | os.PathLike[str], *, p
         _agree_on_identity(engine, d, meta)  # even when this rank failed: the others wait for it
     assert meta is not None
 
-    with torch.no_grad(), mgr.probe.paused(), _open(path) as h:
+    with torch.no_grad(), mgr.paused_probe(), _open(path) as h:
         for name in STATE_LISTS:
-            for c in mgr.chunks[name]:
+            for c in mgr.chunks_of(name):
                 if mgr.own(c.chunk_id):
                     c.payload.copy_(h.get_tensor(f"{name}.{c.chunk_id}"))  # host or device: wherever it is now
         buffers = {k.split(".", 1)[1]: k for k in h.keys() if k.startswith("buffer.")}
@@ -388,7 +421,7 @@ def load_checkpoint(engine: ChunkEngine, directory: str | os.PathLike[str], *, p
         for key, t in engine.module.state_dict(keep_vars=True).items():
             if id(t) not in slots and key in buffers:
                 t.data.copy_(h.get_tensor(buffers[key]))
-    own = {c.chunk_id: mgr.slots_of(c.chunk_id) for c in mgr.chunks[MASTER] if mgr.own(c.chunk_id)}
+    own = {c.chunk_id: mgr.slots_of(c.chunk_id) for c in mgr.chunks_of(ChunkList.MASTER) if mgr.own(c.chunk_id)}
     engine.restore_params_from_master({cid: s for cid, s in own.items() if s})
     engine.scaler.load_state_dict(json.loads(meta["loss_scaler"]))
     opt = engine.optimizer
@@ -440,7 +473,7 @@ def merge_checkpoint(directory: str | os.PathLike[str], out: str | os.PathLike[s
                             f"{'steps' if field == 'step' else 'runs'}; keep one save's files only"
                         )
             for key in h.keys():
-                if key.startswith(f"{MASTER}."):
+                if key.startswith(f"{ChunkList.MASTER.value}."):
                     chunks[int(key.split(".", 1)[1])] = h.get_tensor(key)
                 elif key.startswith("buffer.") and f == files[0]:  # rank 0's buffers
                     buffers[key.split(".", 1)[1]] = h.get_tensor(key)

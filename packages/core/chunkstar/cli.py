@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_USAGE)
         return 0 if args else 2
     if args[0] == "merge-checkpoint":
-        from chunkstar.checkpoint import main_merge
+        from chunkstar.checkpoint import main_merge  # here, so `chunkstar --help` does not import torch
 
         return main_merge(args[1:])
     print(f"chunkstar: unknown command {args[0]!r}\n{_USAGE}", file=sys.stderr)

@@ -114,8 +114,9 @@ class EngineConfig:
     prefetch: bool = True
     """Start copies of the next moments' chunks early, evicting chunks needed later."""
     prefetch_window: int | None = None
-    """Bytes of prefetch copies in flight at most, looking ahead over the schedule (None:
-    "auto", four times the largest param chunk)."""
+    """How far prefetch looks ahead: the bytes of the distinct chunks the next moments
+    need, resident or not (so also a bound on the prefetch copies in flight). None:
+    "auto", four times the largest param chunk."""
     hybrid_adam: bool = True
     """Run Adam on the device for the chunks that fit in the margin after the warm-up peak."""
     overlap: bool = True
@@ -140,7 +141,7 @@ _TOP_KEYS = {
     "device_memory_slack": "a fraction in [0, 0.5) of the device capacity kept free (default 0.1 on cuda, 0 on cpu)",
     "eviction_policy": '"furthest_next_use" or "lru"',
     "prefetch": "true or false",
-    "prefetch_window": 'bytes of prefetch copies in flight at most, as an integer or a string like "64MB", or "auto"',
+    "prefetch_window": 'how far prefetch looks ahead, as the bytes of the chunks the next moments need: an integer or a string like "64MB", or "auto"',
     "hybrid_adam": "true or false",
     "overlap": "true or false",
     "device_link_bandwidth": 'bytes per second as a number or a string like "16GB/s" (cpu device only)',

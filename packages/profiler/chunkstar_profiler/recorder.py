@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from chunkstar import ChunkEngine
+from chunkstar.chunk.lists import ChunkList
 from chunkstar.events import (
     ChunkAllocated,
     ChunkFreed,
@@ -94,10 +95,10 @@ class Profiler:
         if self._t_end is not None:
             raise RuntimeError("a Profiler records once; make a new one for another recording")
         self._t0 = time.perf_counter_ns()
-        for list_name, chunks in self.engine.mgr.chunks.items():
-            for c in chunks:
+        for which in ChunkList:
+            for c in self.engine.mgr.chunks_of(which):
                 if c.tier is not None:
-                    self._placement_open[(list_name, c.chunk_id, c.tier.value)] = self._t0
+                    self._placement_open[(which.value, c.chunk_id, c.tier.value)] = self._t0
         self.engine.memory_probe.acquire(_PROBE_HOLDER)
         self._unsubscribe = self.engine.events.subscribe(self._on_event)
 
@@ -208,7 +209,7 @@ class Profiler:
             "budget_bytes": stats["device_budget_bytes"],
             "chunk_size": stats["chunk_size"],
             "n_chunks": stats["n_chunks"],
-            "chunk_lists": list(eng.mgr.chunks),
+            "chunk_lists": [which.value for which in ChunkList],
             "model_data_bytes": stats["model_data_bytes"],
             "iterations": self._iteration + 1,
             "host": platform.node(),

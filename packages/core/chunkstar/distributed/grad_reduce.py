@@ -26,10 +26,12 @@ from typing import Sequence
 
 import torch
 
+from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.state import TensorState
 from chunkstar.distributed.comm import Comm
 from chunkstar.events import MoveReason
-from chunkstar.runtime.chunk_manager import PARAM, ChunkManager
+from chunkstar.placement.gathered import groups_to_release
+from chunkstar.runtime.chunk_manager import ChunkManager
 
 __all__ = ["GroupReducer"]
 
@@ -49,13 +51,12 @@ class GroupReducer:
         """After a module's forward, drop gathered copies of other ranks' chunks its
         groups hold, unless the next moment (per the frozen trace) needs the group."""
         mgr = self.mgr
-        groups = {mgr.layout.group(mgr.slots[i].chunk_id).start for i in indices}
-        keep: set[int] = set()
-        if mgr.trace.frozen:
-            keep = {mgr.layout.group(c).start for c in mgr.trace.chunks_at(mgr.moment + 1)}
-        for g in sorted(groups - keep):
-            if not any(mgr.pinned(k) for k in mgr.layout.group(g)):
-                mgr.release_group(g)
+        layout = mgr.layout
+        trace = mgr.trace
+        used = {layout.group(mgr.slots[i].chunk_id).start for i in indices}
+        needed = [layout.group(c).start for c in trace.chunks_at(mgr.moment + 1)] if trace.frozen else []
+        for g in groups_to_release(used, needed, lambda g: any(mgr.pinned(k) for k in layout.group(g))):
+            mgr.release_group(g)
 
     def gradient_folded(self, chunk_id: int) -> None:
         """A gradient was folded into ``chunk_id``: reduce its group once all its gradients are in."""
@@ -104,14 +105,14 @@ class GroupReducer:
         mgr = self.mgr
         group = list(mgr.layout.group(start))
         own_id = group[self.comm.rank]
-        if self.device.type == "cuda" and not mgr.resident((PARAM, own_id)):
-            mgr.make_resident([(PARAM, own_id)], MoveReason.ACCESS, where=f"the gradient reduction of chunk {own_id}")
+        if self.device.type == "cuda" and not mgr.resident((ChunkList.PARAM, own_id)):
+            mgr.make_resident([(ChunkList.PARAM, own_id)], MoveReason.ACCESS, where=f"the gradient reduction of chunk {own_id}")
         with torch.no_grad(), mgr.probe.paused():
-            payloads = [mgr.chunks[PARAM][k].payload for k in group]
+            payloads = [mgr.chunk(ChunkList.PARAM, k).payload for k in group]
             if self.comm.backend != "nccl":
                 payloads = [p.float() for p in payloads]  # gloo sums in fp32: exact for fp32, better for bf16
             summed = self.comm.reduce_group(payloads, what=f"param chunks {group[0]}..{group[-1]}")
-            own = mgr.chunks[PARAM][own_id].payload
+            own = mgr.chunk(ChunkList.PARAM, own_id).payload
             inv = 1.0 / self.comm.world_size
             # only gradient slots (the others still hold values), one copy per contiguous run of them
             for a, b in _gradient_runs(mgr, own_id):

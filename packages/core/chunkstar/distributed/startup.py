@@ -3,7 +3,7 @@ they are about to train the same thing, and agree on one run id.
 
 Note [start-up agreement]: chunks are sharded by rank and gathered on a
 schedule every rank derives on its own (Note [collective schedule] in
-runtime/engine.py). That only works if every rank parsed the same config,
+distributed/grad_reduce.py). That only works if every rank parsed the same config,
 built the same chunk layout in the same dtype, and filled it with the same
 initial weights; otherwise collectives of different sizes abort inside gloo or
 NCCL, or the all-gathers silently stitch together chunks of differently seeded

@@ -3,12 +3,16 @@
 * forward pre-hook  -> ``on_pre_forward``: the module's parameters must be on
   the device now (a *moment* begins);
 * forward hook      -> ``on_post_forward``: they may move again; and, when the
-  output needs grad, a multi-grad hook on the output tensors (mode "any") fires
-  ``on_pre_backward`` as soon as the first gradient reaches the module, i.e.
-  before the module's own backward runs;
+  output needs grad, it puts a multi-grad hook on the output tensors (mode
+  "any") that accesses the module's parameters again (a backward moment) as
+  soon as the first gradient reaches the module, i.e. before the module's own
+  backward runs;
 * post-accumulate-grad hook on every parameter -> ``on_grad``: its gradient is
   complete (autograd runs a leaf's AccumulateGrad once, after all its uses,
   tied uses included), so it can be folded into the parameter's slot.
+
+The target is the runtime's internal :class:`chunkstar.runtime.hook_targets.HookTargets`
+(``on_grad`` is the bound method of :class:`chunkstar.runtime.gradients.Gradients`).
 
 Hooks go only on modules that own parameters directly, so nesting works and
 each parameter is accessed by the module that registered it. A module is

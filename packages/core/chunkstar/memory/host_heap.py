@@ -1,7 +1,9 @@
 """Handing the CPU virtual device's freed heap pages back to the system.
 
-This module is a mechanism (one libc call) and the choice of the moment for it in an
-iteration; it is not an allocator and it moves no data.
+This module is a mechanism (one libc call) and the choice of the moments for it in an
+iteration (pure functions: :func:`plan_heap_release` once per iteration, then
+:func:`release_at_moment`, :func:`release_at_turn` and :func:`release_after_step`);
+it is not an allocator and it moves no data.
 
 Note [host heap]: on the CPU virtual device every tier is process memory, and
 so are the activations. glibc's malloc serves requests below its mmap
@@ -41,16 +43,23 @@ reused afterwards fault back in zeroed (that is most of its cost: measured
 
 On the 51.5M GPT-2 the peak moment is ``lm_head``'s forward, which spans the loss
 and the start of backward: peak RSS falls to the live bytes plus ~20 MiB. The
-engine decides when; :class:`HostHeap` only does it. Where libc has no
+functions below decide when, the iteration (:mod:`chunkstar.runtime.iteration`)
+asks them; :class:`HostHeap` only does it. Where libc has no
 ``malloc_trim`` (macOS, musl) it does nothing.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
-__all__ = ["HostHeap", "release_moment"]
+from chunkstar.memory.tracer import MemoryTrace
+
+__all__ = [
+    "HeapPlan", "HostHeap", "plan_heap_release", "release_after_step", "release_at_moment", "release_at_turn",
+    "release_before_step",
+    "release_moment",
+]  # fmt: skip
 
 
 def _find_malloc_trim() -> Callable[[int], int] | None:
@@ -92,3 +101,54 @@ def release_moment(non_model_peaks: Sequence[int]) -> int | None:
     if not non_model_peaks:
         return None
     return max(range(len(non_model_peaks)), key=non_model_peaks.__getitem__)
+
+
+class HeapPlan(NamedTuple):
+    """When one iteration hands the heap back (Note [host heap])."""
+
+    release_at: int | None
+    """The moment with the largest traced non-model peak (None: no trace to read, or skipped)."""
+    each_forward_moment: bool
+    """Warm-up: no trace yet, so at the start of every forward moment."""
+    skip: bool
+    """Under pressure: leave the heap alone for the whole iteration."""
+
+
+NO_HEAP = HeapPlan(None, False, False)
+"""The plan without a heap to release (CUDA): the callers' release is a no-op then."""
+
+
+def plan_heap_release(trace: MemoryTrace, *, warmup: bool, frozen: bool, frozen_before: bool, loaded: bool) -> HeapPlan:
+    """The plan of an iteration that begins with ``trace`` (frozen, or the warm-up's passes
+    so far). ``frozen``: it runs on the frozen schedule, ``frozen_before``: so did the one
+    before, ``loaded``: that one loaded param chunks (access or prefetch). Under pressure
+    (a frozen iteration after one that loaded chunks) the heap is left alone; the warm-up's
+    safe mode moves chunks at every moment, so only a frozen iteration tells."""
+    skip = frozen and frozen_before and loaded
+    release_at = release_moment([r.non_model_peak for r in trace.records]) if trace.passes > 0 and not skip else None
+    return HeapPlan(release_at, warmup, skip)
+
+
+def release_at_moment(plan: HeapPlan, moment: int, forward: bool) -> bool:
+    """Whether to release as moment ``moment`` (of the schedule) begins."""
+    return moment == plan.release_at or plan.each_forward_moment and forward
+
+
+def release_at_turn(plan: HeapPlan, released: bool, moment: int) -> bool:
+    """Whether to release at the forward/backward turn (the iteration is at ``moment``):
+    when there is no trace, or its peak moment was not reached, the turn stands in for it."""
+    if plan.skip:
+        return False
+    return plan.release_at is None or not released and plan.release_at <= moment
+
+
+def release_before_step(warmup: bool, state_moves: bool) -> bool:
+    """Whether to release as an optimizer step begins: in warm-up (its safe mode freed
+    payloads at every moment), or when the optimizer state is about to move to the device."""
+    return warmup or state_moves
+
+
+def release_after_step(moved_bytes: int, state_bytes: int) -> bool:
+    """Whether an optimizer step that moved ``moved_bytes`` changed the placement of the
+    optimizer state (``state_bytes``): the host buffers it left are free heap pages now."""
+    return moved_bytes > state_bytes // 4

@@ -190,5 +190,11 @@ class CudaProbe(MemoryProbe):
         return max(0, peak - chunk_bytes)
 
 
+def cuda_usable_bytes(device: torch.device) -> int:
+    """Bytes of the GPU this process may use: what is free plus what torch already holds."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
+
 def make_probe(device: torch.device) -> MemoryProbe:
     return CudaProbe(device) if device.type == "cuda" else CpuProbe()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from chunkstar.errors import ChunkStateError
 
@@ -84,6 +85,8 @@ class MemoryTrace:
     input_bytes: int = 0
     """Largest total bytes of tensor arguments given to a traced forward."""
     _uses: dict[int, list[int]] = field(default_factory=dict)
+    _run_end: list[int] = field(default_factory=list)
+    _run_peak: list[int] = field(default_factory=list)
 
     def record(self, index: int, rec: MomentRecord) -> bool:
         """Moment ``index`` of the running pass. A later pass merges into the first
@@ -130,7 +133,28 @@ class MemoryTrace:
             for c in r.chunks:
                 uses.setdefault(c, []).append(i)
         self._uses = uses
+        # runs of consecutive moments with the same chunks (many small modules share a chunk):
+        # for each moment, where its run ends and the largest non-model peak from it to there
+        n = len(self.records)
+        self._run_end = [n] * n
+        self._run_peak = [0] * n
+        for j in range(n - 1, -1, -1):
+            r = self.records[j]
+            if j + 1 < n and self.records[j + 1].chunks == r.chunks:
+                self._run_end[j] = self._run_end[j + 1]
+                self._run_peak[j] = max(r.non_model_peak, self._run_peak[j + 1])
+            else:
+                self._run_end[j] = j + 1
+                self._run_peak[j] = r.non_model_peak
         self.frozen = True
+
+    def runs_after(self, moment: int) -> Iterator[tuple[int, int, tuple[int, ...]]]:
+        """The frozen schedule after ``moment``, run by run: (first moment, largest non-model
+        peak until the run ends, chunks) for each stretch of moments that need the same chunks."""
+        j = moment + 1
+        while 0 <= j < len(self.records):
+            yield j, self._run_peak[j], self.records[j].chunks
+            j = self._run_end[j]
 
     def absorb_peaks(self, older: MemoryTrace) -> None:
         """Keep an outgrown trace's larger figures where the moments agree, so a

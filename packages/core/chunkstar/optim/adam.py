@@ -34,17 +34,18 @@ parameters whose ``.grad`` is None.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.layout import TensorSlot
+from chunkstar.chunk.lists import CHUNK_LISTS, ChunkList
 from chunkstar.chunk.state import TensorState
+from chunkstar.chunk.store import ChunkStore
 from chunkstar.device.copy_engine import CopyEvent
 from chunkstar.distributed.comm import Comm
 from chunkstar.events import MoveReason, Tier
-from chunkstar.runtime.chunk_manager import EXP_AVG, EXP_AVG_SQ, MASTER, PARAM
 
 if TYPE_CHECKING:
     from chunkstar.runtime.engine import ChunkEngine
@@ -102,6 +103,7 @@ class ChunkAdam(torch.optim.Optimizer):
     def __init__(self, engine: ChunkEngine, param_groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
         super().__init__(param_groups, defaults)
         self._engine = engine
+        self._store: ChunkStore = engine.mgr  # the chunks, through the store's narrow door only
         self._decoupled = engine.config.optimizer.decoupled
         self._steps: list[int] = [0] * len(engine.mgr.slots)
         self._group_of: list[int] = [0] * len(engine.mgr.slots)
@@ -150,14 +152,14 @@ class ChunkAdam(torch.optim.Optimizer):
         pipeline]): a host-Adam chunk goes to the host now and its gradient norms are
         taken on the way; a device-Adam chunk waits for the step where it is."""
         eng = self._engine
-        mgr = eng.mgr
+        mgr = self._store
         if chunk_id in eng.device_adam_chunks or chunk_id in self._partials:
             return
         slots = [s for s in mgr.slots_of(chunk_id) if mgr.states[s.index] is TensorState.HOLD_AFTER_BWD]
         if not slots:
             return
         spans = [(a, b) for _, a, b in _runs(slots, lambda s: 0)]
-        chunk = mgr.chunks[PARAM][chunk_id]
+        chunk = mgr.chunk(ChunkList.PARAM, chunk_id)
         last = mgr.moment >= mgr.trace.n_moments - 1  # no backward left to hide the copy behind
         if eng.device.type == "cuda" or last:
             # where the gradient lies, before the chunk leaves: on CUDA on the compute stream;
@@ -183,7 +185,7 @@ class ChunkAdam(torch.optim.Optimizer):
     def _forward_order(self) -> list[int]:
         """Chunk ids in the order the next forward first needs them (the frozen trace's
         order; chunks it never uses, or no trace yet, in id order after them)."""
-        mgr = self._engine.mgr
+        mgr = self._store
         trace = mgr.trace
         if self._order is None or self._order[0] != id(trace):
             seen: dict[int, None] = {}
@@ -199,7 +201,7 @@ class ChunkAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     def _step(self) -> None:
         eng = self._engine
-        mgr = eng.mgr
+        mgr = self._store
         scaler = eng.scaler
         comm = eng.comm
         grad_slots: dict[int, list[TensorSlot]] = {}
@@ -220,7 +222,7 @@ class ChunkAdam(torch.optim.Optimizer):
             if cid in self._partials:
                 pieces.append((cid, None, 0, 0))
                 continue
-            g = mgr.chunks[PARAM][cid].payload
+            g = mgr.chunk(ChunkList.PARAM, cid).payload
             ranges = batched.setdefault(g.device, [])
             spans = [g[a:b] for _, a, b in _runs(slots, lambda s: 0)]
             pieces.append((cid, g.device, len(ranges), len(spans)))
@@ -254,7 +256,7 @@ class ChunkAdam(torch.optim.Optimizer):
         if scaler.enabled:
             factor = factor / scaler.scale
         apply_factor = clip > 0 or scaler.enabled
-        on_device = {cid: slots for cid, slots in grad_slots.items() if mgr.chunks[PARAM][cid].tier is not Tier.HOST}
+        on_device = {cid: slots for cid, slots in grad_slots.items() if mgr.chunk(ChunkList.PARAM, cid).tier is not Tier.HOST}
         self._update(on_device, factor, apply_factor)
         if eng.device.type == "cuda" and len(on_device) < len(grad_slots):
             # host buffers: every copy still reading one (a prefetch on the copy stream) is done
@@ -270,12 +272,14 @@ class ChunkAdam(torch.optim.Optimizer):
 
     def _place(self, cid: int) -> None:
         eng = self._engine
-        mgr = eng.mgr
+        mgr = self._store
         if cid in eng.device_adam_chunks:
-            keys = [(PARAM, cid), (MASTER, cid), (EXP_AVG, cid), (EXP_AVG_SQ, cid)]
+            keys = [(name, cid) for name in CHUNK_LISTS]
+            if all(mgr.resident(k) for k in keys):
+                return  # the usual case after the first step: its state lives on the device
             mgr.make_resident(keys, MoveReason.OPTIMIZER, where=f"the optimizer step of chunk {cid}")
         else:
-            for name in (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ):
+            for name in CHUNK_LISTS:
                 mgr.to_host((name, cid), MoveReason.OPTIMIZER)
 
     def _buckets(
@@ -349,7 +353,7 @@ class ChunkAdam(torch.optim.Optimizer):
         batch would be freed and faulted in again every step (more so after the heap's
         pages are handed back, Note [host heap]); CUDA's caching allocator keeps its own."""
         need = min(elements, _BATCH_ELEMENTS)
-        if self._engine.mgr.chunks[PARAM][0].dtype == torch.float32 or need <= 0:
+        if self._store.compute_dtype == torch.float32 or need <= 0:
             return None
         buf = self._scratch_bufs.get(where)
         if buf is None or buf.numel() < need:
@@ -369,14 +373,14 @@ class ChunkAdam(torch.optim.Optimizer):
         of them at once would cost 4 bytes per parameter of extra memory (one chunk's
         worth, too, when a chunk is large: a tied embedding alone in its chunk). Which
         batch a piece joins does not change its bits."""
-        mgr = self._engine.mgr
+        mgr = self._store
         buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]] = {}
         flush = self._flusher(buckets, factor, apply_factor, self._hyper())
         pending = 0
         on_cpu = self._engine.device.type == "cpu"
         scratch = self._scratch("device", sum(s.numel for ss in grad_slots.values() for s in ss)) if on_cpu else None
         for cid, slots in grad_slots.items():
-            tensors = tuple(mgr.chunks[name][cid].payload for name in (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ))
+            tensors = tuple(mgr.chunk(name, cid).payload for name in CHUNK_LISTS)
             pending = self._buckets(buckets, tensors, slots, self._steps.__getitem__, flush, pending, scratch)  # type: ignore[arg-type]
         flush()
 
@@ -384,8 +388,8 @@ class ChunkAdam(torch.optim.Optimizer):
         """Pass 2 for one host-Adam chunk, as a job on the host worker (Note [gradient
         pipeline]); the four chunks' readers and the param chunk's next copy wait for it."""
         eng = self._engine
-        mgr = eng.mgr
-        chunks: list[Chunk] = [mgr.chunks[name][cid] for name in (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ)]
+        mgr = self._store
+        chunks: list[Chunk] = [mgr.chunk(name, cid) for name in CHUNK_LISTS]
         for c in chunks[1:]:
             c.wait_ready()  # state chunks: nothing in flight, normally
         tensors = tuple(c.host_buffer for c in chunks)
@@ -407,13 +411,13 @@ class ChunkAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        mgr = self._engine.mgr
+        mgr = self._store
         state: dict[int, dict[str, torch.Tensor]] = {}
         for s in mgr.slots:
             if self._steps[s.index] == 0 or not mgr.own(s.chunk_id):
                 continue  # with several processes each rank saves the state of its own chunks
-            m = mgr.chunks[EXP_AVG][s.chunk_id].payload[s.offset : s.end]
-            v = mgr.chunks[EXP_AVG_SQ][s.chunk_id].payload[s.offset : s.end]
+            m = mgr.slot_view(ChunkList.EXP_AVG, s)
+            v = mgr.slot_view(ChunkList.EXP_AVG_SQ, s)
             state[s.index] = {
                 "step": torch.tensor(float(self._steps[s.index])),
                 "exp_avg": m.detach().to("cpu", copy=True).view(s.shape),
@@ -446,15 +450,15 @@ class ChunkAdam(torch.optim.Optimizer):
             for k, v in theirs.items():
                 if k != "params":
                     mine[k] = tuple(v) if k == "betas" else v
-        mgr = self._engine.mgr
+        mgr = self._store
         with torch.no_grad():
             self._steps = [0] * len(mgr.slots)
             for s in mgr.slots:
                 if not mgr.own(s.chunk_id):
                     continue
                 st = state_dict["state"].get(s.index)
-                m = mgr.chunks[EXP_AVG][s.chunk_id].payload[s.offset : s.end]
-                v = mgr.chunks[EXP_AVG_SQ][s.chunk_id].payload[s.offset : s.end]
+                m = mgr.slot_view(ChunkList.EXP_AVG, s)
+                v = mgr.slot_view(ChunkList.EXP_AVG_SQ, s)
                 if st is None:
                     m.zero_()
                     v.zero_()
@@ -473,7 +477,7 @@ class ChunkAdam(torch.optim.Optimizer):
         stores it next to the moment chunks): this rank's Adam step count per
         parameter slot (0 for other ranks' slots), the parameter groups' settings
         and members (slot indices), the skipped steps and the steps taken."""
-        mgr = self._engine.mgr
+        mgr = self._store
         groups = []
         for group in self.param_groups:
             entry = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
@@ -488,7 +492,7 @@ class ChunkAdam(torch.optim.Optimizer):
 
     def load_scalar_state(self, state: dict[str, Any]) -> None:
         """Restore :meth:`scalar_state` (the caller checked that the groups' members match)."""
-        mgr = self._engine.mgr
+        mgr = self._store
         for mine, theirs in zip(self.param_groups, state["param_groups"]):
             for k, v in theirs.items():
                 if k != "params":

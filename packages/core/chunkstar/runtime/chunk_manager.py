@@ -1,12 +1,19 @@
-"""The one place that acts on placement: residency, budgets, moves, tensor states.
+"""The chunk store: the one owner of the chunks, the tensor states and the byte counters,
+and the one place that acts on placement (residency, budgets, moves).
 
-The manager owns the four chunk lists and every tensor's state. The engine's
-hook targets and the optimizer tell it what they need (``make_resident``,
-``set_state``, ``to_host``, ``make_room``); it asks the pure policies in
-:mod:`chunkstar.placement` what to evict, hands the copies to its copy engine
-(:mod:`chunkstar.device`), keeps the byte accounting and emits events. It also
+The manager owns the four chunk lists (:class:`chunkstar.chunk.lists.ChunkList`),
+every tensor's state and the derived counts of those states, the index of the
+chunks on the device, and the byte counters (each kept in one place: ``move``,
+``_gather``, ``release_group``, ``allocate_on_host``). Others reach the chunks
+through a narrow door (``chunk``, ``chunks_of``, ``slot_view``; the optimizer
+and the checkpoint code see only the :class:`chunkstar.chunk.store.ChunkStore`
+Protocol) and ask for what they need (``make_resident``, ``set_state``,
+``to_host``, ``offload``, ``prefetch``, ``make_room``). It asks the pure
+policies in :mod:`chunkstar.placement` what to evict and prefetch, hands the
+copies to its copy engine (:mod:`chunkstar.device`) and emits events. It also
 swaps each parameter's class when its tensor enters or leaves COMPUTE (Note
-[parameter guard] in :mod:`chunkstar.hooks.param_guard`).
+[parameter guard] in :mod:`chunkstar.hooks.param_guard`). It reads the
+iteration's :class:`chunkstar.runtime.cursor.Cursor` and never writes it.
 
 Note [budget per moment]: the device holds chunks *and* non-model data
 (activations, temporaries). The chunk budget of a moment is the capacity minus
@@ -18,7 +25,7 @@ evict while its own module is running.
 
 from __future__ import annotations
 
-import math
+import contextlib
 import time
 from typing import Iterable, Iterator, Sequence
 
@@ -26,6 +33,7 @@ import torch
 
 from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.layout import ChunkLayout, TensorSlot
+from chunkstar.chunk.lists import CHUNK_LISTS, STATE_LISTS, ChunkList
 from chunkstar.chunk.state import ChunkLocation, TensorState, check_tensor_transition
 from chunkstar.config import EvictionPolicyName
 from chunkstar.device.copy_engine import CopyEngine, SerialCopies
@@ -33,18 +41,18 @@ from chunkstar.device.pinned import PinnedBuffers
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError, DeviceMemoryError
 from chunkstar.events import ChunkAllocated, ChunkFreed, ChunkMoved, EventBus, MemorySample, MoveReason, Stage, Tier
+from chunkstar.memory.budget import minimum_budget, room_target
 from chunkstar.memory.probes import MemoryProbe
 from chunkstar.memory.tracer import MemoryTrace
 from chunkstar.placement.eviction import ResidentChunk, choose_evictions
 from chunkstar.placement.prefetch import PrefetchView, Upcoming, plan_prefetch
+from chunkstar.runtime.cursor import Cursor
 
-__all__ = ["ChunkManager", "PARAM", "MASTER", "EXP_AVG", "EXP_AVG_SQ", "CHUNK_LISTS"]
+__all__ = ["ChunkManager", "Key"]
 
-PARAM, MASTER, EXP_AVG, EXP_AVG_SQ = "param", "master", "exp_avg", "exp_avg_sq"
-CHUNK_LISTS = (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ)
-STATE_LISTS = (MASTER, EXP_AVG, EXP_AVG_SQ)
+_PARAM = ChunkList.PARAM
 
-Key = tuple[str, int]
+Key = tuple[ChunkList, int]
 
 _COMPUTE, _HOLD_AFTER_FWD, _HOLD_AFTER_BWD = TensorState.COMPUTE, TensorState.HOLD_AFTER_FWD, TensorState.HOLD_AFTER_BWD
 
@@ -62,7 +70,7 @@ def _legal(old: TensorState, new: TensorState) -> bool:
 _LEGAL_TRANSITIONS = frozenset((id(a), id(b)) for a in TensorState for b in TensorState if _legal(a, b))
 
 
-def _keys(name: str, ids: Iterable[int]) -> list[Key]:
+def _keys(name: ChunkList, ids: Iterable[int]) -> list[Key]:
     """``(name, id)`` for ``ids`` in ascending order."""
     return [(name, cid) for cid in sorted(ids)]
 
@@ -79,6 +87,8 @@ class ChunkManager:
         events: EventBus,
         comm: Comm | None = None,
         copies: CopyEngine | None = None,
+        cursor: Cursor | None = None,
+        slack: float = 0.0,
     ) -> None:
         self.layout = layout
         self.comm = comm or Comm()
@@ -90,14 +100,18 @@ class ChunkManager:
         # param chunks travel every step on a CUDA device: their host buffers are pinned, exactly
         # sized (device/pinned.py); state chunks travel once at most and stay in plain memory
         self.pinned_buffers = PinnedBuffers() if device.type == "cuda" else None
-        self.chunks: dict[str, list[Chunk]] = {
+        self.compute_dtype = compute_dtype
+        # the chunks of the four lists (chunk/lists.py), by list then chunk id: the store's own,
+        # reached from outside through chunk(), chunks_of() and slot_view() only
+        self._chunks: dict[ChunkList, list[Chunk]] = {
             name: [
-                Chunk(i, name, n, compute_dtype if name == PARAM else torch.float32, device,
-                      self.pinned_buffers if name == PARAM else None)  # fmt: skip
+                Chunk(i, name.value, n, compute_dtype if name is _PARAM else torch.float32, device,
+                      self.pinned_buffers if name is _PARAM else None)  # fmt: skip
                 for i, n in enumerate(layout.chunk_sizes)
             ]
             for name in CHUNK_LISTS
         }
+        self._param_chunks = self._chunks[_PARAM]  # the list hot paths read
         self.slots: tuple[TensorSlot, ...] = layout.slots
         self.states: list[TensorState] = [TensorState.FREE] * len(layout.slots)
         # derived caches of the states, kept by set_state only, per param chunk: tensors in
@@ -112,20 +126,16 @@ class ChunkManager:
             self._slots_by_chunk[s.chunk_id].append(s)
         # derived from the chunks' locations, kept by _on_resident/_on_left_device only: ids of
         # the chunks on the device per list, the only ones make_room looks at (eviction candidates)
-        self._on_device: dict[str, set[int]] = {name: set() for name in CHUNK_LISTS}
+        self._on_device: dict[ChunkList, set[int]] = {name: set() for name in CHUNK_LISTS}
+        self._own_param_chunks = sum(1 for i in range(layout.n_chunks) if layout.owner(i) == self.comm.rank)
 
-        # CUDA: prefetch copies run here, overlapping the compute stream's kernels
         # how chunk payloads travel (CUDA streams, the CPU copy thread, or serial): chunk.py's
         # Note [pending copy]; set by the engine from the config (overlap, device_link_bandwidth)
         self.copies: CopyEngine = SerialCopies() if copies is None else copies
-        self.trace = MemoryTrace()
-        # Set by the engine: while tracing (or off the traced schedule) the device keeps
-        # only what the running moment needs, leaving activations all the room there is.
-        self.safe_mode = False
-        # False during an untraced forward (evaluation): budgets then use the trace's maximum.
-        self.on_schedule = True
+        # the iteration's cursor (stage, moment, trace, ...): read here, written by the schedule only
+        self._cur = Cursor() if cursor is None else cursor
         # fraction of the device budget kept free (config device_memory_slack): capacity = budget * (1 - slack)
-        self.slack = 0.0
+        self.slack = slack
         # Set by the schedule during warm-up: a moment that does not fit is let through and
         # its chunk bytes (with everything pinned) kept here, instead of raising at once.
         self.measuring_shortfall = False
@@ -133,9 +143,6 @@ class ChunkManager:
         # Parameter objects by slot, with their plain and guarded classes (Note [parameter guard]);
         # set_state swaps the class when a tensor enters or leaves COMPUTE.
         self._guard: list[tuple[torch.Tensor, type, type]] = []
-        self.stage = Stage.IDLE
-        self.moment = -1
-        self.module = ""
         self._clock = 0
         self._last_use: dict[Key, int] = {}
 
@@ -154,6 +161,55 @@ class ChunkManager:
         self.gathers = 0  # all-gathers of a chunk group (several processes only)
         self.gathered_groups: set[int] = set()  # first chunk ids of groups whose remote copies are here
         self.bytes_gathered = 0  # remote bytes received by them
+
+    # ------------------------------------------------------------------ the chunks: the narrow door
+    def chunk(self, which: ChunkList, chunk_id: int) -> Chunk:
+        """Chunk ``chunk_id`` of list ``which`` (its payload, buffers and pending copies)."""
+        return self._chunks[which][chunk_id]
+
+    def chunks_of(self, which: ChunkList) -> Sequence[Chunk]:
+        """Every chunk of list ``which``, by chunk id (read-only)."""
+        return tuple(self._chunks[which])
+
+    def slot_view(self, which: ChunkList, slot: TensorSlot) -> torch.Tensor:
+        """1-D view of ``slot``'s elements in its chunk of list ``which`` (where the payload is now)."""
+        return self._chunks[which][slot.chunk_id].payload[slot.offset : slot.end]
+
+    def param_slot_view(self, slot: TensorSlot) -> torch.Tensor:
+        """``slot_view(ChunkList.PARAM, slot)`` for the per-gradient path (one lookup fewer)."""
+        return self._param_chunks[slot.chunk_id].payload[slot.offset : slot.end]
+
+    def nbytes(self, which: ChunkList, chunk_id: int) -> int:
+        return self._chunks[which][chunk_id].nbytes
+
+    def paused_probe(self) -> contextlib.AbstractContextManager[None]:
+        """The non-model memory probe paused: the store's own work is model memory."""
+        return self.probe.paused()
+
+    # ------------------------------------------------------------------ the cursor, read-only
+    @property
+    def trace(self) -> MemoryTrace:
+        return self._cur.trace
+
+    @property
+    def stage(self) -> Stage:
+        return self._cur.stage
+
+    @property
+    def moment(self) -> int:
+        return self._cur.moment
+
+    @property
+    def module(self) -> str:
+        return self._cur.module
+
+    @property
+    def on_schedule(self) -> bool:
+        return self._cur.on_schedule
+
+    @property
+    def safe_mode(self) -> bool:
+        return self._cur.safe_mode
 
     # ------------------------------------------------------------------ states
     def set_state(self, index: int, new: TensorState) -> None:
@@ -226,7 +282,7 @@ class ChunkManager:
 
     def pinned_bytes(self) -> int:
         """Bytes of param chunks in use by a running moment (they cannot move)."""
-        return sum(self.chunks[PARAM][i].nbytes for i in range(self.layout.n_chunks) if self.pinned(i))
+        return sum(self._chunks[_PARAM][i].nbytes for i in range(self.layout.n_chunks) if self.pinned(i))
 
     def pinned(self, chunk_id: int) -> bool:
         return self._compute_count[chunk_id] > 0
@@ -247,24 +303,25 @@ class ChunkManager:
             return
         with self.probe.paused():
             for name in CHUNK_LISTS:
-                c = self.chunks[name][chunk_id]
+                c = self._chunks[name][chunk_id]
                 c.allocate(Tier.HOST)
                 self.host_chunk_bytes += c.nbytes
                 if self.events.active:
-                    self.events.emit(ChunkAllocated(c.chunk_id, name, Tier.HOST, c.nbytes, time.perf_counter_ns()))
+                    self.events.emit(ChunkAllocated(c.chunk_id, c.list_name, Tier.HOST, c.nbytes, time.perf_counter_ns()))
 
     def resident(self, key: Key) -> bool:
-        return self.chunks[key[0]][key[1]].location is ChunkLocation.DEVICE
+        return self._chunks[key[0]][key[1]].location is ChunkLocation.DEVICE
 
     def chunk_budget(self) -> int:
         """Bytes chunks may occupy on the device during the current moment (Note [budget per moment])."""
         live = self.probe.non_model_now(self.device_chunk_bytes)
-        if self.stage is Stage.OPTIM or self.stage is Stage.IDLE or not self.trace.frozen or self.safe_mode:
+        cur = self._cur
+        if cur.stage is Stage.OPTIM or cur.stage is Stage.IDLE or not cur.trace.frozen or cur.safe_mode:
             non_model = live
-        elif self.on_schedule:
-            non_model = self.trace.non_model_at(self.moment)
+        elif cur.on_schedule:
+            non_model = cur.trace.non_model_at(cur.moment)
         else:
-            non_model = max(live, self.trace.max_non_model)
+            non_model = max(live, cur.trace.max_non_model)
         return self.capacity - non_model
 
     def touch(self, key: Key) -> None:
@@ -273,11 +330,12 @@ class ChunkManager:
 
     def _next_use_after(self) -> int | None:
         """The moment the param chunks' next uses count from now (None: no schedule to read)."""
-        if not self.trace.frozen or not self.on_schedule or self.safe_mode:
+        cur = self._cur
+        if not cur.follows_trace():
             return None
-        if self.stage is Stage.OPTIM or self.stage is Stage.IDLE:
+        if cur.stage is Stage.OPTIM or cur.stage is Stage.IDLE:
             return -1
-        return self.moment
+        return cur.moment
 
     def make_resident(self, keys: Sequence[Key], reason: MoveReason, where: str, *, gather_groups: bool = False) -> None:
         """Bring ``keys`` to the device, evicting others as the policy says.
@@ -285,17 +343,17 @@ class ChunkManager:
         With ``gather_groups`` (a module's access, on every rank alike) the groups of
         the param chunks are all-gathered unless already gathered. A group's gathered
         state is the same on every rank (Note [collective schedule] in
-        runtime/engine.py), so the ranks agree on which groups to gather, even the
+        distributed/grad_reduce.py), so the ranks agree on which groups to gather, even the
         rank that owns the very chunk a module needs. Without it only this rank's
         own chunks move (the optimizer's placement)."""
         gather = []
         if gather_groups and self.comm.distributed:
-            gather = sorted({self.layout.group(i).start for n, i in keys if n == PARAM} - self.gathered_groups)
+            gather = sorted({self.layout.group(i).start for n, i in keys if n is _PARAM} - self.gathered_groups)
         want = list(keys)
         for g in gather:
-            want += [(PARAM, k) for k in self.layout.group(g) if (PARAM, k) not in want]
+            want += [(_PARAM, k) for k in self.layout.group(g) if (_PARAM, k) not in want]
         missing = [k for k in want if not self.resident(k)]
-        need = sum(self.chunks[n][i].nbytes for n, i in missing)
+        need = sum(self._chunks[n][i].nbytes for n, i in missing)
         self.make_room(need, protect=set(want), where=where, required=want)
         for k in missing:
             if self.own(k[1]):
@@ -303,24 +361,24 @@ class ChunkManager:
         for g in gather:
             self._gather(g)
         for k in want:
-            self.chunks[k[0]][k[1]].wait_ready()
+            self._chunks[k[0]][k[1]].wait_ready()
             self.touch(k)
 
     def _gather(self, start: int) -> None:
         """All-gather the param chunks of the group starting at ``start`` (own chunk resident)."""
         group = list(self.layout.group(start))
-        own = self.chunks[PARAM][group[self.comm.rank]]
+        own = self._chunks[_PARAM][group[self.comm.rank]]
         own.wait_ready()  # its load may still be in flight: the collective reads it
         outputs = []
         t0 = time.perf_counter_ns()
         with self.probe.paused(), torch.profiler.record_function("chunkstar::all_gather"):
             for k in group:
-                c = self.chunks[PARAM][k]
+                c = self._chunks[_PARAM][k]
                 if k == own.chunk_id:
                     outputs.append(torch.empty_like(own.device_view))  # no aliasing of input and output
                 else:
                     outputs.append(c.materialize_on_device())
-                    self._on_resident((PARAM, k))
+                    self._on_resident((_PARAM, k))
                     self.device_chunk_bytes += c.nbytes
                     self.bytes_gathered += c.nbytes
             self.device_chunk_bytes_peak = max(self.device_chunk_bytes_peak, self.device_chunk_bytes)
@@ -331,9 +389,9 @@ class ChunkManager:
             t1 = time.perf_counter_ns()
             for k in group:
                 if k != own.chunk_id:
-                    self.events.emit(ChunkAllocated(k, PARAM, Tier.DEVICE, self.chunks[PARAM][k].nbytes, t0))
-                    self.events.emit(ChunkMoved(k, PARAM, self.chunks[PARAM][k].nbytes, Tier.HOST, Tier.DEVICE,
-                                                MoveReason.ACCESS, self.moment, self.module, t0, t1))  # fmt: skip
+                    self.events.emit(ChunkAllocated(k, _PARAM.value, Tier.DEVICE, self._chunks[_PARAM][k].nbytes, t0))
+                    self.events.emit(ChunkMoved(k, _PARAM.value, self._chunks[_PARAM][k].nbytes, Tier.HOST, Tier.DEVICE,
+                                                MoveReason.ACCESS, self._cur.moment, self._cur.module, t0, t1))  # fmt: skip
 
     def release_group(self, start: int) -> None:
         """Drop this rank's copies of the other ranks' param chunks of a gathered group."""
@@ -341,27 +399,22 @@ class ChunkManager:
             return
         self.gathered_groups.discard(start)
         for k in self.layout.group(start):
-            c = self.chunks[PARAM][k]
+            c = self._chunks[_PARAM][k]
             if self.own(k) or c.location is not ChunkLocation.DEVICE:
                 continue
             with self.probe.paused():
                 c.release()
-            self._on_left_device((PARAM, k))
+            self._on_left_device((_PARAM, k))
             self.device_chunk_bytes -= c.nbytes
             if self.events.active:
-                self.events.emit(ChunkFreed(k, PARAM, Tier.DEVICE, c.nbytes, time.perf_counter_ns()))
+                self.events.emit(ChunkFreed(k, c.list_name, Tier.DEVICE, c.nbytes, time.perf_counter_ns()))
 
     def make_room(self, need: int, protect: set[Key], where: str, required: Iterable[Key] = ()) -> None:
-        """Evict until ``need`` more bytes fit this moment's chunk budget.
-
-        During a warm-up pass (no frozen trace yet) the budget only knows the non-model
-        memory *now*, not what the module is about to allocate, so the device
-        keeps nothing but what the moment needs: every other movable chunk goes.
-        That costs moves in the first micro-steps only and leaves the activations
-        all the room there is.
-        """
+        """Evict until ``need`` more bytes fit this moment's chunk budget, or, during a
+        warm-up pass, down to :func:`chunkstar.memory.budget.room_target`."""
         budget = self.chunk_budget()
-        target = 0 if self.safe_mode and self.stage in (Stage.FWD, Stage.BWD) else budget
+        cur = self._cur
+        target = room_target(budget, cur.safe_mode, cur.stage is Stage.FWD or cur.stage is Stage.BWD)
         excess = self.device_chunk_bytes + need - target
         if excess <= 0:
             return
@@ -370,23 +423,23 @@ class ChunkManager:
         if victims is None:
             freed = sum(c.nbytes for c in candidates)
             if self.device_chunk_bytes - freed + need > budget:
-                req = set(required) | {(PARAM, i) for i in range(self.layout.n_chunks) if self.pinned(i)}
+                req = set(required) | {(_PARAM, i) for i in range(self.layout.n_chunks) if self.pinned(i)}
                 if not self.measuring_shortfall:
                     raise self.memory_error(where, sorted(req), budget)
                 # warm-up: go over the budget for now and measure, so the error at the end of
                 # the iteration can name the smallest budget for all of it (runtime/schedule.py)
-                self.required_peak = max(self.required_peak, sum(self.chunks[n][i].nbytes for n, i in req))
+                self.required_peak = max(self.required_peak, sum(self._chunks[n][i].nbytes for n, i in req))
             victims = [c.key for c in candidates]
         for v in victims:
             assert isinstance(v, tuple)
             self.move(v, Tier.HOST, MoveReason.EVICTION)
 
-    def _eviction_candidates(self, protect: set[Key], names: Sequence[str] = CHUNK_LISTS) -> list[ResidentChunk]:
+    def _eviction_candidates(self, protect: set[Key], names: Sequence[ChunkList] = CHUNK_LISTS) -> list[ResidentChunk]:
         """The chunks on the device that may move now, by list then chunk id (the order the
         policy's ties keep). Read from the resident index, so an eviction costs in proportion
         to what the device holds, not to the size of the model."""
         after = self._next_use_after()
-        next_use = self.trace.next_use
+        next_use = self._cur.trace.next_use
         last_use = self._last_use
         out: list[ResidentChunk] = []
         for name in names:
@@ -394,8 +447,8 @@ class ChunkManager:
             if not ids:
                 continue
             ids = ids - {cid for n, cid in protect if n == name}
-            chunks = self.chunks[name]
-            if name != PARAM:
+            chunks = self._chunks[name]
+            if name is not _PARAM:
                 out += [ResidentChunk(k, chunks[k[1]].nbytes, None, last_use.get(k, 0)) for k in _keys(name, ids)]
                 continue
             # not in use, and not a gathered remote copy (freed on a schedule all ranks share)
@@ -420,11 +473,11 @@ class ChunkManager:
     def memory_error(self, where: str, required: Sequence[Key], free: int, non_model: int | None = None) -> DeviceMemoryError:
         """The error for chunks ``required`` at once that do not fit ``free`` chunk bytes,
         with the smallest budget that would hold them beside the measured non-model memory."""
-        needed = sum(self.chunks[n][i].nbytes for n, i in required)
+        needed = sum(self._chunks[n][i].nbytes for n, i in required)
         if non_model is None:
             non_model = self.capacity - free
         biggest = max((s for n, i in required for s in self.slots_of(i)), key=lambda s: s.numel, default=None)
-        itemsize = self.chunks[PARAM][0].dtype.itemsize
+        itemsize = self._chunks[_PARAM][0].dtype.itemsize
         big_tensor = biggest is not None and biggest.numel * itemsize > max(free, 0)
         if big_tensor:
             assert biggest is not None
@@ -441,7 +494,7 @@ class ChunkManager:
             )
         return DeviceMemoryError(
             device=str(self.device), needed=needed, free=max(free, 0), budget=self.capacity, where=where,
-            minimum=math.ceil((needed + max(non_model, 0)) / (1.0 - self.slack)), advice=advice,
+            minimum=minimum_budget(needed, max(non_model, 0), self.slack), advice=advice,
         )  # fmt: skip
 
     def _versions(self, chunk_id: int) -> int:
@@ -453,15 +506,15 @@ class ChunkManager:
     def keeps_clean_copies(self) -> bool:
         """Whether param chunks brought to the device now keep their host copy: on the
         frozen schedule, where moves repeat every step (Note [clean host copy] in chunk/chunk.py)."""
-        return self.trace.frozen and self.on_schedule and not self.safe_mode
+        return self._cur.follows_trace()
 
     def move(self, key: Key, tier: Tier, reason: MoveReason) -> None:
-        chunk = self.chunks[key[0]][key[1]]
+        chunk = self._chunks[key[0]][key[1]]
         had_host = chunk.has_host_buffer
         if tier is Tier.HOST and chunk.clean and self._clean_versions.get(key[1]) != self._versions(key[1]):
             chunk.mark_dirty()  # written in place since it came: the host copy is stale
         keep = (
-            tier is Tier.DEVICE and key[0] == PARAM and self.keeps_clean_copies
+            tier is Tier.DEVICE and key[0] is _PARAM and self.keeps_clean_copies
             and (reason is MoveReason.ACCESS or reason is MoveReason.PREFETCH)
         )  # fmt: skip
         t0 = time.perf_counter_ns()
@@ -491,35 +544,38 @@ class ChunkManager:
             # a move allocates the payload in one tier and frees it in the other (a host
             # buffer kept beside the device copy stays allocated)
             if tier is Tier.DEVICE or not had_host:
-                self.events.emit(ChunkAllocated(key[1], key[0], tier, chunk.nbytes, t0))
+                self.events.emit(ChunkAllocated(key[1], chunk.list_name, tier, chunk.nbytes, t0))
             nbytes = chunk.nbytes if copied else 0
-            self.events.emit(ChunkMoved(key[1], key[0], nbytes, src, tier, reason, self.moment, self.module, t0, t1))
+            cur = self._cur
+            self.events.emit(ChunkMoved(key[1], chunk.list_name, nbytes, src, tier, reason, cur.moment, cur.module, t0, t1))
             if tier is Tier.HOST or not chunk.has_host_buffer:
-                self.events.emit(ChunkFreed(key[1], key[0], src, chunk.nbytes, t1))
+                self.events.emit(ChunkFreed(key[1], chunk.list_name, src, chunk.nbytes, t1))
 
     def prefetch(self, window_bytes: int, now: int | None = None) -> None:
         """Bring the chunks of the moments after ``now`` (default: the running moment) early,
         evicting chunks needed later, as :func:`chunkstar.placement.prefetch.plan_prefetch`
         plans. Never looks past the end of the iteration: the optimizer step in between
         changes the host copies."""
-        trace = self.trace
-        start = self.moment if now is None else now
-        chunks = self.chunks
+        if len(self._on_device[_PARAM]) >= self._own_param_chunks:
+            return  # every chunk it could bring is here (no pressure): nothing to plan
+        trace = self._cur.trace
+        start = self._cur.moment if now is None else now
+        chunks = self._chunks
         sharded = self.layout.world_size > 1
+        capacity = self.capacity
 
         def upcoming() -> Iterator[Upcoming]:
-            for j in range(start + 1, trace.n_moments):
-                ids = trace.chunks_at(j)
+            for j, peak, ids in trace.runs_after(start):
                 # other ranks' chunks arrive by all-gather, on the schedule every rank shares
-                keys = [(PARAM, c) for c in ids if not sharded or self.own(c)]
-                yield Upcoming(j, self.capacity - trace.non_model_at(j), keys)
+                keys = [(_PARAM, c) for c in ids if not sharded or self.own(c)]
+                yield Upcoming(j, capacity - peak, keys)
 
         view = PrefetchView(
             device_bytes=self.device_chunk_bytes,
             budget_now=self.chunk_budget(),
             nbytes=lambda k: chunks[k[0]][k[1]].nbytes,
             resident=lambda k: chunks[k[0]][k[1]].location is ChunkLocation.DEVICE,
-            movable=lambda: [(c.key, c.next_use) for c in self._eviction_candidates(set(), names=(PARAM,))],
+            movable=lambda: [(c.key, c.next_use) for c in self._eviction_candidates(set(), names=(_PARAM,))],
         )
         for key, evict in plan_prefetch(view, upcoming(), start, window_bytes):
             for v in evict:
@@ -530,7 +586,7 @@ class ChunkManager:
     def offload(self, chunk_id: int) -> None:
         """Send param chunk ``chunk_id``, whose gradients are complete, to the host where its
         Adam update runs; its copy overlaps the rest of the backward."""
-        key = (PARAM, chunk_id)
+        key = (_PARAM, chunk_id)
         if self.resident(key) and not self.pinned(chunk_id):
             self.move(key, Tier.HOST, MoveReason.OFFLOAD)
 
@@ -550,21 +606,21 @@ class ChunkManager:
                 self.device_chunk_bytes,
                 non_model,
                 self.capacity,
-                self.moment,
+                self._cur.moment,
                 time.perf_counter_ns(),
             )
         )
         host = self.host_chunk_bytes
-        self.events.emit(MemorySample(Tier.HOST, host, host, 0, 0, self.moment, time.perf_counter_ns()))
+        self.events.emit(MemorySample(Tier.HOST, host, host, 0, 0, self._cur.moment, time.perf_counter_ns()))
 
     def model_data_bytes(self) -> int:
         """Param chunks (all: each is gathered when used) plus this rank's state chunks."""
-        return self.bytes_of(PARAM) + self.state_bytes()
+        return self.bytes_of(_PARAM) + self.state_bytes()
 
     def state_bytes(self) -> int:
         """fp32 master + Adam moments this rank keeps (1/world_size of them)."""
-        return sum(c.nbytes for name in STATE_LISTS for c in self.chunks[name] if self.own(c.chunk_id))
+        return sum(c.nbytes for name in STATE_LISTS for c in self._chunks[name] if self.own(c.chunk_id))
 
-    def bytes_of(self, list_name: str, chunk_ids: Iterable[int] | None = None) -> int:
+    def bytes_of(self, list_name: ChunkList, chunk_ids: Iterable[int] | None = None) -> int:
         ids = range(self.layout.n_chunks) if chunk_ids is None else chunk_ids
-        return sum(self.chunks[list_name][i].nbytes for i in ids)
+        return sum(self._chunks[list_name][i].nbytes for i in ids)

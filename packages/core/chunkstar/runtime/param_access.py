@@ -39,15 +39,17 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import nn
 
+from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.state import ChunkLocation, TensorState
 from chunkstar.errors import ChunkStateError, DeviceMemoryError
 from chunkstar.events import Stage
 from chunkstar.hooks.module_hooks import AfterBackward, output_tensors, substitute
 from chunkstar.hooks.param_guard import ReadOnlyGradient, ReadOnlySnapshot, mutated_tensors, op_name, plain, tensor_args
-from chunkstar.runtime.chunk_manager import MASTER, PARAM
 
 if TYPE_CHECKING:
     from chunkstar.runtime.engine import ChunkEngine
+    from chunkstar.runtime.hook_targets import HookTargets
+    from chunkstar.runtime.iteration import Iteration
 
 __all__ = ["ParamAccess", "GATHER_HINT"]
 
@@ -74,6 +76,14 @@ class ParamAccess:
         self._sd_memo: dict[int, torch.Tensor] = {}  # slot index -> fp32 value handed out in this state_dict()
         self._sd_masters: dict[int, torch.Tensor] | None = None  # gathered master chunks (several processes)
         self._gathered: set[int] = set()  # slot indices inside gathered_parameters()
+        # the engine's hook targets and iteration, which take part in reads during a model
+        # pass; they are built after this object (they reset it), so the engine connects them
+        self._targets: HookTargets | None = None
+        self._iteration: Iteration | None = None
+
+    def connect(self, targets: HookTargets, iteration: Iteration) -> None:
+        self._targets = targets
+        self._iteration = iteration
 
     # ------------------------------------------------------------------ dispatch
     def param_index(self, p: torch.Tensor) -> int | None:
@@ -86,7 +96,7 @@ class ParamAccess:
         if i is not None and self.mgr.states[i] is TensorState.HOLD_AFTER_BWD:
             s = self.mgr.slots[i]
             if self.mgr.own(s.chunk_id):
-                slot = self.mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end]
+                slot = self.mgr.slot_view(ChunkList.PARAM, s)
                 return slot.detach().clone().view(s.shape).to(self.engine.device).as_subclass(ReadOnlyGradient)
         with torch._C.DisableTorchFunctionSubclass():
             return p.grad
@@ -107,11 +117,13 @@ class ParamAccess:
         if self._sd_depth > 0 and op_name(func) == "detach" and len(indices) == 1:
             return self.state_dict_value(next(iter(indices.values())))
         readable = all(self.mgr.states[i] in _READABLE for i in indices.values())
-        if readable and not eng.in_model_pass() and self._builds_graph(func, indices.values()):
+        it = self._iteration
+        assert it is not None
+        if readable and not it.in_model_pass() and self._builds_graph(func, indices.values()):
             # between steps with autograd on (an L2 term computed before the forward, say):
             # the read may feed a loss, so it opens the next training iteration
-            eng.begin_iteration_from_read()
-        if readable and eng.in_model_pass():
+            it.begin_from_read()
+        if readable and it.in_model_pass():
             return self._forward_read(func, args, kwargs, sorted(set(indices.values())))
         return self._idle_read(func, args, kwargs, indices)
 
@@ -145,24 +157,25 @@ class ParamAccess:
 
     # ------------------------------------------------------------------ forward / backward
     def _forward_read(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], indices: list[int]) -> Any:
-        eng = self.engine
+        targets = self._targets
+        assert targets is not None
         names = ", ".join(repr(self.mgr.slots[i].name) for i in indices[:3])
-        if eng.running_module() is not None:
-            eng.attach_to_running_module(indices, what=f"parameter {names}")
+        if targets.running_module() is not None:
+            targets.attach_to_running_module(indices, what=f"parameter {names}")
             return plain(func, args, kwargs)
         label = f"parameter {names} outside modules"
         prior = {i: self.mgr.states[i] for i in indices}
-        eng.access_outside_modules(label, indices)
+        targets.access_outside_modules(label, indices)
         building = torch.is_grad_enabled() and any(self._param(i).requires_grad for i in indices)
         if building:
             # Each parameter goes through an identity node whose backward runs right after
             # this op's backward: that is when the op no longer needs the parameter's data.
             params = [self._param(i) for i in indices]
-            aliases = AfterBackward.apply(lambda: eng.release_after_backward(indices), *params)
+            aliases = AfterBackward.apply(lambda: targets.release_after_backward(indices), *params)
             subs = {id(p): a for p, a in zip(params, aliases)}
             args, kwargs = substitute(args, subs), substitute(kwargs, subs)
         out = plain(func, args, kwargs)
-        storages = {self.mgr.chunks[PARAM][self.mgr.slots[i].chunk_id].device_view.untyped_storage()._cdata for i in indices}
+        storages = {self.mgr.chunk(ChunkList.PARAM, self.mgr.slots[i].chunk_id).device_view.untyped_storage()._cdata for i in indices}
 
         def own_memory(t: Any) -> Any:
             # A view of the parameter (``p.t()``, ``p.float()`` of an fp32 p) would be read by
@@ -174,11 +187,11 @@ class ParamAccess:
 
         direct = [t for t in output_tensors(out) if t.requires_grad and t.untyped_storage()._cdata not in storages]
         out = type(out)(own_memory(o) for o in out) if isinstance(out, (list, tuple)) else own_memory(out)
-        eng.release_outside_modules(indices, prior, building_graph=building)
+        targets.release_outside_modules(indices, prior, building_graph=building)
         if direct:
             # the op's backward reads the parameter: it comes back just before that backward
             torch.autograd.graph.register_multi_grad_hook(
-                direct, lambda _grads: eng.access_outside_modules(label, indices, backward=True), mode="any"
+                direct, lambda _grads: targets.access_outside_modules(label, indices, backward=True), mode="any"
             )
         return out
 
@@ -190,7 +203,7 @@ class ParamAccess:
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], indices: dict[int, int], mutated: set[int]
     ) -> Any:
         mgr = self.mgr
-        if self.engine.gathered_active():
+        if self.gathered_active():
             raise ChunkStateError("parameters cannot be written through while gathered_parameters() is active")
         if not all(mgr.own(mgr.slots[indices[k]].chunk_id) for k in mutated):
             # its owner writes it: every rank runs the same code (Note [collective schedule])
@@ -202,14 +215,14 @@ class ParamAccess:
                 raise ChunkStateError(
                     f"{op_name(func)}() reads parameter '{s.name}', which another rank keeps; {GATHER_HINT}"
                 )
-            masters[key] = mgr.chunks[MASTER][s.chunk_id].payload[s.offset : s.end].view(s.shape)
+            masters[key] = mgr.slot_view(ChunkList.MASTER, s).view(s.shape)
         with torch.no_grad():
             out = plain(func, substitute(args, masters), substitute(kwargs, masters))
             for key in mutated:
                 i = indices[key]
                 s = mgr.slots[i]
                 if mgr.states[i] is not TensorState.HOLD_AFTER_BWD:  # else the slot holds the gradient
-                    mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end].copy_(masters[key].reshape(-1))
+                    mgr.slot_view(ChunkList.PARAM, s).copy_(masters[key].reshape(-1))
         back = {id(m): t for t in tensor_args(args, kwargs) if id(t) in masters for m in [masters[id(t)]]}
         if isinstance(out, torch.Tensor):
             return back.get(id(out), out)
@@ -223,11 +236,11 @@ class ParamAccess:
         without moving its chunk (an alias of chunk memory where possible)."""
         mgr = self.mgr
         s = mgr.slots[index]
-        chunk = mgr.chunks[PARAM][s.chunk_id]
+        chunk = mgr.chunk(ChunkList.PARAM, s.chunk_id)
         if mgr.states[index] is TensorState.HOLD_AFTER_BWD:
             if not mgr.own(s.chunk_id):
                 raise ChunkStateError(f"parameter '{s.name}' is kept by another rank; {GATHER_HINT}")
-            master = mgr.chunks[MASTER][s.chunk_id].payload[s.offset : s.end]
+            master = mgr.slot_view(ChunkList.MASTER, s)
             return master.to(device=self.engine.device, dtype=chunk.dtype).view(s.shape)
         if chunk.location is ChunkLocation.RELEASED:
             raise ChunkStateError(
@@ -239,7 +252,7 @@ class ParamAccess:
         values = {key: self.current_value(i) for key, i in indices.items()}
         chunk_storages = set()
         for i in indices.values():
-            chunk = self.mgr.chunks[PARAM][self.mgr.slots[i].chunk_id]
+            chunk = self.mgr.chunk(ChunkList.PARAM, self.mgr.slots[i].chunk_id)
             if chunk.location is not ChunkLocation.RELEASED:
                 chunk_storages.add(chunk.payload.untyped_storage()._cdata)
         with torch.no_grad():
@@ -302,9 +315,9 @@ class ParamAccess:
                             if not mgr.own(s.chunk_id):
                                 continue  # its owner writes it back
                             src = p.data.reshape(-1)
-                            mgr.chunks[MASTER][s.chunk_id].payload[s.offset : s.end].copy_(src)
+                            mgr.slot_view(ChunkList.MASTER, s).copy_(src)
                             if mgr.states[i] is not TensorState.HOLD_AFTER_BWD:  # else the slot holds the gradient
-                                mgr.chunks[PARAM][s.chunk_id].payload[s.offset : s.end].copy_(src)
+                                mgr.slot_view(ChunkList.PARAM, s).copy_(src)
             finally:
                 for i, p in zip(indices, params):
                     p.data = eng.param_view(i)
@@ -342,7 +355,7 @@ class ParamAccess:
                 self._sd_masters = self.engine.full_masters()
             src = self._sd_masters[s.chunk_id]
         else:
-            src = mgr.chunks[MASTER][s.chunk_id].payload
+            src = mgr.chunk(ChunkList.MASTER, s.chunk_id).payload
         value = src[s.offset : s.end].detach().to("cpu", copy=True).view(s.shape)
         self._sd_memo[index] = value
         return value

@@ -13,28 +13,34 @@ iterations trace again, keeping the old trace's larger peaks. A run that keeps
 changing (``MAX_REPLANS`` re-traces) runs ``UNSCHEDULED`` for good, measuring
 live. With several processes the ranks agree on phase changes at the end of
 each iteration (one small all-reduce), so collective decisions stay identical
-(Note [collective schedule] in :mod:`chunkstar.runtime.engine`).
+(Note [collective schedule] in :mod:`chunkstar.distributed.grad_reduce`).
 
 During warm-up every moment's chunk bytes plus its measured non-model peak is
 checked against the device: a budget too small fails at the end of the first
 warm-up iteration with the smallest budget that would hold what was measured.
 
-The schedule decides; the chunk manager (which it reads and whose
-``trace``/``safe_mode`` it sets) acts.
+The schedule is also the one writer of the iteration's :class:`Cursor` (stage,
+moment, module, ``on_schedule``, ``safe_mode``, the trace): the hook targets,
+the iteration and the optimizer step move it through the methods below, and
+everyone else reads it. The schedule decides; the chunk manager acts.
 """
 
 from __future__ import annotations
 
 import logging
-import math
+import time
 from typing import Callable
 
 import torch
 
+from chunkstar.chunk.lists import ChunkList
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import DeviceMemoryError
+from chunkstar.events import EventBus, Stage, StageChanged
+from chunkstar.memory.budget import minimum_budget
 from chunkstar.memory.tracer import MemoryTrace, MomentRecord, TracePhase, check_phase_transition
-from chunkstar.runtime.chunk_manager import PARAM, ChunkManager
+from chunkstar.runtime.chunk_manager import ChunkManager
+from chunkstar.runtime.cursor import Cursor
 
 __all__ = ["MAX_REPLANS", "WARMUP_PASSES", "Schedule"]
 
@@ -46,8 +52,15 @@ _log = logging.getLogger("chunkstar")
 
 
 class Schedule:
-    def __init__(self, mgr: ChunkManager, comm: Comm, device: torch.device, on_freeze: Callable[[], None]) -> None:
+    def __init__(
+        self, mgr: ChunkManager, cursor: Cursor, comm: Comm, device: torch.device, events: EventBus,
+        on_freeze: Callable[[], None],
+    ) -> None:  # fmt: skip
         self.mgr = mgr
+        self.cursor = cursor  # the manager's, which reads it; written here only
+        self.events = events
+        self._untraced_depth = 0  # evaluation forwards running (not on the schedule)
+        self._saved_moment = -1  # the training iteration's moment when the first of them began
         self.comm = comm
         self.device = device
         self._on_freeze = on_freeze  # the engine plans hybrid Adam on the new trace
@@ -59,28 +72,73 @@ class Schedule:
         # (minimum budget, moment, its chunk bytes, its non-model peak): the worst warm-up moment that did not fit
         self._too_small: tuple[int, str, int, int] | None = None
 
+    # ------------------------------------------------------------------ the cursor
+    def set_stage(self, stage: Stage) -> None:
+        cur = self.cursor
+        if cur.stage is not stage:
+            cur.stage = stage
+            if self.events.active:
+                self.events.emit(StageChanged(stage, time.perf_counter_ns()))
+
+    def begin_moment(self, module: str, chunk_ids: tuple[int, ...]) -> int:
+        """A module's pre-hook (or a read outside modules) begins the next moment; its number."""
+        cur = self.cursor
+        cur.moment += 1
+        cur.module = module
+        if cur.on_schedule:
+            self.on_moment(module, cur.stage.value, chunk_ids)
+        return cur.moment
+
+    def begin_untraced(self) -> None:
+        """An evaluation forward (under no_grad) begins: its moments are not the schedule's."""
+        self._untraced_depth += 1
+        if self._untraced_depth == 1:
+            self._saved_moment = self.cursor.moment
+            self.cursor.on_schedule = False
+
+    def end_untraced(self) -> bool:
+        """An evaluation forward ended; whether it was the outermost (the schedule's moments resume)."""
+        self._untraced_depth -= 1
+        if self._untraced_depth:
+            return False
+        self.cursor.on_schedule = True
+        self.cursor.moment = self._saved_moment
+        return True
+
+    def begin_optimizer_step(self) -> None:
+        self.set_stage(Stage.OPTIM)
+        self.cursor.moment = -1
+        self.cursor.module = "optimizer"
+
+    def end_optimizer_step(self) -> None:
+        """The step is over (the stage goes back to IDLE after the caller's last samples)."""
+        self.cursor.module = ""
+
     # ------------------------------------------------------------------ iteration
     def begin_iteration(self, input_bytes: int) -> None:
         mgr = self.mgr
-        if self.phase is TracePhase.FROZEN and mgr.trace.grew(mgr.trace.input_bytes, input_bytes):
-            why = f"the inputs hold {input_bytes} bytes, the traced ones {mgr.trace.input_bytes}"
+        cur = self.cursor
+        cur.moment = -1
+        if self.phase is TracePhase.FROZEN and cur.trace.grew(cur.trace.input_bytes, input_bytes):
+            why = f"the inputs hold {input_bytes} bytes, the traced ones {cur.trace.input_bytes}"
             if self.comm.distributed:
                 self.diverge(why)  # re-traced from the next iteration, when all ranks agree
             else:
                 self._retrace(why)  # trace this very iteration
         if self.phase is TracePhase.WARMUP:
             mgr.probe.acquire(_WARMUP)
-            mgr.trace.input_bytes = max(mgr.trace.input_bytes, input_bytes)
+            cur.trace.input_bytes = max(cur.trace.input_bytes, input_bytes)
             mgr.measuring_shortfall = True
             mgr.required_peak = 0
         elif self.phase is TracePhase.UNSCHEDULED:
             mgr.probe.acquire(_UNSCHEDULED)  # no trace to read budgets from: measure live
-        mgr.safe_mode = self.phase is not TracePhase.FROZEN
+        cur.safe_mode = self.phase is not TracePhase.FROZEN
 
     def end_iteration(self) -> None:
         """Close the iteration: merge a warm-up pass, freeze, or re-plan (all ranks alike).
         Raises :class:`DeviceMemoryError` when a warm-up moment did not fit the device."""
         mgr = self.mgr
+        cur = self.cursor
         too_small = None
         mgr.probe.release(_UNSCHEDULED)
         mgr.measuring_shortfall = False
@@ -88,12 +146,12 @@ class Schedule:
             self._close_traced_moment()  # the last moment's peak
             mgr.probe.release(_WARMUP)
             too_small, self._too_small = self._too_small, None
-            if not mgr.trace.end_pass(mgr.moment + 1):
+            if not cur.trace.end_pass(cur.moment + 1):
                 self._warmup_disagrees = True
-        elif self.phase is TracePhase.FROZEN and not self._diverged_why and mgr.moment + 1 != mgr.trace.n_moments:
-            self.diverge(f"the iteration had {mgr.moment + 1} moments, the trace {mgr.trace.n_moments}")
+        elif self.phase is TracePhase.FROZEN and not self._diverged_why and cur.moment + 1 != cur.trace.n_moments:
+            self.diverge(f"the iteration had {cur.moment + 1} moments, the trace {cur.trace.n_moments}")
         self._too_small = None
-        mgr.safe_mode = False
+        cur.safe_mode = False
         # several processes: every rank takes the same decision (one all-reduce per iteration)
         flags = [float(bool(self._diverged_why)), float(self._warmup_disagrees), float(too_small[0] if too_small else 0)]
         if self.comm.distributed:
@@ -104,11 +162,11 @@ class Schedule:
         if self.phase is TracePhase.WARMUP:
             if flags[1]:
                 self._retrace("the warm-up iterations ran different sequences of moments")
-            elif mgr.trace.passes >= WARMUP_PASSES:
+            elif cur.trace.passes >= WARMUP_PASSES:
                 if self._outgrown is not None:
-                    mgr.trace.absorb_peaks(self._outgrown)
+                    cur.trace.absorb_peaks(self._outgrown)
                     self._outgrown = None
-                mgr.trace.freeze()
+                cur.trace.freeze()
                 self._set_phase(TracePhase.FROZEN)
                 self._on_freeze()
         elif self.phase in (TracePhase.FROZEN, TracePhase.DIVERGED) and flags[0]:
@@ -118,58 +176,63 @@ class Schedule:
         """The iteration failed (an exception in forward or backward): stop measuring,
         drop a partial warm-up pass, stay on the schedule otherwise."""
         mgr = self.mgr
+        cur = self.cursor
+        self._untraced_depth = 0
+        cur.on_schedule = True
         mgr.probe.release(_WARMUP)
         mgr.probe.release(_UNSCHEDULED)
-        mgr.safe_mode = False
+        cur.safe_mode = False
         mgr.measuring_shortfall = False
         self._too_small = None
         if self.phase is TracePhase.WARMUP:
-            mgr.trace = MemoryTrace()
+            cur.trace = MemoryTrace()
             self._warmup_disagrees = False
         elif self.phase is TracePhase.FROZEN:
             self._diverged_why = ""
 
     # ------------------------------------------------------------------ checks
     def on_moment(self, module: str, stage: str, chunk_ids: tuple[int, ...]) -> None:
-        """A moment of the running iteration began (its number is ``mgr.moment``)."""
+        """A moment of the running iteration began (its number is ``cur.moment``)."""
         mgr = self.mgr
+        cur = self.cursor
         if mgr.probe.held_by(_WARMUP):
             self._close_traced_moment()
-            if not mgr.trace.record(mgr.moment, MomentRecord(module, stage, chunk_ids)):
+            if not cur.trace.record(cur.moment, MomentRecord(module, stage, chunk_ids)):
                 self._warmup_disagrees = True
         elif self.phase is TracePhase.FROZEN and not self._diverged_why:
-            if not mgr.trace.matches(mgr.moment, module, stage, chunk_ids):
-                expected = mgr.trace.records[mgr.moment] if mgr.moment < mgr.trace.n_moments else None
+            if not cur.trace.matches(cur.moment, module, stage, chunk_ids):
+                expected = cur.trace.records[cur.moment] if cur.moment < cur.trace.n_moments else None
                 self.diverge(
-                    f"moment {mgr.moment} is '{module}' ({stage}) on chunks {list(chunk_ids)}, the trace has "
+                    f"moment {cur.moment} is '{module}' ({stage}) on chunks {list(chunk_ids)}, the trace has "
                     + (f"'{expected.module}' ({expected.stage}) on chunks {list(expected.chunks)}" if expected else "no such moment")
                 )
-            elif self.device.type == "cuda" and mgr.moment > 0:
+            elif self.device.type == "cuda" and cur.moment > 0:
                 live = mgr.probe.non_model_now(mgr.device_chunk_bytes)
-                traced = mgr.trace.non_model_at(mgr.moment - 1)
-                if mgr.trace.grew(traced, live):
-                    self.diverge(f"{live} bytes of non-model memory at moment {mgr.moment}, traced at most {traced}")
+                traced = cur.trace.non_model_at(cur.moment - 1)
+                if cur.trace.grew(traced, live):
+                    self.diverge(f"{live} bytes of non-model memory at moment {cur.moment}, traced at most {traced}")
 
     def on_module_output(self, began: int, label: str, nbytes: int) -> None:
         """A module whose moment was ``began`` returned ``nbytes`` of tensors (forward)."""
         mgr = self.mgr
+        cur = self.cursor
         if mgr.probe.held_by(_WARMUP):
-            mgr.trace.set_output_bytes(began, nbytes)
-        elif self.phase is TracePhase.FROZEN and mgr.trace.grew(mgr.trace.output_bytes_at(began), nbytes):
-            self.diverge(f"'{label}' returned {nbytes} bytes, traced {mgr.trace.output_bytes_at(began)}")
+            cur.trace.set_output_bytes(began, nbytes)
+        elif self.phase is TracePhase.FROZEN and cur.trace.grew(cur.trace.output_bytes_at(began), nbytes):
+            self.diverge(f"'{label}' returned {nbytes} bytes, traced {cur.trace.output_bytes_at(began)}")
 
     def on_more_chunks(self, began: int, chunk_ids: tuple[int, ...], why: str) -> None:
         """The moment ``began`` needs more chunks than it started with (a parameter read outside its module)."""
         mgr = self.mgr
         if mgr.probe.held_by(_WARMUP):
-            mgr.trace.add_chunks(began, chunk_ids)
-        elif self.phase is TracePhase.FROZEN and not mgr.trace.has_chunks(began, chunk_ids):
+            self.cursor.trace.add_chunks(began, chunk_ids)
+        elif self.phase is TracePhase.FROZEN and not self.cursor.trace.has_chunks(began, chunk_ids):
             self.diverge(f"{why}, which the trace did not see")
 
     @property
     def frozen(self) -> bool:
         """Whether budgets, eviction and prefetch follow the trace in the running iteration."""
-        return self.phase is TracePhase.FROZEN and not self.mgr.safe_mode
+        return self.phase is TracePhase.FROZEN and not self.cursor.safe_mode
 
     # ------------------------------------------------------------------ phase changes
     def _set_phase(self, new: TracePhase) -> None:
@@ -181,13 +244,12 @@ class Schedule:
         if self.phase is not TracePhase.FROZEN or self._diverged_why:
             return
         self._diverged_why = why
-        self.mgr.safe_mode = True
+        self.cursor.safe_mode = True
         if not self.comm.distributed:  # with several processes the phase changes when the ranks agree
             self._set_phase(TracePhase.DIVERGED)
 
     def _retrace(self, why: str) -> None:
         """Drop the schedule and trace again (keeping the old trace's larger peaks)."""
-        mgr = self.mgr
         self.replans += 1
         if self.phase is TracePhase.FROZEN:
             self._set_phase(TracePhase.DIVERGED)
@@ -200,9 +262,9 @@ class Schedule:
         else:
             self._set_phase(TracePhase.WARMUP)
             _log.warning("chunkstar: the warm-up trace no longer matches the run (%s); tracing again", why)
-        if mgr.trace.frozen:
-            self._outgrown = mgr.trace
-        mgr.trace = MemoryTrace()
+        if self.cursor.trace.frozen:
+            self._outgrown = self.cursor.trace
+        self.cursor.trace = MemoryTrace()
         self._diverged_why = ""
         self._warmup_disagrees = False
 
@@ -212,16 +274,17 @@ class Schedule:
         whose chunks and non-model peak exceed the device is remembered for the error
         raised at the end of this warm-up iteration (with the whole minimum)."""
         mgr = self.mgr
-        m = mgr.moment - 1
-        mgr.trace.set_peak(m, mgr.probe.take_peak(mgr.device_chunk_bytes))
-        if not 0 <= m < mgr.trace.n_moments:
+        cur = self.cursor
+        m = cur.moment - 1
+        cur.trace.set_peak(m, mgr.probe.take_peak(mgr.device_chunk_bytes))
+        if not 0 <= m < cur.trace.n_moments:
             return
-        rec = mgr.trace.records[m]
+        rec = cur.trace.records[m]
         # the moment's chunks, or more when it went over the budget with others pinned beside them
         chunks = max(self._moment_chunk_bytes(rec.chunks), mgr.required_peak)
         mgr.required_peak = 0
         if chunks + rec.non_model_peak > mgr.capacity:
-            need = math.ceil((chunks + rec.non_model_peak) / (1.0 - mgr.slack))
+            need = minimum_budget(chunks, rec.non_model_peak, mgr.slack)
             if self._too_small is None or need > self._too_small[0]:
                 self._too_small = (need, f"'{rec.module}' ({rec.stage})", chunks, rec.non_model_peak)
 
@@ -229,7 +292,7 @@ class Schedule:
         """Param chunk bytes a moment needs on the device (whole groups with several processes)."""
         mgr = self.mgr
         ids = {k for c in chunk_ids for k in mgr.layout.group(c)} if self.comm.distributed else set(chunk_ids)
-        return sum(mgr.chunks[PARAM][c].nbytes for c in ids)
+        return sum(mgr.chunk(ChunkList.PARAM, c).nbytes for c in ids)
 
     def _too_small_error(self, minimum: int, too_small: tuple[int, str, int, int] | None) -> DeviceMemoryError:
         mgr = self.mgr
@@ -238,7 +301,7 @@ class Schedule:
         else:
             where, chunks, non_model = "a moment on another rank", minimum, 0
         biggest = max(mgr.slots, key=lambda s: s.numel)
-        big_bytes = biggest.numel * mgr.chunks[PARAM][biggest.chunk_id].dtype.itemsize
+        big_bytes = biggest.numel * mgr.chunk(ChunkList.PARAM, biggest.chunk_id).dtype.itemsize
         if big_bytes * 2 > mgr.capacity:
             advice = (
                 f"raise 'device_memory_budget' to at least {minimum} bytes; one parameter alone, '{biggest.name}' "

@@ -1,0 +1,182 @@
+"""Gradients: folding each finished gradient into its parameter's slot, and accumulation.
+
+Gradients reuse the param chunk (DESIGN §3): when autograd has run every use of
+a parameter its post-accumulate-grad hook fires :meth:`Gradients.on_grad`,
+which writes the gradient over the parameter's own slot and moves the slot to
+HOLD_AFTER_BWD. With ``gradient_accumulation_steps`` > 1 the micro-batches
+before the last one add their gradients into an fp32 host accumulator per
+chunk instead (the slot still holds the value the next forward needs); the
+last micro-batch folds accumulator plus gradient into the slot.
+
+Once a chunk's gradients are complete, the optimizer may take it during the
+backward (Note [gradient pipeline] in :mod:`chunkstar.optim.adam`); with
+several processes the reducer averages each group's gradients instead
+(:mod:`chunkstar.distributed.grad_reduce`). This module decides neither where
+the update runs nor how chunks move: it only writes slots and states.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from chunkstar.chunk.layout import TensorSlot
+from chunkstar.chunk.lists import ChunkList
+from chunkstar.chunk.state import TensorState
+from chunkstar.distributed.comm import Comm
+from chunkstar.distributed.grad_reduce import GroupReducer
+from chunkstar.events import MoveReason
+from chunkstar.runtime.chunk_manager import ChunkManager
+from chunkstar.runtime.cursor import Cursor
+
+if TYPE_CHECKING:
+    from chunkstar.optim.adam import ChunkAdam
+
+__all__ = ["Gradients"]
+
+_PARAM = ChunkList.PARAM  # read per gradient
+
+
+class Gradients:
+    def __init__(self, mgr: ChunkManager, cursor: Cursor, comm: Comm, reducer: GroupReducer, accumulation_steps: int) -> None:
+        self.mgr = mgr
+        self.cursor = cursor
+        self.comm = comm
+        self.reducer = reducer  # several processes only
+        self.accumulation_steps = accumulation_steps
+        self.optimizer: ChunkAdam | None = None  # takes complete chunks during backward (set by the engine)
+        self.since_step = 0  # micro-batches since the last optimizer step
+        self.boundary = False  # the running backward is the last micro-batch before a step
+        self._accumulators: dict[int, torch.Tensor] = {}  # chunk id -> 1-D fp32 host, grads of earlier micro-batches
+        self._accumulated: set[int] = set()  # slot indices with something in an accumulator
+
+    def begin_backward(self) -> None:
+        self.boundary = self.since_step + 1 >= self.accumulation_steps
+
+    def on_grad(self, index: int, param: torch.Tensor) -> None:
+        """Parameter ``index``'s gradient is complete (all its uses ran): fold it."""
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        mgr = self.mgr
+        s = mgr.slots[index]
+        with torch.no_grad(), mgr.probe.paused():
+            if not mgr.resident((_PARAM, s.chunk_id)):  # e.g. a parameter whose backward needed no data
+                mgr.make_resident(
+                    [(_PARAM, s.chunk_id)], MoveReason.ACCESS, where=f"the gradient of '{s.name}'", gather_groups=True
+                )
+            # through the chunk, not the parameter: payload waits for a prefetch copy still in flight
+            slot = mgr.param_slot_view(s)
+            if self.boundary:
+                acc = self._accumulators.get(s.chunk_id)
+                if index in self._accumulated and acc is not None:
+                    slot.copy_(acc[s.offset : s.end].to(slot.device) + grad.float().reshape(-1))
+                    self._accumulated.discard(index)
+                else:
+                    slot.copy_(grad.reshape(-1))
+                if mgr.states[index] is not TensorState.COMPUTE:
+                    mgr.set_state(index, TensorState.COMPUTE)
+                mgr.set_state(index, TensorState.HOLD_AFTER_BWD)
+                if self.comm.distributed:
+                    self.reducer.gradient_folded(s.chunk_id)
+                elif self._offload_early and mgr.settled(s.chunk_id):
+                    self._grads_complete(s.chunk_id)
+            else:
+                acc = self._accumulators.get(s.chunk_id)
+                if acc is None:
+                    acc = self._accumulators[s.chunk_id] = torch.zeros(mgr.layout.chunk_sizes[s.chunk_id], dtype=torch.float32)
+                acc[s.offset : s.end].add_(grad.reshape(-1).float().to("cpu"))
+                self._accumulated.add(index)
+                if mgr.states[index] is TensorState.COMPUTE:
+                    mgr.set_state(index, TensorState.HOLD_AFTER_FWD)
+
+    @property
+    def _offload_early(self) -> bool:
+        """Whether a chunk's gradients go to the optimizer as soon as they are complete
+        (Note [gradient pipeline]): one process, the last micro-batch before a step with no
+        earlier micro-batches' gradients waiting, on the frozen schedule."""
+        return self.optimizer is not None and self.boundary and not self._accumulated and self.cursor.follows_trace()
+
+    def _grads_complete(self, chunk_id: int) -> None:
+        """Note [gradient pipeline]: every tensor of the chunk is done with this backward
+        (its gradient folded, or unused). Unless the schedule uses the chunk again in this
+        backward, the optimizer takes it now: its copy to the host (where host Adam runs)
+        and its gradient norm overlap the rest of the backward instead of starting after it."""
+        cur = self.cursor
+        nu = cur.trace.next_use(chunk_id, cur.moment)
+        if nu is not None and cur.moment + nu < cur.trace.n_moments:
+            return  # read again later in this backward
+        assert self.optimizer is not None
+        self.optimizer.take_gradients(chunk_id)
+
+    def end_backward(self) -> None:
+        """The backward is over: reduce what is left (several processes), release the
+        tensors the backward did not reach, and at a boundary fold the accumulators of
+        parameters that got gradients in earlier micro-batches only."""
+        mgr = self.mgr
+        if self.comm.distributed:
+            self.reducer.end_backward()
+        # only the slots either branch below acts on: those in COMPUTE or HOLD_AFTER_FWD (the
+        # manager finds them chunk by chunk) and, at a boundary, those with an accumulator
+        todo = sorted(self._accumulated.union(mgr.slots_in_use()) if self.boundary else mgr.slots_in_use())
+        with torch.no_grad(), mgr.probe.paused():
+            for s in (mgr.slots[i] for i in todo):
+                st = mgr.states[s.index]
+                if self.boundary and s.index in self._accumulated and st is not TensorState.HOLD_AFTER_BWD:
+                    # got gradients in earlier micro-batches only: its gradient is the accumulator
+                    mgr.set_state(s.index, TensorState.HOLD)
+                    acc = self._accumulators[s.chunk_id]
+                    mgr.slot_view(ChunkList.PARAM, s).copy_(acc[s.offset : s.end])
+                    mgr.set_state(s.index, TensorState.HOLD_AFTER_BWD)
+                elif st is TensorState.COMPUTE or st is TensorState.HOLD_AFTER_FWD:
+                    mgr.set_state(s.index, TensorState.HOLD)
+        if self.boundary:
+            self._accumulators.clear()
+            self._accumulated.clear()
+        if self.comm.distributed:
+            self.reducer.release_all()
+
+    def micro_batch_done(self) -> None:
+        self.since_step += 1
+
+    def step_taken(self) -> None:
+        """The optimizer consumed the accumulated micro-batches."""
+        self.since_step = 0
+
+    def has_pending(self) -> bool:
+        """Whether gradients sit in param slots (HOLD_AFTER_BWD) waiting for a step."""
+        return any(st is TensorState.HOLD_AFTER_BWD for st in self.mgr.states)
+
+    def restore_params_from_master(self, slots_by_chunk: dict[int, list[TensorSlot]]) -> None:
+        """Write the fp32 masters back over ``slots_by_chunk`` (gradients dropped, or a
+        checkpoint loaded) and put them in HOLD."""
+        mgr = self.mgr
+        with torch.no_grad():
+            for cid, slots in slots_by_chunk.items():
+                if not mgr.own(cid):
+                    # another rank's chunk (a gradient not reduced yet): its owner keeps the value;
+                    # this rank's gathered copy is dropped with the group
+                    for s in slots:
+                        mgr.set_state(s.index, TensorState.HOLD)
+                    continue
+                p = mgr.chunk(ChunkList.PARAM, cid).payload
+                master = mgr.chunk(ChunkList.MASTER, cid).payload.to(p.device)
+                for s in slots:
+                    p[s.offset : s.end].copy_(master[s.offset : s.end])
+                    mgr.set_state(s.index, TensorState.HOLD)
+
+    def drop_pending(self) -> None:
+        """Forget every gradient not consumed by a step (zero_grad without a step, a failed backward)."""
+        pending: dict[int, list[TensorSlot]] = {}
+        for s in self.mgr.slots:
+            if self.mgr.states[s.index] is TensorState.HOLD_AFTER_BWD:
+                pending.setdefault(s.chunk_id, []).append(s)
+        if self.optimizer is not None:
+            self.optimizer.forget_gradients()
+        if pending:
+            self.restore_params_from_master(pending)
+        self._accumulators.clear()
+        self._accumulated.clear()
+        self.since_step = 0

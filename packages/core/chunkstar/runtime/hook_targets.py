@@ -1,0 +1,190 @@
+"""What the runtime does when a hook fires: the targets of module, gradient and guard hooks.
+
+:func:`chunkstar.hooks.module_hooks.install_hooks` calls :meth:`HookTargets.on_pre_forward`,
+:meth:`HookTargets.on_post_forward` and ``on_grad`` (the bound method of
+:class:`chunkstar.runtime.gradients.Gradients`); the parameter guard's handler
+(:mod:`chunkstar.runtime.param_access`) calls the ``*_outside_modules`` and
+``attach_to_running_module`` targets. Each access is a *moment*: the
+schedule numbers it, the chunk manager makes the chunks resident within the
+moment's budget, the tensors go to COMPUTE; a release puts them in
+HOLD_AFTER_FWD (or HOLD) so they may move again.
+
+This object is internal: users see :class:`chunkstar.runtime.engine.ChunkEngine`,
+whose methods stay the model API. It is on the hot path (every module call
+runs two targets, and a third per module in backward), so it binds what it
+reads in the constructor and keeps to one method call per decision.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from chunkstar.chunk.lists import ChunkList
+from chunkstar.chunk.state import TensorState
+from chunkstar.distributed.comm import Comm
+from chunkstar.distributed.grad_reduce import GroupReducer
+from chunkstar.events import EventBus, MomentBegin, MomentEnd, MoveReason, Stage
+from chunkstar.hooks.module_hooks import AfterBackward, HookedModule, output_tensors, substitute
+from chunkstar.memory.host_heap import release_at_moment
+from chunkstar.runtime.chunk_manager import ChunkManager
+from chunkstar.runtime.cursor import Cursor
+from chunkstar.runtime.gradients import Gradients
+from chunkstar.runtime.iteration import Iteration
+
+__all__ = ["HookTargets"]
+
+_PARAM = ChunkList.PARAM  # read per moment
+
+
+class HookTargets:
+    def __init__(
+        self, mgr: ChunkManager, cursor: Cursor, comm: Comm, events: EventBus, iteration: Iteration,
+        gradients: Gradients, reducer: GroupReducer, params: Sequence[nn.Parameter],
+    ) -> None:  # fmt: skip
+        self.mgr = mgr
+        self.cursor = cursor
+        self.comm = comm
+        self.events = events
+        self.iteration = iteration
+        self.schedule = iteration.schedule
+        self.reducer = reducer  # several processes only
+        self._params = params
+        self._stack = iteration.stack  # the same list: the iteration clears it
+        self.on_grad = gradients.on_grad  # the gradient hook's target (a bound method: no extra call)
+        self.modules: list[HookedModule] = []  # set by the engine once the hooks are installed
+        self._access_sets: list[tuple[int, ...]] = []
+
+    def set_modules(self, modules: list[HookedModule]) -> None:
+        """The hooked modules (:func:`install_hooks`); each accesses its own parameters to begin with."""
+        self.modules = modules
+        self._access_sets = [m.own for m in modules]
+
+    # ------------------------------------------------------------------ moments
+    def _begin_moment(self, module: str, chunk_ids: tuple[int, ...]) -> None:
+        cur = self.cursor
+        moment = self.schedule.begin_moment(module, chunk_ids)
+        if cur.on_schedule and release_at_moment(self.iteration.heap_plan, moment, cur.stage is Stage.FWD):
+            self.iteration.release_heap()
+        if self.events.active:
+            self.events.emit(MomentBegin(moment, module, cur.stage, time.perf_counter_ns()))
+
+    def _access(self, module: str, indices: tuple[int, ...]) -> None:
+        mgr = self.mgr
+        chunk_ids = tuple(sorted({mgr.slots[i].chunk_id for i in indices}))
+        self._begin_moment(module, chunk_ids)
+        with mgr.probe.paused():
+            mgr.make_resident(
+                [(_PARAM, c) for c in chunk_ids], MoveReason.ACCESS, where=f"module '{module}'", gather_groups=True
+            )
+            for i in indices:
+                mgr.set_state(i, TensorState.COMPUTE)
+            if self.iteration.prefetching():
+                mgr.prefetch(self.iteration.prefetch_window)
+            mgr.memory_sample()
+
+    # ------------------------------------------------------------------ module hooks
+    def on_pre_forward(self, module_key: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+        if self.cursor.stage is Stage.IDLE:
+            self.iteration.begin_implicit()
+        mod = self.modules[module_key]
+        indices = self._access_sets[module_key]
+        # Note [repeated use]: a parameter's gradient is folded (and its chunk freed to
+        # move) when autograd has run all its uses. A parameter already used in this
+        # forward (tied weights, a second forward for R-Drop, an L2 term before the
+        # forward) would stay in COMPUTE from this use's backward until that fold, and
+        # with every parameter used twice the whole model would be pinned at once. So a
+        # repeated use marks its own end: an identity on the module's inputs whose
+        # backward releases the parameters. First uses need none (the fold releases them).
+        # Frozen parameters (requires_grad=False: LoRA's base weights) get no gradient, so no
+        # fold ever releases them: they too are released when the module's backward is over.
+        grad = torch.is_grad_enabled()
+        repeated = grad and any(self.mgr.states[i] is TensorState.HOLD_AFTER_FWD for i in indices)
+        release = list(indices) if repeated else [i for i in indices if not self._params[i].requires_grad] if grad else []
+        self._access(mod.label, indices)
+        self._stack.append((module_key, self.cursor.moment))
+        if release:
+            inputs = [t for t in output_tensors((args, kwargs)) if t.requires_grad]
+            if inputs:
+                aliases = AfterBackward.apply(lambda: self.release_after_backward(release), *inputs)
+                subs = {id(t): a for t, a in zip(inputs, aliases)}
+                return substitute(args, subs), substitute(kwargs, subs)
+        return None
+
+    def on_post_forward(self, module_key: int, output: Any) -> None:
+        mgr = self.mgr
+        cur = self.cursor
+        mod = self.modules[module_key]
+        indices = self._access_sets[module_key]
+        grad = torch.is_grad_enabled()
+        after = TensorState.HOLD_AFTER_FWD if grad else TensorState.HOLD
+        for i in indices:
+            if mgr.states[i] is TensorState.COMPUTE:
+                mgr.set_state(i, after)
+        began = cur.moment
+        for pos in range(len(self._stack) - 1, -1, -1):
+            if self._stack[pos][0] == module_key:
+                began = self._stack.pop(pos)[1]
+                break
+        outs = list(output_tensors(output))
+        if cur.on_schedule and cur.stage is Stage.FWD:
+            self.schedule.on_module_output(began, mod.label, sum(t.nbytes for t in outs))
+        if self.comm.distributed and cur.stage is not Stage.BWD:
+            self.reducer.release_after_forward(indices)
+        if self.events.active:
+            self.events.emit(MomentEnd(cur.moment, mod.label, cur.stage, time.perf_counter_ns()))
+            mgr.memory_sample()  # the module's activations now exist
+        if grad:
+            needing = [t for t in outs if t.requires_grad]
+            if needing:
+                torch.autograd.graph.register_multi_grad_hook(
+                    needing, lambda _grads, label=mod.label, indices=indices: self._access(label, indices), mode="any"
+                )
+        if self.iteration.implicit and not self._stack:
+            self.iteration.end_implicit()
+
+    # ------------------------------------------------------------------ guarded parameter reads
+    def running_module(self) -> int | None:
+        """Key of the innermost module whose forward is running, if any."""
+        return self._stack[-1][0] if self._stack else None
+
+    def attach_to_running_module(self, indices: list[int], what: str) -> None:
+        """A running module reads parameters it does not own: they join its access set
+        for good (its post-forward releases them, its pre-backward brings them back, its
+        next pre-forward brings them along) and are made resident now."""
+        mgr = self.mgr
+        key, began = self._stack[-1]
+        label = self.modules[key].label
+        self._access_sets[key] = tuple(sorted(set(self._access_sets[key]) | set(indices)))
+        chunk_ids = tuple(sorted({mgr.slots[i].chunk_id for i in indices}))
+        if self.cursor.on_schedule:
+            self.schedule.on_more_chunks(began, chunk_ids, f"'{label}' read {what}")
+        with mgr.probe.paused():
+            mgr.make_resident(
+                [(_PARAM, c) for c in chunk_ids], MoveReason.ACCESS, where=f"{what} read in '{label}'", gather_groups=True
+            )
+            for i in indices:
+                mgr.set_state(i, TensorState.COMPUTE)
+
+    def access_outside_modules(self, label: str, indices: list[int], backward: bool = False) -> None:
+        """Parameters read by code outside any module (a moment of their own)."""
+        if backward and self.cursor.stage is not Stage.BWD:
+            return
+        self._access(label, tuple(indices))
+
+    def release_outside_modules(self, indices: list[int], prior: dict[int, TensorState], building_graph: bool) -> None:
+        for i in indices:
+            if self.mgr.states[i] is TensorState.COMPUTE:
+                back = TensorState.HOLD_AFTER_FWD if building_graph else prior[i]
+                self.mgr.set_state(i, TensorState.HOLD if back is TensorState.COMPUTE else back)
+        if self.comm.distributed and self.cursor.stage is not Stage.BWD:
+            self.reducer.release_after_forward(tuple(indices))
+
+    def release_after_backward(self, indices: list[int]) -> None:
+        """The backward of an op outside modules is over: its parameters may move again."""
+        for i in indices:
+            if self.mgr.states[i] is TensorState.COMPUTE:
+                self.mgr.set_state(i, TensorState.HOLD_AFTER_FWD)

@@ -1,0 +1,232 @@
+"""The training iteration's lifecycle: begin, backward, end, abort, the optimizer step.
+
+Note [iteration] in :mod:`chunkstar.runtime.schedule` says what an iteration
+is. This object opens one at the first training forward (or at a module called
+directly, or a parameter read with autograd on between steps), closes it when
+the backward ends, and leaves the engine usable when a forward or backward
+raises. Evaluation forwards (``torch.no_grad()``) run beside the schedule.
+It owns the warm-up's consequences (the :class:`Schedule`, and the hybrid-Adam
+placement planned when the trace freezes), the module stack the hook targets
+push and pop, and, on the CPU virtual device, when the heap's free pages go
+back to the system (Note [host heap] in :mod:`chunkstar.memory.host_heap`).
+
+It is not the model API (:mod:`chunkstar.runtime.engine`) and not what a
+module's hooks do (:mod:`chunkstar.runtime.hook_targets`); gradients are
+:mod:`chunkstar.runtime.gradients`'.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from chunkstar.chunk.lists import STATE_LISTS, ChunkList
+from chunkstar.chunk.state import TensorState
+from chunkstar.config import EngineConfig
+from chunkstar.distributed.comm import Comm
+from chunkstar.distributed.grad_reduce import GroupReducer
+from chunkstar.errors import ChunkStateError, DeviceMemoryError
+from chunkstar.events import EventBus, MoveReason, Stage
+from chunkstar.hooks.module_hooks import output_tensors
+from chunkstar.memory.host_heap import (
+    NO_HEAP, HeapPlan, HostHeap, plan_heap_release, release_after_step, release_at_turn, release_before_step,
+)  # fmt: skip
+from chunkstar.memory.tracer import TracePhase
+from chunkstar.placement.optimizer import plan_device_adam
+from chunkstar.runtime.chunk_manager import ChunkManager
+from chunkstar.runtime.cursor import Cursor
+from chunkstar.runtime.gradients import Gradients
+from chunkstar.runtime.param_access import ParamAccess
+from chunkstar.runtime.schedule import Schedule
+
+__all__ = ["Iteration"]
+
+
+class Iteration:
+    def __init__(
+        self, cfg: EngineConfig, mgr: ChunkManager, cursor: Cursor, comm: Comm, events: EventBus,
+        gradients: Gradients, reducer: GroupReducer, access: ParamAccess, prefetch_window: int,
+    ) -> None:  # fmt: skip
+        self.mgr = mgr
+        self.cursor = cursor
+        self.comm = comm
+        self.gradients = gradients
+        self.reducer = reducer
+        self.access = access
+        self.accumulation_steps = cfg.gradient_accumulation_steps
+        self.prefetch = cfg.prefetch
+        self.prefetch_window = prefetch_window
+        self.hybrid_adam = cfg.hybrid_adam
+        # the iteration and its schedule (Note [iteration] in runtime/schedule.py)
+        self.schedule = Schedule(mgr, cursor, comm, cfg.device, events, on_freeze=self._plan_adam)
+        self.device_adam_chunks: set[int] = set()  # chunks whose Adam runs on the device (hybrid Adam)
+        self.micro_step = 0
+        self.open = False  # a training forward began and its backward has not ended
+        self.implicit = False  # a module was called directly (not through the engine) at IDLE
+        # (module key, moment of its pre-forward) of the running modules, innermost last; the
+        # hook targets push and pop, the iteration clears it
+        self.stack: list[tuple[int, int]] = []
+        # CPU virtual device: the heap's free pages go back to the system right before each
+        # iteration's non-model peak (Note [host heap] in memory/host_heap.py)
+        self.host_heap: HostHeap | None = HostHeap() if cfg.device.type == "cpu" else None
+        self.heap_plan: HeapPlan = NO_HEAP  # this iteration's (memory/host_heap.py decides)
+        self._heap_released = False  # the heap was released in this iteration
+        self._moves_at_iteration = 0  # param chunk loads (access, prefetch) when the iteration began
+        self._frozen_before = False  # the iteration before ran on the frozen schedule
+        self._bytes_before_step = 0
+
+    # ------------------------------------------------------------------ begin
+    def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.open:
+            return  # another forward of the same iteration
+        self.open = True
+        self.access.reset()
+        self.stack.clear()
+        mgr = self.mgr
+        self.schedule.begin_iteration(sum(t.nbytes for t in output_tensors((args, kwargs))))
+        # where the peak is: in the latest trace (frozen, or the warm-up's earlier passes), or unknown
+        self._heap_released = False
+        phase = self.schedule.phase
+        frozen = phase is TracePhase.FROZEN
+        loads = mgr.moves_by_reason[MoveReason.ACCESS.value] + mgr.moves_by_reason[MoveReason.PREFETCH.value]
+        if self.host_heap is not None:
+            self.heap_plan = plan_heap_release(
+                self.cursor.trace, warmup=phase is TracePhase.WARMUP, frozen=frozen,
+                frozen_before=self._frozen_before, loaded=loads > self._moves_at_iteration,
+            )  # fmt: skip
+        self._moves_at_iteration = loads
+        self._frozen_before = frozen
+
+    def begin_untraced(self) -> None:
+        """An evaluation forward: its moments are not the schedule's."""
+        self.schedule.begin_untraced()
+
+    def end_untraced(self) -> None:
+        if self.schedule.end_untraced() and not self.open:
+            self.schedule.set_stage(Stage.IDLE)
+
+    def begin_implicit(self) -> None:
+        """A module of the model was called directly, not through the engine."""
+        if self.access.gathered_active():
+            raise ChunkStateError("the model cannot run inside engine.gathered_parameters(): leave the block first")
+        self.implicit = True
+        if torch.is_grad_enabled():
+            self.begin((), {})
+        else:
+            self.begin_untraced()
+        self.schedule.set_stage(Stage.FWD)
+
+    def end_implicit(self) -> None:
+        """The directly called module (and every module it called) returned."""
+        self.implicit = False
+        if not torch.is_grad_enabled():
+            self.end_untraced()
+
+    def begin_from_read(self) -> None:
+        """A parameter read with autograd on between steps opens the next iteration."""
+        self.begin((), {})
+        self.schedule.set_stage(Stage.FWD)
+
+    def in_model_pass(self) -> bool:
+        """Whether a forward or backward of the model is running (guarded reads then take part in it)."""
+        stage = self.cursor.stage
+        return stage is Stage.FWD or stage is Stage.BWD
+
+    def prefetching(self) -> bool:
+        return self.prefetch and self.cursor.follows_trace()
+
+    # ------------------------------------------------------------------ the host heap
+    def release_heap(self) -> None:
+        """Before the iteration's peak (Note [host heap] in memory/host_heap.py)."""
+        if self.host_heap is not None:
+            self.host_heap.release()
+            self._heap_released = True
+
+    # ------------------------------------------------------------------ backward and end
+    def begin_backward(self) -> None:
+        self.gradients.begin_backward()
+        if release_at_turn(self.heap_plan, self._heap_released, self.cursor.moment):
+            self.release_heap()
+        self.schedule.set_stage(Stage.BWD)
+
+    def end_backward(self) -> None:
+        self.gradients.end_backward()
+        self._end()
+        self.micro_step += 1
+        self.gradients.micro_batch_done()
+        self.schedule.set_stage(Stage.IDLE)
+
+    def _end(self) -> None:
+        self.open = False
+        self.implicit = False
+        self.stack.clear()
+        try:
+            self.schedule.end_iteration()
+        except DeviceMemoryError:
+            # the warm-up found a moment that does not fit: drop this iteration's gradients and
+            # trace, so the engine can go on with a smaller batch (or be rebuilt with a bigger budget)
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Leave the engine usable after an exception inside forward or backward
+        (say a DeviceMemoryError the user answers with a smaller batch): stop the
+        warm-up probe so no dispatch mode outlives the failure, drop the partial
+        trace so the next iteration warms up again, and put every tensor back in
+        HOLD with its value (gradients of the failed iteration are dropped)."""
+        mgr = self.mgr
+        self.schedule.abort()  # evaluation forwards too: the moments are the schedule's again
+        self.open = False
+        self.implicit = False
+        self.stack.clear()
+        self.access.reset()
+        if self.comm.distributed:
+            self.reducer.reset()
+        with torch.no_grad():
+            self.gradients.drop_pending()
+            for s in mgr.slots:
+                if mgr.states[s.index] in (TensorState.COMPUTE, TensorState.HOLD_AFTER_FWD):
+                    mgr.set_state(s.index, TensorState.HOLD)
+        self.schedule.set_stage(Stage.IDLE)
+
+    # ------------------------------------------------------------------ warm-up's end
+    def _plan_adam(self) -> None:
+        """The trace froze: plan where each chunk's Adam runs (hybrid Adam)."""
+        if not self.hybrid_adam:
+            return
+        mgr = self.mgr
+        n = mgr.layout.n_chunks
+        state_bytes = [sum(mgr.chunk(name, i).nbytes for name in STATE_LISTS) for i in range(n)]
+        self.device_adam_chunks = plan_device_adam(
+            [mgr.chunk(ChunkList.PARAM, i).nbytes for i in range(n)], state_bytes, mgr.capacity, self.cursor.trace.max_non_model
+        )
+
+    # ------------------------------------------------------------------ the optimizer step
+    def begin_optimizer_step(self) -> None:
+        gas = self.accumulation_steps
+        since = self.gradients.since_step
+        if since % gas != 0 or since == 0 and self.gradients.has_pending():
+            raise ChunkStateError(
+                f"optimizer.step() after {since} micro-batch(es) but gradient_accumulation_steps is {gas}: "
+                f"call engine.backward() {gas} times per optimizer step"
+            )
+        self.schedule.begin_optimizer_step()
+        mgr = self.mgr
+        self._bytes_before_step = mgr.bytes_to_device + mgr.bytes_to_host
+        state_moves = any(not mgr.resident((ChunkList.MASTER, c)) for c in self.device_adam_chunks)
+        if self.host_heap is not None and release_before_step(self.schedule.phase is TracePhase.WARMUP, state_moves):
+            self.release_heap()  # start the step (and a move of the state to the device) from a trimmed heap
+
+    def end_optimizer_step(self) -> None:
+        mgr = self.mgr
+        self.gradients.step_taken()
+        moved = mgr.bytes_to_device + mgr.bytes_to_host - self._bytes_before_step
+        if self.host_heap is not None and release_after_step(moved, mgr.state_bytes()):
+            self.release_heap()  # the first step after warm-up moved the state to the device
+        if self.prefetching():
+            # the next forward's first chunks travel while the updates of later chunks run
+            mgr.prefetch(self.prefetch_window, now=-1)
+        mgr.memory_sample()
+        self.schedule.end_optimizer_step()
+        self.schedule.set_stage(Stage.IDLE)
