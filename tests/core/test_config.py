@@ -66,7 +66,16 @@ BAD = {
     "prefetch_window negative": (_config(prefetch_window=-5), "prefetch_window"),
     "prefetch_window words": (_config(prefetch_window="far"), "prefetch_window"),
     "prefetch_window bool": (_config(prefetch_window=True), "prefetch_window"),
+    "reduce_dtype fp16 under bf16": (_config(bf16={"enabled": True}, reduce_dtype="fp16"), "reduce_dtype"),
+    "reduce_dtype bf16 under fp32": (_config(reduce_dtype="bf16"), "reduce_dtype"),
+    "reduce_dtype words": (_config(reduce_dtype="double"), "reduce_dtype"),
 }
+
+
+def test_reduce_dtype_is_fp32_unless_the_param_dtype_is_asked_for() -> None:
+    assert chunkstar.parse_config(_config(bf16={"enabled": True})).reduce_dtype == torch.float32
+    assert chunkstar.parse_config(_config(bf16={"enabled": True}, reduce_dtype="bf16")).reduce_dtype == torch.bfloat16
+    assert chunkstar.parse_config(_config(fp16={"enabled": True}, reduce_dtype="fp16")).reduce_dtype == torch.float16
 
 
 def test_prefetch_window_parses() -> None:

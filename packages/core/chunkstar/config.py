@@ -122,6 +122,10 @@ class EngineConfig:
     overlap: bool = True
     """Chunk copies run on the device's copy engine (CUDA copy stream, the CPU virtual
     device's copy thread) beside compute; false keeps the serial reference path."""
+    reduce_dtype: torch.dtype = torch.float32
+    """The dtype gradients are summed in across processes (several processes only): fp32
+    by default, as FSDP2's ``reduce_dtype`` for bf16; the param dtype halves the bytes on
+    the wire at the cost of rounding every partial sum. gloo always sums in fp32."""
     device_link_bandwidth: float | None = None
     """CPU virtual device only: bytes per second every chunk copy takes at least, so the
     run behaves like a device behind a PCIe link (None: copies take what memcpy takes)."""
@@ -145,6 +149,7 @@ _TOP_KEYS = {
     "hybrid_adam": "true or false",
     "overlap": "true or false",
     "device_link_bandwidth": 'bytes per second as a number or a string like "16GB/s" (cpu device only)',
+    "reduce_dtype": '"fp32" (default) or the param dtype ("bf16" / "fp16" when that precision is enabled)',
 }
 
 # Bounds on fp16 loss scaling. A scale of 2**63 (9.2e18) already turns the fp16
@@ -376,6 +381,14 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
     if window is not None and window <= 0:
         raise ConfigError("prefetch_window", f"got {window_raw!r}; expected {_TOP_KEYS['prefetch_window']} (> 0)")
 
+    reduce_raw = cfg.get("reduce_dtype", "fp32")
+    reduce_dtypes = {"fp32": torch.float32, "float32": torch.float32}
+    if precision is not Precision.FP32:
+        reduce_dtypes[precision.value] = precision.dtype
+    if not isinstance(reduce_raw, str) or reduce_raw.lower() not in reduce_dtypes:
+        raise ConfigError("reduce_dtype", f"got {reduce_raw!r}; expected {_TOP_KEYS['reduce_dtype']}")
+    reduce_dtype = reduce_dtypes[reduce_raw.lower()]
+
     chunk_raw = cfg.get("default_chunk_size", "auto")
     chunk_size = None if chunk_raw == "auto" else _integer(chunk_raw, "default_chunk_size", lo=1)
 
@@ -401,5 +414,6 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
         hybrid_adam=_boolean(cfg.get("hybrid_adam", True), "hybrid_adam"),
         overlap=_boolean(cfg.get("overlap", True), "overlap"),
         device_link_bandwidth=bandwidth,
+        reduce_dtype=reduce_dtype,
         raw=dict(cfg),
     )

@@ -18,16 +18,39 @@ trace, never from per-rank measurements), so the ranks always agree.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "DistributedError"]
+__all__ = ["Comm", "DistributedError", "PendingReduce"]
 
 
 class DistributedError(RuntimeError):
     """A collective failed: a peer rank died, hung past the timeout, or the group broke."""
+
+
+class PendingReduce:
+    """A gradient reduction in flight (``async_op``): :meth:`wait` returns this rank's
+    own chunk of the sum; the buffers it reads and writes stay referenced until then."""
+
+    def __init__(self, work: Any, result: torch.Tensor, keep: tuple[torch.Tensor, ...], comm: Comm, what: str) -> None:
+        self._work = work
+        self._result = result
+        self._keep = keep
+        self._comm = comm
+        self._what = what
+
+    def done(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def wait(self) -> torch.Tensor:
+        try:
+            self._work.wait()
+        except Exception as e:
+            raise self._comm._fail(f"gradient reduction of {self._what}", e) from e
+        self._keep = ()
+        return self._result
 
 
 class Comm:
@@ -66,16 +89,21 @@ class Comm:
         """Sum ``chunks`` (this rank's copy of every chunk of a group) over ranks;
         returns this rank's own chunk of the sum, on ``exchange_device`` of the own chunk's
         device (a copy that is not on it, say an evicted chunk, is moved there first)."""
+        return self.reduce_group_async(chunks, what).wait()
+
+    def reduce_group_async(self, chunks: Sequence[torch.Tensor], what: str) -> PendingReduce:
+        """Start :meth:`reduce_group` and return at once. The chunks are copied into one
+        buffer first, so they may change or go away while the collective runs."""
         where = self.exchange_device(chunks[self.rank].device)
         try:
-            if self.backend == "nccl":
-                out = torch.empty_like(chunks[self.rank], device=where)
-                dist.reduce_scatter_tensor(out, torch.cat([c.reshape(-1).to(where) for c in chunks]))
-                return out
             flat = torch.cat([c.reshape(-1).to(where) for c in chunks])
-            dist.all_reduce(flat)
             n = chunks[self.rank].numel()
-            return flat[self.rank * n : (self.rank + 1) * n]
+            if self.backend == "nccl":
+                out = torch.empty(n, dtype=flat.dtype, device=where)
+                work = dist.reduce_scatter_tensor(out, flat, async_op=True)
+                return PendingReduce(work, out, (flat,), self, what)
+            work = dist.all_reduce(flat, async_op=True)
+            return PendingReduce(work, flat[self.rank * n : (self.rank + 1) * n], (flat,), self, what)
         except Exception as e:
             raise self._fail(f"gradient reduction of {what}", e) from e
 

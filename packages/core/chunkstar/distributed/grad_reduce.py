@@ -8,8 +8,16 @@ the others skip. Phase changes of the schedule happen at iteration ends, after
 the ranks agree (:mod:`chunkstar.runtime.schedule`).
 
 A group's gradients are reduced as soon as every parameter in it has its
-gradient (NCCL reduce-scatter; gloo all-reduce in fp32), averaged over the
-ranks into the owner's chunk; the other ranks' copies become values again.
+gradient (NCCL reduce-scatter in the config's ``reduce_dtype``, fp32 by
+default; gloo all-reduce in fp32), averaged over the ranks into the owner's
+chunk; the other ranks' copies become values again.
+
+Note [reduction in flight]: the collective runs asynchronously (``async_op``:
+NCCL on its own stream, gloo on its own threads) on a copy of the group, so
+the backward goes on while it runs and the group's chunks are free at once.
+Each finished reduction is averaged into the own chunk at the next gradient
+that finds it done, and every one by the end of backward, before the
+optimizer reads the chunks; the arithmetic is the same as waiting at once.
 
 Note [pending gradients]: "every parameter has its gradient" means every slot
 of the group whose parameter requires grad is in HOLD_AFTER_BWD. Once per
@@ -28,7 +36,7 @@ import torch
 
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.state import TensorState
-from chunkstar.distributed.comm import Comm
+from chunkstar.distributed.comm import Comm, PendingReduce
 from chunkstar.events import MoveReason
 from chunkstar.placement.gathered import groups_to_release
 from chunkstar.runtime.chunk_manager import ChunkManager
@@ -37,8 +45,18 @@ __all__ = ["GroupReducer"]
 
 
 class GroupReducer:
-    def __init__(self, mgr: ChunkManager, comm: Comm, device: torch.device, params: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        mgr: ChunkManager,
+        comm: Comm,
+        device: torch.device,
+        params: Sequence[torch.Tensor],
+        reduce_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.mgr = mgr
+        # gloo sums in fp32 whatever the config says: exact for fp32, better for bf16, and its
+        # support for 16-bit types varies by build
+        self.reduce_dtype = reduce_dtype if comm.backend == "nccl" else torch.float32
         self.comm = comm
         self.device = device
         self._params = params
@@ -46,6 +64,8 @@ class GroupReducer:
         # per group (chunk id // world size): slots in HOLD_AFTER_BWD once it is complete, counted
         # at this backward's first gradient (Note [pending gradients]); None between backwards
         self._need: list[int] | None = None
+        # reductions started and not yet averaged into their own chunk: (own chunk id, pending)
+        self._inflight: list[tuple[int, PendingReduce]] = []
 
     def release_after_forward(self, indices: Sequence[int]) -> None:
         """After a module's forward, drop gathered copies of other ranks' chunks its
@@ -88,6 +108,7 @@ class GroupReducer:
         for g in range(0, mgr.layout.n_chunks, self.comm.world_size):
             if g not in self._reduced and any(mgr.grads_in(k) for k in mgr.layout.group(g)):
                 self._reduce(g)
+        self._land(wait=True)
         self._reduced.clear()
         self._need = None
 
@@ -95,6 +116,7 @@ class GroupReducer:
         """A backward failed: forget what was reduced or counted in it (the next backward starts clean)."""
         self._reduced.clear()
         self._need = None
+        self._inflight = []  # its gradients are dropped: the sums are not needed
 
     def release_all(self) -> None:
         for g in sorted(self.mgr.gathered_groups):
@@ -109,14 +131,12 @@ class GroupReducer:
             mgr.make_resident([(ChunkList.PARAM, own_id)], MoveReason.ACCESS, where=f"the gradient reduction of chunk {own_id}")
         with torch.no_grad(), mgr.probe.paused():
             payloads = [mgr.chunk(ChunkList.PARAM, k).payload for k in group]
-            if self.comm.backend != "nccl":
-                payloads = [p.float() for p in payloads]  # gloo sums in fp32: exact for fp32, better for bf16
-            summed = self.comm.reduce_group(payloads, what=f"param chunks {group[0]}..{group[-1]}")
-            own = mgr.chunk(ChunkList.PARAM, own_id).payload
-            inv = 1.0 / self.comm.world_size
-            # only gradient slots (the others still hold values), one copy per contiguous run of them
-            for a, b in _gradient_runs(mgr, own_id):
-                own[a:b].copy_(summed[a:b].to(own.device) * inv)
+            if payloads[0].dtype != self.reduce_dtype:
+                payloads = [p.to(self.reduce_dtype) for p in payloads]  # config reduce_dtype (fp32 by default)
+            # Note [reduction in flight]: the collective works on a copy of the group, so the
+            # chunks are free at once; the own chunk takes the sum when it lands
+            pending = self.comm.reduce_group_async(payloads, what=f"param chunks {group[0]}..{group[-1]}")
+            self._inflight.append((own_id, pending))
             for k in group:
                 if k == own_id or not mgr.grads_in(k):
                     continue
@@ -126,6 +146,24 @@ class GroupReducer:
             if not any(mgr.pinned(k) for k in group):
                 mgr.release_group(start)
         self._reduced.add(start)
+        self._land(wait=False)
+
+    def _land(self, wait: bool) -> None:
+        """Average the reductions that are done (all of them with ``wait``) into their own
+        chunks: only the gradient slots (the others hold values), one copy per run."""
+        mgr = self.mgr
+        still: list[tuple[int, PendingReduce]] = []
+        inv = 1.0 / self.comm.world_size
+        with torch.no_grad(), mgr.probe.paused():
+            for own_id, pending in self._inflight:
+                if not wait and not pending.done():
+                    still.append((own_id, pending))
+                    continue
+                summed = pending.wait()
+                own = mgr.chunk(ChunkList.PARAM, own_id).payload
+                for a, b in _gradient_runs(mgr, own_id):
+                    own[a:b].copy_(summed[a:b].to(own.device) * inv)
+        self._inflight = still
 
 
 def _gradient_runs(mgr: ChunkManager, chunk_id: int) -> list[tuple[int, int]]:

@@ -167,7 +167,7 @@ class ChunkEngine:
 
         self.scaler_enabled = cfg.precision is Precision.FP16
         self.scaler = LossScaler(cfg.loss_scale, self.scaler_enabled)
-        self.reducer = GroupReducer(self.mgr, self.comm, self.device, self._params)  # several processes only
+        self.reducer = GroupReducer(self.mgr, self.comm, self.device, self._params, cfg.reduce_dtype)  # several processes only
         # host-side work (the optimizer's updates, gradient norms) off the compute thread
         # with overlap; in the calling thread on the serial reference path
         self.host_work: HostWorker | InlineWorker = HostWorker(debug_delay_from_env()) if cfg.overlap else InlineWorker()
