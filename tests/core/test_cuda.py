@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import chunkstar
+from chunkstar.chunk.lists import ChunkList
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -106,3 +107,50 @@ def test_cuda_parameters_read_outside_modules_and_between_steps() -> None:
         assert v.device.type == "cuda"
         torch.testing.assert_close(v, q.detach(), rtol=1e-5, atol=1e-6, msg=name)
         torch.testing.assert_close(masters[name], q.detach().cpu(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_cuda_overlapped_and_serial_paths_agree_and_use_exact_pinned_buffers_and_the_chunk_pool() -> None:
+    """Copy streams each way, deferred frees, gradients offloaded in backward and host Adam on
+    the worker (overlap on) against the same work on the compute stream (overlap off): the
+    same bits. Param chunks' host buffers are pinned at their exact size; their device
+    payloads come from the chunks' own memory pool."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(64, 256, generator=g).to(dev), torch.randn(64, 1, generator=g).to(dev)) for _ in range(5)]
+    param_bytes = sum(p.numel() * 2 for p in _mlp().parameters())
+    runs = []
+    for overlap in (True, False):
+        base = torch.cuda.memory_allocated(dev)
+        engine, optimizer = chunkstar.initialize_engine(
+            _mlp, 0,
+            {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+             "device": "cuda", "device_memory_budget": base + param_bytes // 2 + (8 << 20), "default_chunk_size": 70_001,
+             "overlap": overlap},
+        )  # fmt: skip
+        losses = []
+        for x, y in data:
+            loss = (engine(x).float() - y).square().mean()
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        mgr = engine.mgr
+        assert engine.stats()["moves_by_reason"]["offload"] > 0
+        assert mgr.pinned_buffers is not None
+        assert mgr.pinned_buffers.pinned_bytes == sum(c.nbytes for c in mgr.chunks_of(ChunkList.PARAM)
+                                                      if c.has_host_buffer)  # fmt: skip
+        if mgr.chunk_pool is not None and mgr.chunk_pool.active:
+            resident = [c for c in mgr.chunks_of(ChunkList.PARAM) if c.tier is chunkstar.Tier.DEVICE]
+            pool_segments = [
+                (s["address"], s["address"] + s["total_size"])
+                for s in torch.cuda.memory_snapshot()
+                if tuple(s.get("segment_pool_id", (0, 0))) == tuple(mgr.chunk_pool._pool.id)
+            ]
+            for c in resident:
+                ptr = c.device_view.data_ptr()
+                assert any(a <= ptr < b for a, b in pool_segments), c
+        runs.append((losses, engine.state_dict()))
+        del engine, optimizer
+    assert runs[0][0] == runs[1][0]
+    for k, v in runs[0][1].items():
+        assert torch.equal(v, runs[1][1][k]), k

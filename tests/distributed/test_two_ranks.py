@@ -68,6 +68,7 @@ def test_two_ranks_match_one_rank_on_the_full_batch(case: str, tmp_path: Path) -
     assert results[1]["losses"] == got
     for r in results:
         assert r["stats"]["world_size"] == 2 and r["stats"]["all_gathers"] > 0
+        assert r["stats"]["all_gathers_ahead"] > 0  # on the frozen schedule: started a moment early
 
     # per-rank master + Adam state is half of one process's (same chunk size)
     single, _ = chunkstar.initialize_engine(CASES[case].build, 0, engine_config("fp32", budget=4 * param_bytes, chunk_size=CHUNK))

@@ -36,10 +36,13 @@ allocate host memory every step.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from chunkstar.chunk.state import ChunkLocation, check_location_transition
 from chunkstar.device.copy_engine import CopyEngine, CopyEvent
+from chunkstar.device.chunk_pool import ChunkPool
 from chunkstar.device.pinned import PinnedBuffers
 from chunkstar.events import Tier
 
@@ -55,6 +58,7 @@ class Chunk:
         dtype: torch.dtype,
         device: torch.device,
         pinned: PinnedBuffers | None = None,
+        pool: ChunkPool | None = None,
     ) -> None:
         self.chunk_id = chunk_id
         self.list_name = list_name
@@ -67,7 +71,10 @@ class Chunk:
         # CUDA device (kept for life: pinning costs far more than the bytes), else plain memory
         self._pinned = pinned
         # 1-D, on `device`; storage is 0 bytes unless location is DEVICE (Note [persistent device storage])
-        self._device_buf = torch.empty(numel, dtype=dtype, device=device)
+        # CUDA: payloads come from the chunks' own memory pool (device/chunk_pool.py)
+        self._pool = pool
+        with self._allocating():
+            self._device_buf = torch.empty(numel, dtype=dtype, device=device)
         self._device_buf.untyped_storage().resize_(0)
         # 1-D, host (pinned when the device is CUDA); exists while location is HOST, and may
         # stay while the chunk is on the device (Note [clean host copy]): valid or stale
@@ -125,8 +132,12 @@ class Chunk:
             if not resident:
                 self._device_buf.untyped_storage().resize_(0)
 
+    def _allocating(self) -> contextlib.AbstractContextManager[object]:
+        return self._pool.allocating() if self._pool is not None else contextlib.nullcontext()
+
     def _grow_device(self) -> None:
-        self._device_buf.untyped_storage().resize_(self.nbytes)
+        with self._allocating():
+            self._device_buf.untyped_storage().resize_(self.nbytes)
 
     def _new_host(self) -> torch.Tensor:
         if self._pinned is not None:
@@ -211,6 +222,12 @@ class Chunk:
         self._host_buf = host
         self._host_valid = True
         return True
+
+    def set_pending(self, event: CopyEvent) -> None:
+        """Something else now writes (or reads) the device payload asynchronously (an
+        all-gather in flight): readers, moves and releases wait for ``event`` first."""
+        self._wait_copy()
+        self._pending = event
 
     def materialize_on_device(self) -> torch.Tensor:
         """Give a released (remote) chunk its device bytes, uninitialised; the caller

@@ -23,11 +23,33 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "DistributedError", "PendingReduce"]
+__all__ = ["Comm", "DistributedError", "PendingCollective", "PendingReduce"]
 
 
 class DistributedError(RuntimeError):
     """A collective failed: a peer rank died, hung past the timeout, or the group broke."""
+
+
+class PendingCollective:
+    """A collective in flight (``async_op``), as a chunk's pending event (chunk/chunk.py's
+    Note [pending copy]): :meth:`wait` returns once it is done (under NCCL: orders the
+    current stream after it); the buffers it reads and writes stay referenced until then."""
+
+    def __init__(self, work: Any, keep: tuple[torch.Tensor, ...], comm: Comm, what: str) -> None:
+        self._work = work
+        self._keep = keep
+        self._comm = comm
+        self._what = what
+
+    def done(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def wait(self) -> None:
+        try:
+            self._work.wait()
+        except Exception as e:
+            raise self._comm._fail(self._what, e) from e
+        self._keep = ()
 
 
 class PendingReduce:
@@ -84,6 +106,15 @@ class Comm:
             dist.all_gather(list(outputs), own)
         except Exception as e:  # gloo/NCCL raise RuntimeError subclasses of their own
             raise self._fail(f"all-gather of {what}", e) from e
+
+    def all_gather_group_async(self, outputs: Sequence[torch.Tensor], own: torch.Tensor, what: str) -> PendingCollective:
+        """Start :meth:`all_gather_group` and return at once; readers of ``outputs`` (and
+        writers of ``own``) wait on the result first."""
+        try:
+            work = dist.all_gather(list(outputs), own, async_op=True)
+        except Exception as e:
+            raise self._fail(f"all-gather of {what}", e) from e
+        return PendingCollective(work, (*outputs, own), self, f"all-gather of {what}")
 
     def reduce_group(self, chunks: Sequence[torch.Tensor], what: str) -> torch.Tensor:
         """Sum ``chunks`` (this rank's copy of every chunk of a group) over ranks;

@@ -37,6 +37,7 @@ from chunkstar.chunk.lists import CHUNK_LISTS, STATE_LISTS, ChunkList
 from chunkstar.chunk.state import ChunkLocation, TensorState, check_tensor_transition
 from chunkstar.config import EvictionPolicyName
 from chunkstar.device.copy_engine import CopyEngine, SerialCopies
+from chunkstar.device.chunk_pool import ChunkPool
 from chunkstar.device.pinned import PinnedBuffers
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError, DeviceMemoryError
@@ -100,13 +101,15 @@ class ChunkManager:
         # param chunks travel every step on a CUDA device: their host buffers are pinned, exactly
         # sized (device/pinned.py); state chunks travel once at most and stay in plain memory
         self.pinned_buffers = PinnedBuffers() if device.type == "cuda" else None
+        # and their device payloads come from a pool of their own, apart from the activations
+        self.chunk_pool = ChunkPool(device) if device.type == "cuda" else None
         self.compute_dtype = compute_dtype
         # the chunks of the four lists (chunk/lists.py), by list then chunk id: the store's own,
         # reached from outside through chunk(), chunks_of() and slot_view() only
         self._chunks: dict[ChunkList, list[Chunk]] = {
             name: [
                 Chunk(i, name.value, n, compute_dtype if name is _PARAM else torch.float32, device,
-                      self.pinned_buffers if name is _PARAM else None)  # fmt: skip
+                      self.pinned_buffers if name is _PARAM else None, self.chunk_pool)  # fmt: skip
                 for i, n in enumerate(layout.chunk_sizes)
             ]
             for name in CHUNK_LISTS
@@ -159,6 +162,7 @@ class ChunkManager:
         self._clean_versions: dict[int, int] = {}
         self._chunk_params: list[list[torch.Tensor]] = [[] for _ in range(layout.n_chunks)]
         self.gathers = 0  # all-gathers of a chunk group (several processes only)
+        self.gathers_ahead = 0  # of them started a moment early (Note [gather ahead])
         self.gathered_groups: set[int] = set()  # first chunk ids of groups whose remote copies are here
         self.bytes_gathered = 0  # remote bytes received by them
 
@@ -337,7 +341,9 @@ class ChunkManager:
             return -1
         return cur.moment
 
-    def make_resident(self, keys: Sequence[Key], reason: MoveReason, where: str, *, gather_groups: bool = False) -> None:
+    def make_resident(
+        self, keys: Sequence[Key], reason: MoveReason, where: str, *, gather_groups: bool = False, ahead: bool = False
+    ) -> None:
         """Bring ``keys`` to the device, evicting others as the policy says.
 
         With ``gather_groups`` (a module's access, on every rank alike) the groups of
@@ -345,7 +351,8 @@ class ChunkManager:
         state is the same on every rank (Note [collective schedule] in
         distributed/grad_reduce.py), so the ranks agree on which groups to gather, even the
         rank that owns the very chunk a module needs. Without it only this rank's
-        own chunks move (the optimizer's placement)."""
+        own chunks move (the optimizer's placement). ``ahead`` (Note [gather ahead]):
+        return once the moves and gathers have started, and never fail for lack of room."""
         gather = []
         if gather_groups and self.comm.distributed:
             gather = sorted({self.layout.group(i).start for n, i in keys if n is _PARAM} - self.gathered_groups)
@@ -354,18 +361,33 @@ class ChunkManager:
             want += [(_PARAM, k) for k in self.layout.group(g) if (_PARAM, k) not in want]
         missing = [k for k in want if not self.resident(k)]
         need = sum(self._chunks[n][i].nbytes for n, i in missing)
-        self.make_room(need, protect=set(want), where=where, required=want)
+        self.make_room(need, protect=set(want), where=where, required=want, optional=ahead)
         for k in missing:
             if self.own(k[1]):
                 self.move(k, Tier.DEVICE, reason)
         for g in gather:
-            self._gather(g)
+            self._gather(g, ahead=ahead)
         for k in want:
-            self._chunks[k[0]][k[1]].wait_ready()
+            if not ahead:
+                self._chunks[k[0]][k[1]].wait_ready()
             self.touch(k)
 
-    def _gather(self, start: int) -> None:
-        """All-gather the param chunks of the group starting at ``start`` (own chunk resident)."""
+    def gather_ahead(self, chunk_ids: Iterable[int]) -> None:
+        """Note [gather ahead]: start the all-gathers of the groups holding ``chunk_ids`` (the
+        next moment's, per the frozen trace) that are not gathered yet, without waiting: the
+        remote chunks' payloads and this rank's own chunk wait on the collective, so the
+        next moment's access finds the group gathered and waits only for what has not
+        landed. Called on every rank alike, from the trace and the gathered groups only
+        (both the same on every rank: Note [collective schedule])."""
+        if not self.comm.distributed:
+            return
+        keys = [(_PARAM, c) for c in chunk_ids if self.layout.group(c).start not in self.gathered_groups]
+        if keys:
+            self.make_resident(keys, MoveReason.PREFETCH, where="the all-gather ahead", gather_groups=True, ahead=True)
+
+    def _gather(self, start: int, ahead: bool = False) -> None:
+        """All-gather the param chunks of the group starting at ``start`` (own chunk resident);
+        ``ahead``: return once it has started (Note [gather ahead])."""
         group = list(self.layout.group(start))
         own = self._chunks[_PARAM][group[self.comm.rank]]
         own.wait_ready()  # its load may still be in flight: the collective reads it
@@ -382,8 +404,15 @@ class ChunkManager:
                     self.device_chunk_bytes += c.nbytes
                     self.bytes_gathered += c.nbytes
             self.device_chunk_bytes_peak = max(self.device_chunk_bytes_peak, self.device_chunk_bytes)
-            self.comm.all_gather_group(outputs, own.device_view, what=f"param chunks {group[0]}..{group[-1]}")
+            what = f"param chunks {group[0]}..{group[-1]}"
+            if ahead:
+                pending = self.comm.all_gather_group_async(outputs, own.device_view, what=what)
+                for k in group:  # the remote copies are written, the own chunk read, until it lands
+                    self._chunks[_PARAM][k].set_pending(pending)
+            else:
+                self.comm.all_gather_group(outputs, own.device_view, what=what)
         self.gathers += 1
+        self.gathers_ahead += ahead
         self.gathered_groups.add(start)
         if self.events.active:
             t1 = time.perf_counter_ns()
@@ -391,7 +420,8 @@ class ChunkManager:
                 if k != own.chunk_id:
                     self.events.emit(ChunkAllocated(k, _PARAM.value, Tier.DEVICE, self._chunks[_PARAM][k].nbytes, t0))
                     self.events.emit(ChunkMoved(k, _PARAM.value, self._chunks[_PARAM][k].nbytes, Tier.HOST, Tier.DEVICE,
-                                                MoveReason.ACCESS, self._cur.moment, self._cur.module, t0, t1))  # fmt: skip
+                                                MoveReason.PREFETCH if ahead else MoveReason.ACCESS, self._cur.moment,
+                                                self._cur.module, t0, t1))  # fmt: skip
 
     def release_group(self, start: int) -> None:
         """Drop this rank's copies of the other ranks' param chunks of a gathered group."""
@@ -409,9 +439,13 @@ class ChunkManager:
             if self.events.active:
                 self.events.emit(ChunkFreed(k, c.list_name, Tier.DEVICE, c.nbytes, time.perf_counter_ns()))
 
-    def make_room(self, need: int, protect: set[Key], where: str, required: Iterable[Key] = ()) -> None:
+    def make_room(
+        self, need: int, protect: set[Key], where: str, required: Iterable[Key] = (), optional: bool = False
+    ) -> None:
         """Evict until ``need`` more bytes fit this moment's chunk budget, or, during a
-        warm-up pass, down to :func:`chunkstar.memory.budget.room_target`."""
+        warm-up pass, down to :func:`chunkstar.memory.budget.room_target`. ``optional``
+        (a gather ahead, which every rank must issue alike): when evicting cannot make the
+        room, evict nothing and go over the budget until the next access, rather than fail."""
         budget = self.chunk_budget()
         cur = self._cur
         target = room_target(budget, cur.safe_mode, cur.stage is Stage.FWD or cur.stage is Stage.BWD)
@@ -420,6 +454,8 @@ class ChunkManager:
             return
         candidates = self._eviction_candidates(protect)
         victims = choose_evictions(candidates, excess, self.policy.value)
+        if victims is None and optional:
+            return
         if victims is None:
             freed = sum(c.nbytes for c in candidates)
             if self.device_chunk_bytes - freed + need > budget:

@@ -482,6 +482,7 @@ class ChunkEngine:
             "world_size": self.comm.world_size,
             "rank": self.comm.rank,
             "all_gathers": mgr.gathers,
+            "all_gathers_ahead": mgr.gathers_ahead,
             "bytes_gathered": mgr.bytes_gathered,
             "n_params": sum(s.numel for s in mgr.slots),
             "n_chunks": mgr.layout.n_chunks,

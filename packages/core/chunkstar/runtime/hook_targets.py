@@ -82,6 +82,9 @@ class HookTargets:
             )
             for i in indices:
                 mgr.set_state(i, TensorState.COMPUTE)
+            if self.comm.distributed and self.cursor.on_schedule and self.cursor.trace.frozen and self.iteration.prefetch:
+                # the trace alone decides, never this rank's memory: every rank gathers the same
+                mgr.gather_ahead(self.cursor.trace.chunks_at(self.cursor.moment + 1))
             if self.iteration.prefetching():
                 mgr.prefetch(self.iteration.prefetch_window)
             mgr.memory_sample()
