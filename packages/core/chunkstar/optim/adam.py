@@ -357,7 +357,11 @@ class ChunkAdam(torch.optim.Optimizer):
             return None
         buf = self._scratch_bufs.get(where)
         if buf is None or buf.numel() < need:
-            buf = self._scratch_bufs[where] = torch.empty(need, dtype=torch.float32)
+            # kept for the run, used inside the optimizer step only: not the non-model memory
+            # of the moments the memory probe measures (the fp32 copies it replaces were
+            # temporaries of the step)
+            with self._store.paused_probe():
+                buf = self._scratch_bufs[where] = torch.empty(need, dtype=torch.float32)
         return buf
 
     def _hyper(self) -> list[tuple[float, float, float, float, float]]:
