@@ -5,6 +5,8 @@ Skipped cleanly on machines without CUDA (CI here has none).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -20,20 +22,28 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(8)], nn.Linear(256, 1))
 
 
-def test_cuda_mlp_matches_pytorch_under_a_budget_smaller_than_the_params() -> None:
-    dev = torch.device("cuda")
-    g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(64, 256, generator=g).to(dev), torch.randn(64, 1, generator=g).to(dev)) for _ in range(5)]
-    ref = _mlp().to(dev)
+def _reference_losses(
+    ref: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> list[float]:
+    """Plain PyTorch on the same batches (fused AdamW, lr 1e-3, clipping 1.0): its losses."""
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
     want = []
     for x, y in data:
-        loss = (ref(x) - y).square().mean()
+        loss = loss_fn(ref(x), y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
         want.append(loss.item())
+    return want
+
+
+def test_cuda_mlp_matches_pytorch_under_a_budget_smaller_than_the_params() -> None:
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(64, 256, generator=g).to(dev), torch.randn(64, 1, generator=g).to(dev)) for _ in range(5)]
+    ref = _mlp().to(dev)
+    want = _reference_losses(ref, data, lambda out, y: (out - y).square().mean())
     param_bytes = sum(p.numel() * 4 for p in ref.parameters())
     base = torch.cuda.memory_allocated(dev)
     engine, optimizer = chunkstar.initialize_engine(
@@ -73,15 +83,7 @@ def test_cuda_parameters_read_outside_modules_and_between_steps() -> None:
     g = torch.Generator().manual_seed(2)
     data = [(torch.randn(2, 16, 128, generator=g).to(dev), torch.randint(0, 10, (2, 16), generator=g).to(dev)) for _ in range(4)]
     ref = build().to(dev)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
-    want = []
-    for x, y in data:
-        loss = nn.functional.cross_entropy(ref(x).reshape(-1, 10), y.reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    want = _reference_losses(ref, data, lambda out, y: nn.functional.cross_entropy(out.reshape(-1, 10), y.reshape(-1)))
     param_bytes = sum(p.numel() * 4 for p in ref.parameters())
     base = torch.cuda.memory_allocated(dev)
     engine, optimizer = chunkstar.initialize_engine(
