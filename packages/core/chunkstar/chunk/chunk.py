@@ -262,8 +262,3 @@ class Chunk:
         """The event of this chunk's last copy if nobody has waited on it yet (work that
         reads the landed bytes is ordered after it)."""
         return self._pending
-
-    @property
-    def copy_pending(self) -> bool:
-        """A copy or host-side work of this chunk has not finished yet."""
-        return (self._pending is not None and not self._pending.done()) or (self._work is not None and not self._work.done())

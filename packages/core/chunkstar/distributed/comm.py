@@ -116,14 +116,11 @@ class Comm:
             raise self._fail(f"all-gather of {what}", e) from e
         return PendingCollective(work, (*outputs, own), self, f"all-gather of {what}")
 
-    def reduce_group(self, chunks: Sequence[torch.Tensor], what: str) -> torch.Tensor:
-        """Sum ``chunks`` (this rank's copy of every chunk of a group) over ranks;
-        returns this rank's own chunk of the sum, on ``exchange_device`` of the own chunk's
-        device (a copy that is not on it, say an evicted chunk, is moved there first)."""
-        return self.reduce_group_async(chunks, what).wait()
-
     def reduce_group_async(self, chunks: Sequence[torch.Tensor], what: str) -> PendingReduce:
-        """Start :meth:`reduce_group` and return at once. The chunks are copied into one
+        """Start summing ``chunks`` (this rank's copy of every chunk of a group) over ranks
+        and return at once; the pending result's ``wait()`` gives this rank's own chunk of
+        the sum, on ``exchange_device`` of the own chunk's device (a copy that is not on
+        it, say an evicted chunk, is moved there first). The chunks are copied into one
         buffer first, so they may change or go away while the collective runs."""
         where = self.exchange_device(chunks[self.rank].device)
         try:
