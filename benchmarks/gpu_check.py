@@ -57,11 +57,8 @@ import math
 import os
 import platform
 import resource
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -73,6 +70,7 @@ for _pkg in ("core", "bench"):
         sys.path.insert(0, str(_REPO / "packages" / _pkg))
 
 from chunkstar_bench import flops  # noqa: E402  (torch-free; after the path set-up above)
+from chunkstar_bench.watch import watch  # noqa: E402
 from chunkstar_bench.zoo import ModelSpec, get, n_params  # noqa: E402
 
 _RESULT = "GPU_CHECK_RESULT "
@@ -448,13 +446,6 @@ def _fmt_count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def _rss_bytes(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _run_child(plan: Plan, timeout_s: float, cap_bytes: int, why_limit: str) -> dict[str, Any]:
     """``plan`` in a fresh interpreter, watched for time and host memory; its record or the reason it has none."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -463,48 +454,25 @@ def _run_child(plan: Plan, timeout_s: float, cap_bytes: int, why_limit: str) -> 
     command = [sys.executable, str(Path(__file__).resolve()), "--child", plan.to_json()]
     tail: collections.deque[str] = collections.deque(maxlen=20)
     records: list[dict[str, Any]] = []
-    start = time.monotonic()
-    # stderr folded into stdout (one pipe, read by a thread: no deadlock); a session of its own
-    # so a kill reaches whatever the child started
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            env=env, start_new_session=True)  # fmt: skip
 
-    def reader() -> None:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.rstrip("\n")
-            if line.startswith(_RESULT):
-                try:
-                    records.append(json.loads(line[len(_RESULT):]))
-                except json.JSONDecodeError:
-                    tail.append(line[:200])
-            elif line.startswith(_PROGRESS):
-                print(f"  {line[len(_PROGRESS):]}", file=sys.stderr, flush=True)
-            elif line.strip():
-                tail.append(line)
+    def on_line(line: str) -> None:
+        if line.startswith(_RESULT):
+            try:
+                records.append(json.loads(line[len(_RESULT):]))
+            except json.JSONDecodeError:
+                tail.append(line[:200])
+        elif line.startswith(_PROGRESS):
+            print(f"  {line[len(_PROGRESS):]}", file=sys.stderr, flush=True)
+        elif line.strip():
+            tail.append(line)
 
-    thread = threading.Thread(target=reader, daemon=True)
-    thread.start()
+    done = watch(command, env, on_line, timeout_s, cap_bytes)
+    returncode, sampled_peak, wall = done.returncode, done.sampled_peak_rss_bytes, done.wall_s
     killed: tuple[str, str] | None = None  # (status, why)
-    sampled_peak = 0
-    try:
-        while proc.poll() is None:
-            rss = _rss_bytes(proc.pid)
-            sampled_peak = max(sampled_peak, rss)
-            if rss > cap_bytes:
-                killed = "oom", f"killed: host memory {rss / 2**30:.1f} GiB passed the cap of {cap_bytes / 2**30:.1f} GiB"
-            elif time.monotonic() - start > timeout_s:
-                killed = "timeout", f"killed after {timeout_s:.0f} s ({why_limit})"
-            if killed is not None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-            time.sleep(0.1)
-    finally:
-        if proc.poll() is None and killed is None:  # interrupted: leave nothing behind
-            os.killpg(proc.pid, signal.SIGKILL)
-        returncode = proc.wait()
-        thread.join(timeout=10)
-    wall = time.monotonic() - start
+    if done.timed_out:
+        killed = "timeout", f"killed after {timeout_s:.0f} s ({why_limit})"
+    elif done.killed_for is not None:
+        killed = "oom", f"killed: {done.killed_for}"
     if records and killed is None:
         record = records[-1]
     else:

@@ -38,12 +38,11 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any, Literal
 
 from chunkstar_bench import flops
+from chunkstar_bench.watch import watch
 from chunkstar_bench.zoo import get, n_params
 
 __all__ = ["DEVICES", "RESULT_PREFIX", "STATUSES", "SYSTEMS", "RunRecord", "RunSpec", "git_commit", "run", "versions"]
@@ -61,7 +60,6 @@ System = Literal["chunkstar", "deepspeed", "fsdp2", "pytorch"]
 Device = Literal["cpu", "cuda"]
 Status = Literal["ok", "oom", "error"]
 
-_POLL_S = 0.05
 _PACKAGE_PARENT = Path(__file__).resolve().parent.parent  # .../packages/bench
 _REPO_ROOT = _PACKAGE_PARENT.parent.parent
 
@@ -187,24 +185,6 @@ def git_commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def _group_rss_bytes(pgid: int) -> int:
-    """Resident bytes of every live process in process group ``pgid`` (Linux ``/proc``)."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[2]) != pgid:  # state, ppid, pgrp
-                continue
-            total += int(Path(entry.path, "statm").read_text().split()[1]) * page
-        except (OSError, ValueError, IndexError):
-            continue  # exited meanwhile
-    return total
-
-
 def _command(spec: RunSpec) -> list[str]:
     child = ["-m", "chunkstar_bench.child", "--spec", spec.to_json()]
     if spec.nprocs == 1:
@@ -231,50 +211,20 @@ def run(spec: RunSpec, timeout_s: float = 1800.0, *, echo: bool = True) -> RunRe
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     results: list[dict[str, Any]] = []
     tail: collections.deque[str] = collections.deque(maxlen=40)
-    start = time.monotonic()
-    killed_for: str | None = None
-    sampled_peak = 0
 
-    # stderr folded into stdout: one pipe, read by a thread, cannot deadlock.
-    proc = subprocess.Popen(
-        _command(spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-        env=env, start_new_session=True,
-    )
+    def on_line(line: str) -> None:
+        if line.startswith(RESULT_PREFIX):
+            try:
+                results.append(json.loads(line[len(RESULT_PREFIX) :]))
+            except json.JSONDecodeError:
+                tail.append(line)
+            return
+        if echo and _is_progress(line):
+            print(f"  {line}", file=sys.stderr, flush=True)
+        tail.append(line)
 
-    def reader() -> None:
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            line = raw.rstrip("\n")
-            if line.startswith(RESULT_PREFIX):
-                try:
-                    results.append(json.loads(line[len(RESULT_PREFIX) :]))
-                except json.JSONDecodeError:
-                    tail.append(line)
-                continue
-            if echo and _is_progress(line):
-                print(f"  {line}", file=sys.stderr, flush=True)
-            tail.append(line)
-
-    thread = threading.Thread(target=reader, daemon=True)
-    thread.start()
-    try:
-        while proc.poll() is None:
-            rss = _group_rss_bytes(proc.pid)
-            sampled_peak = max(sampled_peak, rss)
-            if spec.host_mem_cap_bytes is not None and rss > spec.host_mem_cap_bytes:
-                killed_for = f"host memory {rss / 2**30:.2f} GiB passed the cap of {spec.host_mem_cap_bytes / 2**30:.2f} GiB"
-            elif time.monotonic() - start > timeout_s:
-                killed_for = "timeout"
-            if killed_for is not None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-            time.sleep(_POLL_S)
-    finally:
-        if proc.poll() is None and killed_for is None:  # interrupted: leave nothing behind
-            os.killpg(proc.pid, signal.SIGKILL)
-        returncode = proc.wait()
-        thread.join(timeout=10)
-    wall = time.monotonic() - start
+    done = watch(_command(spec), env, on_line, timeout_s, spec.host_mem_cap_bytes)
+    killed_for, returncode, sampled_peak, wall = done.killed_for, done.returncode, done.sampled_peak_rss_bytes, done.wall_s
     record = RunRecord(
         spec=spec, status="error", n_params=n_params(get(spec.model)), wall_s=wall, created_utc=created,
         versions=versions(), git_commit=git_commit(), host=socket.gethostname(),
