@@ -47,3 +47,32 @@ def test_search_picks_least_waste_within_bounds() -> None:
 def test_bad_chunk_size() -> None:
     with pytest.raises(ValueError):
         build_layout(["a"], [(3,)], chunk_size=0)
+
+
+def test_frozen_parameters_get_chunks_of_their_own_in_first_use_order() -> None:
+    # LoRA's shape: a big frozen weight, then two small trainable adapters, per layer
+    shapes = [(100,), (4,), (4,)] * 3
+    frozen = [True, False, False] * 3
+    lay = build_layout([f"p{i}" for i in range(9)], shapes, chunk_size=256, frozen=frozen)
+    for s in lay.slots:
+        assert lay.is_frozen(s.chunk_id) == frozen[s.index]
+    # two open chunks at a time: the adapters share one chunk instead of closing a chunk per switch
+    assert len({s.chunk_id for s in lay.slots if not frozen[s.index]}) == 1
+    # chunk ids follow each chunk's first tensor
+    firsts = [min(s.index for s in lay.slots_of(c)) for c in range(lay.n_chunks)]
+    assert firsts == sorted(firsts)
+    # the last chunk of each stream holds what it needs, rounded up to 64 elements
+    trainable_chunk = lay.slots[1].chunk_id
+    assert lay.chunk_sizes[trainable_chunk] == 64
+    assert lay.trainable_elements == 64
+
+
+def test_frozen_streams_keep_whole_groups_on_several_ranks() -> None:
+    shapes = [(100,), (4,), (4,)] * 3
+    frozen = [True, False, False] * 3
+    lay = build_layout([f"p{i}" for i in range(9)], shapes, chunk_size=256, frozen=frozen, world_size=2)
+    assert lay.n_chunks % 2 == 0
+    for g in range(0, lay.n_chunks, 2):
+        group = list(lay.group(g))
+        assert len({lay.is_frozen(c) for c in group}) == 1  # a group is all frozen or all trainable
+        assert len({lay.chunk_sizes[c] for c in group}) == 1  # and of one size (collectives)

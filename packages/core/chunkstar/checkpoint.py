@@ -1,7 +1,7 @@
 """Per-rank checkpoints: save, load (exact resume), and merge into one state dict.
 
 ``engine.save_checkpoint(dir)`` has every rank write the chunks it owns (fp32
-master, exp_avg, exp_avg_sq) to ``rank{r}-of-{W}.safetensors``, with, as
+master, exp_avg, exp_avg_sq; a frozen chunk's param chunk) to ``rank{r}-of-{W}.safetensors``, with, as
 safetensors metadata, the layout (which parameter sits in which chunk at which
 offset), the optimizer's scalar state (per-parameter step counts, parameter
 group settings such as lr, skipped steps), the loss scaler's state, the model's
@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
 
+from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.layout import TensorSlot, layout_fingerprint
 from chunkstar.chunk.lists import STATE_LISTS, ChunkList
 from chunkstar.chunk.store import ChunkStore
@@ -216,6 +217,14 @@ def _json(value: Any, what: str) -> str:
         raise CheckpointError(f"cannot save {what}: {e} (checkpoint metadata holds numbers, strings and lists only)") from e
 
 
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _own_frozen(mgr: ChunkStore) -> list[Chunk]:
+    """This rank's frozen param chunks: a shard stores them in place of master chunks."""
+    return [c for c in mgr.chunks_of(ChunkList.PARAM) if mgr.frozen(c.chunk_id) and mgr.own(c.chunk_id)]
+
+
 # ---------------------------------------------------------------------- save
 def save_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str]) -> str:
     """Write this rank's shard atomically; returns the file written. Call it on every rank."""
@@ -235,6 +244,8 @@ def save_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str]) -
             for c in mgr.chunks_of(name):
                 if mgr.own(c.chunk_id):  # host or device payload; serialised before anything changes it
                     tensors[f"{name}.{c.chunk_id}"] = c.payload.detach().to("cpu")
+        for c in _own_frozen(mgr):  # the values of a frozen chunk are its param chunk (Note [frozen chunks])
+            tensors[f"{ChunkList.PARAM.value}.{c.chunk_id}"] = c.payload.detach().to("cpu")
         slots = {id(p) for p in engine.parameters()}
         for key, t in engine.module.state_dict(keep_vars=True).items():
             if id(t) not in slots:  # every rank keeps its buffers: a rank resumes from its own shard
@@ -329,18 +340,17 @@ def _check_own_shard(engine: Checkpointable, directory: Path, path: Path, pendin
                 "chunk size and world size. " + _MERGE_HINT.replace("DIR", str(directory))
             )
         keys = set(h.keys())
-        for name in STATE_LISTS:
-            for c in mgr.chunks_of(name):
-                if not mgr.own(c.chunk_id):
-                    continue
-                key = f"{name}.{c.chunk_id}"
-                if key not in keys:
-                    raise CheckpointError(f"{path}: tensor '{key}' is missing")
-                sl = h.get_slice(key)
-                if list(sl.get_shape()) != [c.numel] or sl.get_dtype() != "F32":
-                    raise CheckpointError(
-                        f"{path}: tensor '{key}' is {sl.get_dtype()} {sl.get_shape()}, expected F32 [{c.numel}]"
-                    )
+        expected = [(f"{name}.{c.chunk_id}", c) for name in STATE_LISTS for c in mgr.chunks_of(name) if mgr.own(c.chunk_id)]
+        expected += [(f"{ChunkList.PARAM.value}.{c.chunk_id}", c) for c in _own_frozen(mgr)]
+        for key, c in expected:
+            if key not in keys:
+                raise CheckpointError(f"{path}: tensor '{key}' is missing")
+            sl = h.get_slice(key)
+            want = _SAFETENSORS_DTYPES[c.dtype]
+            if list(sl.get_shape()) != [c.numel] or sl.get_dtype() != want:
+                raise CheckpointError(
+                    f"{path}: tensor '{key}' is {sl.get_dtype()} {sl.get_shape()}, expected {want} [{c.numel}]"
+                )
     opt = engine.optimizer
     saved = json.loads(meta["optimizer"]) if "optimizer" in meta else None
     if opt is None:
@@ -416,6 +426,8 @@ def load_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str], *
             for c in mgr.chunks_of(name):
                 if mgr.own(c.chunk_id):
                     c.payload.copy_(h.get_tensor(f"{name}.{c.chunk_id}"))  # host or device: wherever it is now
+        for c in _own_frozen(mgr):
+            c.payload.copy_(h.get_tensor(f"{ChunkList.PARAM.value}.{c.chunk_id}"))
         buffers = {k.split(".", 1)[1]: k for k in h.keys() if k.startswith("buffer.")}
         slots = {id(p) for p in engine.parameters()}
         for key, t in engine.module.state_dict(keep_vars=True).items():
@@ -475,6 +487,8 @@ def merge_checkpoint(directory: str | os.PathLike[str], out: str | os.PathLike[s
             for key in h.keys():
                 if key.startswith(f"{ChunkList.MASTER.value}."):
                     chunks[int(key.split(".", 1)[1])] = h.get_tensor(key)
+                elif key.startswith(f"{ChunkList.PARAM.value}."):  # a frozen chunk's values
+                    chunks[int(key.split(".", 1)[1])] = h.get_tensor(key).float()
                 elif key.startswith("buffer.") and f == files[0]:  # rank 0's buffers
                     buffers[key.split(".", 1)[1]] = h.get_tensor(key)
     assert first is not None
@@ -483,7 +497,7 @@ def merge_checkpoint(directory: str | os.PathLike[str], out: str | os.PathLike[s
     state: dict[str, torch.Tensor] = {}
     for name, cid, offset, numel, shape in slots:
         if cid not in chunks:
-            raise CheckpointError(f"{d}: the master chunk {cid} holding '{name}' is in no shard")
+            raise CheckpointError(f"{d}: the master (or frozen param) chunk {cid} holding '{name}' is in no shard")
         state[name] = chunks[cid][offset : offset + numel].reshape(shape).clone()
     state.update(buffers)
     if out_path is not None:

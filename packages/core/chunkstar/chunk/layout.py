@@ -8,6 +8,19 @@ each list holds the same tensors at the same offsets.
 
 The layout is shard-ready: chunks form groups of ``world_size`` consecutive
 chunks and chunk *k* is owned by rank ``k % world_size`` (DESIGN §7).
+
+Note [frozen chunks]: parameters with ``requires_grad=False`` (LoRA base
+weights, frozen embeddings) are packed into chunks of their own, apart from the
+trainable ones, so a frozen chunk needs only its param list: no fp32 master,
+no Adam moments, no gradient traffic (DESIGN §12). The two kinds are packed as
+two streams in registration order, each with its own open chunk (LoRA
+interleaves a frozen base weight with small trainable adapters in every layer;
+closing a chunk at every switch would make hundreds of tiny chunks), and whole
+groups of the two streams are interleaved by their first parameter, so chunk
+ids still follow first use. The last group of each stream is trimmed to what
+it holds (rounded up to 64 elements): a LoRA model's few trainable elements
+then cost their own bytes of state, not a whole chunk's. A model without
+frozen parameters is laid out exactly as before.
 """
 
 from __future__ import annotations
@@ -45,6 +58,8 @@ class ChunkLayout:
     """Capacity in elements of each chunk (the nominal size, or a big parameter's size)."""
     slots: tuple[TensorSlot, ...]
     world_size: int = 1
+    frozen: frozenset[int] = frozenset()
+    """Chunk ids holding frozen parameters only: param list, no master or Adam state (Note [frozen chunks])."""
 
     @property
     def n_chunks(self) -> int:
@@ -69,6 +84,14 @@ class ChunkLayout:
 
     def slots_of(self, chunk_id: int) -> list[TensorSlot]:
         return [s for s in self.slots if s.chunk_id == chunk_id]
+
+    def is_frozen(self, chunk_id: int) -> bool:
+        return chunk_id in self.frozen
+
+    @property
+    def trainable_elements(self) -> int:
+        """Elements of the chunks that keep master and Adam state (padding included)."""
+        return sum(n for i, n in enumerate(self.chunk_sizes) if i not in self.frozen)
 
 
 def _pack(numels: Sequence[int], chunk_size: int) -> tuple[list[int], list[tuple[int, int]]]:
@@ -111,7 +134,27 @@ def packing_waste(numels: Sequence[int], chunk_size: int) -> int:
     return sum(sizes) - sum(numels)
 
 
-def search_chunk_size(numels: Sequence[int], *, world_size: int = 1, align: int = 64, candidates: int = 256) -> int:
+def _stream_sizes(numels: Sequence[int], frozen: Sequence[bool] | None, chunk_size: int, world_size: int) -> int:
+    """Total elements of the chunks when ``numels`` are laid out by :func:`build_layout`."""
+    if frozen is None or not any(frozen):
+        return sum(_group_sizes(_pack(numels, chunk_size)[0], chunk_size, world_size))
+    total = 0
+    for kind in (False, True):
+        part = [n for n, f in zip(numels, frozen) if f is kind]
+        if part:
+            sizes, places = _pack(part, chunk_size)
+            total += sum(_trim_last_group(_group_sizes(sizes, chunk_size, world_size), places, part, world_size))
+    return total
+
+
+def search_chunk_size(
+    numels: Sequence[int],
+    *,
+    world_size: int = 1,
+    align: int = 64,
+    candidates: int = 256,
+    frozen: Sequence[bool] | None = None,
+) -> int:
     """The chunk size (elements) that wastes least, between total/256 and total/16.
 
     The bounds keep 16-256 chunks (plus the chunks of parameters bigger than
@@ -120,7 +163,8 @@ def search_chunk_size(numels: Sequence[int], *, world_size: int = 1, align: int 
     multiples of ``align``, are tried by packing the parameters in order;
     ties go to the larger size (fewer chunks, fewer moves). With several
     ranks, the padding that rounds the count up to whole groups and evens out
-    the sizes within a group counts as waste.
+    the sizes within a group counts as waste. ``frozen`` (per tensor) packs the
+    frozen and trainable tensors as separate streams (Note [frozen chunks]).
     """
     total = sum(numels)
     if total == 0:
@@ -130,32 +174,92 @@ def search_chunk_size(numels: Sequence[int], *, world_size: int = 1, align: int 
     best_size, best_waste = lo, None
     for i in range(candidates + 1):
         size = max(align, (lo + (hi - lo) * i // candidates) // align * align)
-        sizes = _group_sizes(_pack(numels, size)[0], size, world_size)
-        waste = sum(sizes) - total
+        waste = _stream_sizes(numels, frozen, size, world_size) - total
         if best_waste is None or waste <= best_waste:
             best_size, best_waste = size, waste
     return best_size
 
 
+def _trim_last_group(sizes: list[int], places: list[tuple[int, int]], numels: Sequence[int], world_size: int) -> list[int]:
+    """``sizes`` with the chunks of the last group cut to the most any of them holds,
+    rounded up to 64 elements (the chunks of a group keep one size)."""
+    if not sizes:
+        return sizes
+    start = (len(sizes) - 1) // world_size * world_size
+    used = [0] * (len(sizes) - start)
+    for (c, o), n in zip(places, numels):
+        if c >= start:
+            used[c - start] = max(used[c - start], o + n)
+    top = max(64, -(-max(used) // 64) * 64)
+    return sizes[:start] + [min(n, top) for n in sizes[start:]]
+
+
 def build_layout(
-    names: Sequence[str], shapes: Sequence[tuple[int, ...]], chunk_size: int, *, world_size: int = 1
+    names: Sequence[str],
+    shapes: Sequence[tuple[int, ...]],
+    chunk_size: int,
+    *,
+    world_size: int = 1,
+    frozen: Sequence[bool] | None = None,
 ) -> ChunkLayout:
-    """Pack parameters (already de-duplicated, in registration order) into chunks."""
+    """Pack parameters (already de-duplicated, in registration order) into chunks;
+    ``frozen[i]``: tensor *i* gets no gradient, and goes to a frozen chunk (Note [frozen chunks])."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     numels = [math.prod(s) for s in shapes]
-    sizes, places = _pack(numels, chunk_size)
-    sizes = _group_sizes(sizes, chunk_size, world_size)
-    slots = tuple(
-        TensorSlot(index=i, name=names[i], chunk_id=c, offset=o, numel=numels[i], shape=tuple(shapes[i]))
-        for i, (c, o) in enumerate(places)
-    )
-    return ChunkLayout(chunk_sizes=tuple(sizes), slots=slots, world_size=world_size)
+    if frozen is None or not any(frozen):
+        sizes, places = _pack(numels, chunk_size)
+        sizes = _group_sizes(sizes, chunk_size, world_size)
+        slots = tuple(
+            TensorSlot(index=i, name=names[i], chunk_id=c, offset=o, numel=numels[i], shape=tuple(shapes[i]))
+            for i, (c, o) in enumerate(places)
+        )
+        return ChunkLayout(chunk_sizes=tuple(sizes), slots=slots, world_size=world_size)
+    if len(frozen) != len(numels):
+        raise ValueError(f"frozen has {len(frozen)} flags for {len(numels)} tensors")
+    # each stream packed on its own; then its groups, keyed by their first tensor, merged in that order
+    groups: list[tuple[float, bool, list[int]]] = []  # (first tensor index, frozen, chunk sizes)
+    where: dict[int, tuple[int, int, int]] = {}  # tensor index -> (group number in its stream, chunk within, offset)
+    stream_groups: dict[bool, list[int]] = {}  # kind -> positions in `groups`
+    for kind in (False, True):
+        members = [i for i, f in enumerate(frozen) if bool(f) is kind]
+        if not members:
+            continue
+        part = [numels[i] for i in members]
+        sizes, places = _pack(part, chunk_size)
+        sizes = _trim_last_group(_group_sizes(sizes, chunk_size, world_size), places, part, world_size)
+        firsts: dict[int, int] = {}
+        for i, (c, o) in zip(members, places):
+            firsts.setdefault(c // world_size, i)
+            where[i] = (c // world_size, c % world_size, o)
+        positions = []
+        for g in range(len(sizes) // world_size):
+            positions.append(len(groups))
+            # a group of padding only (no tensor) follows its stream's last real group
+            key = firsts.get(g, members[-1] + 0.5)
+            groups.append((key, kind, sizes[g * world_size : (g + 1) * world_size]))
+        stream_groups[kind] = positions
+    order = sorted(range(len(groups)), key=lambda k: groups[k][0])
+    first_chunk = {k: n * world_size for n, k in enumerate(order)}
+    chunk_sizes: list[int] = []
+    frozen_ids: set[int] = set()
+    for k in order:
+        _, kind, sizes = groups[k]
+        if kind:
+            frozen_ids.update(range(len(chunk_sizes), len(chunk_sizes) + len(sizes)))
+        chunk_sizes += sizes
+    placed: list[TensorSlot] = []
+    for i in range(len(numels)):
+        g, c, o = where[i]
+        cid = first_chunk[stream_groups[bool(frozen[i])][g]] + c
+        placed.append(TensorSlot(index=i, name=names[i], chunk_id=cid, offset=o, numel=numels[i], shape=tuple(shapes[i])))
+    return ChunkLayout(chunk_sizes=tuple(chunk_sizes), slots=tuple(placed), world_size=world_size, frozen=frozenset(frozen_ids))
 
 
 def layout_fingerprint(layout: ChunkLayout, dtype: str) -> str:
     """A hash (hex) of everything that places a value in the chunks: the chunk sizes,
-    each slot's name, chunk, offset and shape, and the param chunks' dtype name.
+    each slot's name, chunk, offset and shape, the param chunks' dtype name and the
+    frozen chunks.
 
     Two engines with the same fingerprint put every parameter at the same place,
     so a checkpoint shard of one loads into the other chunk for chunk, and ranks
@@ -165,4 +269,6 @@ def layout_fingerprint(layout: ChunkLayout, dtype: str) -> str:
         "slots": [[s.name, s.chunk_id, s.offset, list(s.shape)] for s in layout.slots],
         "dtype": dtype,
     }
+    if layout.frozen:  # absent for a model without frozen parameters: its fingerprint is unchanged
+        facts["frozen"] = sorted(layout.frozen)
     return hashlib.sha256(json.dumps(facts, separators=(",", ":")).encode()).hexdigest()

@@ -458,8 +458,8 @@ class ChunkAdam(torch.optim.Optimizer):
         with torch.no_grad():
             self._steps = [0] * len(mgr.slots)
             for s in mgr.slots:
-                if not mgr.own(s.chunk_id):
-                    continue
+                if not mgr.own(s.chunk_id) or mgr.frozen(s.chunk_id):
+                    continue  # another rank's, or frozen (no Adam state: Note [frozen chunks])
                 st = state_dict["state"].get(s.index)
                 m = mgr.slot_view(ChunkList.EXP_AVG, s)
                 v = mgr.slot_view(ChunkList.EXP_AVG_SQ, s)

@@ -105,16 +105,18 @@ class ChunkManager:
         self.chunk_pool = ChunkPool(device) if device.type == "cuda" else None
         self.compute_dtype = compute_dtype
         # the chunks of the four lists (chunk/lists.py), by list then chunk id: the store's own,
-        # reached from outside through chunk(), chunks_of() and slot_view() only
-        self._chunks: dict[ChunkList, list[Chunk]] = {
-            name: [
-                Chunk(i, name.value, n, compute_dtype if name is _PARAM else torch.float32, device,
-                      self.pinned_buffers if name is _PARAM else None, self.chunk_pool)  # fmt: skip
+        # reached from outside through chunk(), chunks_of() and slot_view() only. A frozen
+        # chunk has its param chunk only (Note [frozen chunks] in chunk/layout.py).
+        self._chunks: dict[ChunkList, dict[int, Chunk]] = {
+            name: {
+                i: Chunk(i, name.value, n, compute_dtype if name is _PARAM else torch.float32, device,
+                         self.pinned_buffers if name is _PARAM else None, self.chunk_pool)  # fmt: skip
                 for i, n in enumerate(layout.chunk_sizes)
-            ]
+                if name is _PARAM or i not in layout.frozen
+            }
             for name in CHUNK_LISTS
         }
-        self._param_chunks = self._chunks[_PARAM]  # the list hot paths read
+        self._param_chunks = list(self._chunks[_PARAM].values())  # by chunk id: the list hot paths read
         self.slots: tuple[TensorSlot, ...] = layout.slots
         self.states: list[TensorState] = [TensorState.FREE] * len(layout.slots)
         # derived caches of the states, kept by set_state only, per param chunk: tensors in
@@ -169,11 +171,33 @@ class ChunkManager:
     # ------------------------------------------------------------------ the chunks: the narrow door
     def chunk(self, which: ChunkList, chunk_id: int) -> Chunk:
         """Chunk ``chunk_id`` of list ``which`` (its payload, buffers and pending copies)."""
-        return self._chunks[which][chunk_id]
+        try:
+            return self._chunks[which][chunk_id]
+        except KeyError:
+            if chunk_id in self.layout.frozen:
+                raise ChunkStateError(
+                    f"chunk {chunk_id} holds frozen parameters (requires_grad=False): it has a param chunk only, "
+                    f"no {which.value} chunk"
+                ) from None
+            raise
+
+    def lists_of(self, chunk_id: int) -> tuple[ChunkList, ...]:
+        """The lists chunk ``chunk_id`` has: all four, or the param list of a frozen chunk."""
+        return (_PARAM,) if chunk_id in self.layout.frozen else CHUNK_LISTS
+
+    def frozen(self, chunk_id: int) -> bool:
+        """Chunk ``chunk_id`` holds frozen parameters: no master, no Adam state, no gradients."""
+        return chunk_id in self.layout.frozen
+
+    def value_view(self, slot: TensorSlot) -> torch.Tensor:
+        """1-D view of ``slot``'s authoritative value: its fp32 master, or for a frozen
+        parameter its param slot (in the compute dtype; it has no master)."""
+        which = _PARAM if slot.chunk_id in self.layout.frozen else ChunkList.MASTER
+        return self._chunks[which][slot.chunk_id].payload[slot.offset : slot.end]
 
     def chunks_of(self, which: ChunkList) -> Sequence[Chunk]:
-        """Every chunk of list ``which``, by chunk id (read-only)."""
-        return tuple(self._chunks[which])
+        """Every chunk of list ``which``, by chunk id (read-only); a state list has none for frozen chunks."""
+        return tuple(self._chunks[which].values())
 
     def slot_view(self, which: ChunkList, slot: TensorSlot) -> torch.Tensor:
         """1-D view of ``slot``'s elements in its chunk of list ``which`` (where the payload is now)."""
@@ -306,7 +330,7 @@ class ChunkManager:
         if not self.own(chunk_id):
             return
         with self.probe.paused():
-            for name in CHUNK_LISTS:
+            for name in self.lists_of(chunk_id):
                 c = self._chunks[name][chunk_id]
                 c.allocate(Tier.HOST)
                 self.host_chunk_bytes += c.nbytes
@@ -655,8 +679,9 @@ class ChunkManager:
 
     def state_bytes(self) -> int:
         """fp32 master + Adam moments this rank keeps (1/world_size of them)."""
-        return sum(c.nbytes for name in STATE_LISTS for c in self._chunks[name] if self.own(c.chunk_id))
+        return sum(c.nbytes for name in STATE_LISTS for c in self._chunks[name].values() if self.own(c.chunk_id))
 
     def bytes_of(self, list_name: ChunkList, chunk_ids: Iterable[int] | None = None) -> int:
+        chunks = self._chunks[list_name]
         ids = range(self.layout.n_chunks) if chunk_ids is None else chunk_ids
-        return sum(self._chunks[list_name][i].nbytes for i in ids)
+        return sum(chunks[i].nbytes for i in ids if i in chunks)

@@ -128,9 +128,14 @@ class ChunkEngine:
                 "raise the per-rank batch instead",
             )
         numels = [p.numel() for p in self._params]
-        chunk_size = cfg.chunk_size or search_chunk_size(numels, world_size=world)
+        # frozen parameters get chunks of their own with no optimizer state (Note [frozen chunks])
+        frozen = [not p.requires_grad for p in self._params]
+        self._frozen_params = [p for p, f in zip(self._params, frozen) if f]
+        chunk_size = cfg.chunk_size or search_chunk_size(numels, world_size=world, frozen=frozen)
         _check_inputs(model, cfg, sum(numels))
-        layout = build_layout([n for n, _ in named], [tuple(p.shape) for p in self._params], chunk_size, world_size=world)
+        layout = build_layout(
+            [n for n, _ in named], [tuple(p.shape) for p in self._params], chunk_size, world_size=world, frozen=frozen
+        )
         self.chunk_size = chunk_size
         # every rank checks it builds the same engine, before any chunk collective (Note [start-up agreement])
         self.run_id = agree_on_startup(self.comm, cfg, layout, self._params)
@@ -155,7 +160,8 @@ class ChunkEngine:
                     self.mgr.set_state(s.index, TensorState.HOLD)
                     if self.mgr.own(cid):  # other ranks keep the rest; all built the same model from one seed
                         src = self._params[s.index].detach().reshape(-1)
-                        self.mgr.chunk(ChunkList.MASTER, cid).payload[s.offset : s.end].copy_(src)
+                        if not self.mgr.frozen(cid):
+                            self.mgr.chunk(ChunkList.MASTER, cid).payload[s.offset : s.end].copy_(src)
                         self.mgr.chunk(ChunkList.PARAM, cid).payload[s.offset : s.end].copy_(src)
                 views = self.mgr.chunk(ChunkList.PARAM, cid).device_views([(s.offset, s.end, s.shape) for s in slots])
                 for s, view in zip(slots, views):
@@ -244,6 +250,8 @@ class ChunkEngine:
         it = self._iteration
         training = torch.is_grad_enabled()
         if training:
+            if not it.open:
+                self._check_still_frozen()
             it.begin(args, kwargs)
         else:
             it.begin_untraced()
@@ -260,6 +268,19 @@ class ChunkEngine:
         if not training:
             it.end_untraced()
         return out
+
+    def _check_still_frozen(self) -> None:
+        """A parameter laid out as frozen has no master, no Adam state and no gradient
+        hook (Note [frozen chunks]): it cannot start training later."""
+        thawed = [p for p in self._frozen_params if p.requires_grad]
+        if thawed:
+            names = [self.mgr.slots[self.index_of(p)].name for p in thawed]
+            raise ChunkStateError(
+                f"requires_grad was turned on after initialize_engine for {len(names)} parameter(s) that were frozen "
+                f"then ({', '.join(names[:5])}{' ...' if len(names) > 5 else ''}): chunkstar laid them out with no "
+                "fp32 master and no optimizer state, so they cannot be trained. Set requires_grad as it should be "
+                "for training inside model_func, before initialize_engine (turning it off later is allowed)"
+            )
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.config.precision is Precision.FP32:
@@ -352,17 +373,24 @@ class ChunkEngine:
         masters, each kept by its owner only, are all-gathered group by group."""
         return {k: v.detach().to("cpu", copy=True) if v.device.type != "cpu" else v for k, v in self.module.state_dict().items()}
 
+    def _value_chunk(self, chunk_id: int) -> torch.Tensor:
+        """Chunk ``chunk_id``'s values: its fp32 master, or a frozen chunk's param chunk in fp32."""
+        if self.mgr.frozen(chunk_id):
+            return self.mgr.chunk(ChunkList.PARAM, chunk_id).payload.float()
+        return self.mgr.chunk(ChunkList.MASTER, chunk_id).payload
+
     def full_masters(self) -> dict[int, torch.Tensor]:
-        """Every master chunk by id (gathered from their owners with several processes: a collective)."""
+        """Every chunk's fp32 values by id: the master chunks, and a frozen chunk's param chunk
+        in fp32 (gathered from their owners with several processes: a collective)."""
         mgr = self.mgr
         if not self.comm.distributed:
-            return {c.chunk_id: c.payload for c in mgr.chunks_of(ChunkList.MASTER)}
+            return {i: self._value_chunk(i) for i in range(mgr.layout.n_chunks)}
         where = self.comm.exchange_device(self.device)
         out: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for g in range(0, mgr.layout.n_chunks, self.comm.world_size):
                 group = list(mgr.layout.group(g))
-                own = mgr.chunk(ChunkList.MASTER, group[self.comm.rank]).payload.to(where)
+                own = self._value_chunk(group[self.comm.rank]).to(where)
                 outs = [torch.empty_like(own) for _ in group]
                 self.comm.all_gather_group(outs, own, what=f"master chunks {group[0]}..{group[-1]}")
                 for k, t in zip(group, outs):
@@ -459,7 +487,8 @@ class ChunkEngine:
                     continue
                 if not mgr.own(s.chunk_id):
                     continue  # its owner loads it (any world size can load a full state dict)
-                mgr.slot_view(ChunkList.MASTER, s).copy_(src.reshape(-1))
+                if not mgr.frozen(s.chunk_id):
+                    mgr.slot_view(ChunkList.MASTER, s).copy_(src.reshape(-1))
                 mgr.slot_view(ChunkList.PARAM, s).copy_(src.reshape(-1))
 
     # ------------------------------------------------------------------ stats
@@ -485,6 +514,7 @@ class ChunkEngine:
             "all_gathers_ahead": mgr.gathers_ahead,
             "bytes_gathered": mgr.bytes_gathered,
             "n_params": sum(s.numel for s in mgr.slots),
+            "n_frozen_params": sum(p.numel() for p in self._frozen_params),
             "n_chunks": mgr.layout.n_chunks,
             "chunk_size": self.chunk_size,
             "device_adam_chunks": len(self.device_adam_chunks),

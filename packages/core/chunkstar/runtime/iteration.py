@@ -197,10 +197,12 @@ class Iteration:
             return
         mgr = self.mgr
         n = mgr.layout.n_chunks
-        state_bytes = [sum(mgr.chunk(name, i).nbytes for name in STATE_LISTS) for i in range(n)]
-        self.device_adam_chunks = plan_device_adam(
+        # a frozen chunk has no state to place (Note [frozen chunks])
+        state_bytes = [0 if mgr.frozen(i) else sum(mgr.chunk(name, i).nbytes for name in STATE_LISTS) for i in range(n)]
+        planned = plan_device_adam(
             [mgr.chunk(ChunkList.PARAM, i).nbytes for i in range(n)], state_bytes, mgr.capacity, self.cursor.trace.max_non_model
         )
+        self.device_adam_chunks = {i for i in planned if not mgr.frozen(i)}
 
     # ------------------------------------------------------------------ the optimizer step
     def begin_optimizer_step(self) -> None:

@@ -215,13 +215,14 @@ class ParamAccess:
                 raise ChunkStateError(
                     f"{op_name(func)}() reads parameter '{s.name}', which another rank keeps; {GATHER_HINT}"
                 )
-            masters[key] = mgr.slot_view(ChunkList.MASTER, s).view(s.shape)
+            masters[key] = mgr.value_view(s).view(s.shape)
         with torch.no_grad():
             out = plain(func, substitute(args, masters), substitute(kwargs, masters))
             for key in mutated:
                 i = indices[key]
                 s = mgr.slots[i]
-                if mgr.states[i] is not TensorState.HOLD_AFTER_BWD:  # else the slot holds the gradient
+                if mgr.states[i] is not TensorState.HOLD_AFTER_BWD and not mgr.frozen(s.chunk_id):
+                    # (else the slot holds the gradient, or is itself the value written)
                     mgr.slot_view(ChunkList.PARAM, s).copy_(masters[key].reshape(-1))
         back = {id(m): t for t in tensor_args(args, kwargs) if id(t) in masters for m in [masters[id(t)]]}
         if isinstance(out, torch.Tensor):
@@ -315,7 +316,8 @@ class ParamAccess:
                             if not mgr.own(s.chunk_id):
                                 continue  # its owner writes it back
                             src = p.data.reshape(-1)
-                            mgr.slot_view(ChunkList.MASTER, s).copy_(src)
+                            if not mgr.frozen(s.chunk_id):
+                                mgr.slot_view(ChunkList.MASTER, s).copy_(src)
                             if mgr.states[i] is not TensorState.HOLD_AFTER_BWD:  # else the slot holds the gradient
                                 mgr.slot_view(ChunkList.PARAM, s).copy_(src)
             finally:
@@ -353,9 +355,9 @@ class ParamAccess:
         if self.engine.comm.distributed:
             if self._sd_masters is None:
                 self._sd_masters = self.engine.full_masters()
-            src = self._sd_masters[s.chunk_id]
+            src = self._sd_masters[s.chunk_id][s.offset : s.end]
         else:
-            src = mgr.chunk(ChunkList.MASTER, s.chunk_id).payload
-        value = src[s.offset : s.end].detach().to("cpu", copy=True).view(s.shape)
+            src = mgr.value_view(s)  # the master, or a frozen parameter's param slot
+        value = src.detach().to("cpu", dtype=torch.float32, copy=True).view(s.shape)
         self._sd_memo[index] = value
         return value

@@ -1,0 +1,61 @@
+"""What each rank runs in test_scale_two_ranks (spawned, gloo on CPU): frozen parameters
+(a LoRA Llama), and models built on the meta device or streamed from a checkpoint."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+import chunkstar
+from tests.core._models import engine_config, eviction_budget, gpt2_batch
+
+STEPS = 3
+
+
+def _train(engine: Any, optimizer: Any, rank: int, world: int) -> list[float]:
+    losses = []
+    for step in range(STEPS):
+        loss = engine(**{k: v[rank : rank + 1] for k, v in gpt2_batch(step).items()}).loss  # one sequence per rank
+        engine.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses
+
+
+def scale(rank: int, world: int, port: int, out: str, case: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        from tests.core import test_frozen
+
+        builders: dict[str, Callable[[], torch.nn.Module]] = {"lora": test_frozen.build_lora_llama}
+        build = builders[case]
+        engine, optimizer = chunkstar.initialize_engine(
+            build, rank, engine_config("fp32", budget=eviction_budget(build(), torch.float32, 0.85))
+        )
+        result["losses"] = _train(engine, optimizer, rank, world)
+        stats = engine.stats()
+        result["state_bytes"] = stats["master_and_adam_bytes"]
+        result["trainable_elements"] = engine.mgr.layout.trainable_elements
+        result["moves"] = stats["chunk_moves_to_host"]
+        sd = engine.state_dict()  # a collective: every rank gathers
+        if rank == 0:
+            torch.save(sd, Path(out) / f"{case}_sd.pt")
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        import traceback
+
+        result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))
+    if "error" not in result:
+        dist.destroy_process_group()
