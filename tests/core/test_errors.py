@@ -166,21 +166,6 @@ def test_device_memory_slack_lowers_the_capacity() -> None:
     assert engine.stats()["device_budget_bytes"] == 64_000_000
 
 
-def test_meta_device_model_is_refused_before_any_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    def on_meta() -> nn.Module:
-        with torch.device("meta"):
-            return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-
-    def no_chunks(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("a chunk manager was built for a meta-device model")
-
-    monkeypatch.setattr("chunkstar.runtime.engine.ChunkManager", no_chunks)
-    with pytest.raises(ValueError, match="meta") as info:
-        _init(engine_config("fp32", budget="64MB", chunk_size="auto"), on_meta)
-    msg = str(info.value)
-    assert "'0.weight'" in msg and "to_empty" in msg and "not supported" in msg, msg
-
-
 def test_integer_parameters_stay_a_type_error() -> None:
     def with_ints() -> nn.Module:
         model = nn.Linear(8, 8)

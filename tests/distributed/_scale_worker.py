@@ -31,19 +31,25 @@ def _train(engine: Any, optimizer: Any, rank: int, world: int) -> list[float]:
     return losses
 
 
-def scale(rank: int, world: int, port: int, out: str, case: str) -> None:
+def scale(rank: int, world: int, port: int, out: str, case: str, pretrained: str | None = None) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     result: dict[str, Any] = {"rank": rank}
     try:
-        from tests.core import test_frozen
+        from tests.core import test_construction, test_frozen
 
-        builders: dict[str, Callable[[], torch.nn.Module]] = {"lora": test_frozen.build_lora_llama}
+        builders: dict[str, Callable[[], torch.nn.Module]] = {
+            "lora": test_frozen.build_lora_llama,
+            "meta": test_construction._on_meta(test_construction._gpt2),
+        }
         build = builders[case]
-        engine, optimizer = chunkstar.initialize_engine(
-            build, rank, engine_config("fp32", budget=eviction_budget(build(), torch.float32, 0.85))
-        )
+        budget = eviction_budget(test_construction._gpt2() if case == "meta" else build(), torch.float32, 0.85)
+        torch.manual_seed(test_construction.SEED)  # the same seed on every rank
+        engine, optimizer = chunkstar.initialize_engine(build, rank, engine_config("fp32", budget=budget), pretrained=pretrained)
+        result["bytes_read"] = engine.construction.bytes_read
+        result["host_chunk_bytes"] = engine.mgr.host_chunk_bytes
+        result["initial"] = {k: v.sum().item() for k, v in engine.state_dict().items()}
         result["losses"] = _train(engine, optimizer, rank, world)
         stats = engine.stats()
         result["state_bytes"] = stats["master_and_adam_bytes"]

@@ -1,6 +1,8 @@
 """Beyond host memory on two gloo ranks: frozen parameters (a LoRA Llama) keep state
-for the adapters only, each rank for its own chunks, and train like one process on the
-full batch."""
+for the adapters only, each rank for its own chunks; a meta-device model is
+materialised and initialised with each rank holding its own chunks only, and a
+checkpoint is streamed with each rank reading its own share; all train like one
+process on the full batch."""
 
 from __future__ import annotations
 
@@ -34,3 +36,50 @@ def test_lora_on_two_ranks_matches_one_process(tmp_path: Path) -> None:
     frozen = [k for k in ref if "lora_" not in k and k.endswith("weight")]
     for k in frozen:  # frozen weights come back untouched
         assert torch.equal(sd[k], ref[k]), k
+
+
+def _meta_reference() -> tuple[torch.nn.Module, list[float]]:
+    from tests.core import test_construction as tc
+
+    ref = tc._plain_from_meta(tc._on_meta(tc._gpt2))
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
+    losses = []
+    for step in range(STEPS):
+        loss = hf_loss(ref, gpt2_batch(step), torch.float32)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return init, losses  # type: ignore[return-value]
+
+
+def test_meta_model_on_two_ranks_matches_one_process(tmp_path: Path) -> None:
+    init, want = _meta_reference()
+    results = run_ranks(scale, tmp_path, "meta")
+    assert len(results) == WORLD and all("error" not in r for r in results), results
+    for r in results:
+        assert_losses_close(r["losses"], want, 1e-5, f"meta gpt2, rank {r['rank']}")
+        for k, v in init.items():  # every rank initialised every value alike (gathered back)
+            assert abs(r["initial"][k] - v.sum().item()) <= 1e-6 * max(1.0, v.abs().sum().item()), k
+    # each rank allocated its own chunks only: together, one model's chunks
+    total = sum(r["host_chunk_bytes"] for r in results)
+    assert results[0]["host_chunk_bytes"] < 0.6 * total
+
+
+def test_pretrained_on_two_ranks_each_reads_its_share(tmp_path: Path) -> None:
+    from tests.core import test_construction as tc
+
+    torch.manual_seed(11)
+    saved = tc._gpt2()
+    saved.save_pretrained(tmp_path / "ck", max_shard_size="200KB")  # type: ignore[operator]
+    results = run_ranks(scale, tmp_path, "meta", str(tmp_path / "ck"))
+    assert len(results) == WORLD and all("error" not in r for r in results), results
+    for r in results:
+        for k, v in saved.state_dict().items():
+            assert abs(r["initial"][k] - v.sum().item()) <= 1e-6 * max(1.0, v.abs().sum().item()), k
+    # every tensor read once, by the rank that owns its chunk (no rank reads the whole file)
+    tensor_bytes = sum(p.numel() * 4 for p in saved.parameters())
+    assert sum(r["bytes_read"] for r in results) == tensor_bytes
+    assert all(0 < r["bytes_read"] < tensor_bytes for r in results)

@@ -20,6 +20,7 @@ from torch import nn
 
 from chunkstar.checkpoint import CheckpointError
 from chunkstar.config import EngineConfig, parse_bytes, parse_config, validate_param_group
+from chunkstar.construction import PretrainedError, init_weights
 from chunkstar.distributed.comm import DistributedError
 from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError
 from chunkstar.events import EventBus, Stage, Tier
@@ -37,7 +38,9 @@ __all__ = [
     "EngineConfig",
     "EventBus",
     "Stage",
+    "PretrainedError",
     "Tier",
+    "init_weights",
     "initialize_engine",
     "no_decay_param_groups",
     "parse_bytes",
@@ -70,8 +73,21 @@ def initialize_engine(
     local_rank: int = 0,
     config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     param_groups_fn: ParamGroupsFn | None = None,
+    *,
+    pretrained: str | os.PathLike[str] | None = None,
 ) -> tuple[ChunkEngine, ChunkAdam]:
     """Build the model with ``model_func`` and wrap it in a chunk engine.
+
+    ``model_func`` may build the model on the meta device (``with
+    torch.device("meta"): ...``): its parameters are then materialised straight
+    into the chunks, each rank only the chunks it owns, and initialised by the
+    modules' own initialisers from torch's RNG (seed it alike on every rank; see
+    :func:`chunkstar.init_weights`). ``pretrained`` is a ``.safetensors`` file or
+    a Hugging Face checkpoint directory (``model.safetensors``, or a sharded
+    ``model.safetensors.index.json``): its tensors are read one at a time
+    straight into the chunks (bit-exact), so a model larger than host memory
+    can be fine-tuned. ``engine.construction`` reports what was read and what
+    was initialised.
 
     ``config`` is a DeepSpeed-style dict or a path to a JSON file (see
     :func:`chunkstar.config.parse_config`). ``param_groups_fn(model)`` may
@@ -88,7 +104,7 @@ def initialize_engine(
     model = model_func()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_func must return a torch.nn.Module, it returned {type(model).__name__}")
-    engine = ChunkEngine(model, cfg)
+    engine = ChunkEngine(model, cfg, model_func=model_func, pretrained=pretrained)
 
     opt = cfg.optimizer
     defaults: dict[str, Any] = {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}

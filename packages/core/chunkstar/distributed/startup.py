@@ -187,13 +187,16 @@ def agree_on_startup(
     comm: Comm,
     cfg: EngineConfig,
     layout: ChunkLayout,
-    params: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor] | str,
 ) -> str:
     """Check that every rank builds the same engine (Note [start-up agreement]); return the run id.
 
     ``params`` are the model's unique parameters in layout order, as this rank
-    built them (before they move into chunks). Raises :class:`DistributedError`
-    on every rank when anything that must agree differs."""
+    built them (before they move into chunks), or, where the values are not all
+    on every rank to checksum (a meta-device model, a checkpoint read in shares),
+    a fingerprint of where they come from (the RNG state, the checkpoint's
+    tensors). Raises :class:`DistributedError` on every rank when anything that
+    must agree differs."""
     run = uuid.uuid4()
     if not comm.distributed:
         return run.hex
@@ -206,7 +209,8 @@ def agree_on_startup(
         *run_words,
         _h64(layout_fingerprint(layout, dtype)),
         _h64(dtype),
-        len(params),
+        len(params) if not isinstance(params, str) else len(layout.slots),
+        _h64(params) if isinstance(params, str) else 0,
     ]
     vector = head + [_h64(f"{name}={value}") for name, value in fields]
 
@@ -238,7 +242,15 @@ def agree_on_startup(
     groups = _partition([v[4] for v in everyone])
     if len(groups) > 1:
         problems.append(f"the compute dtype differs between {_between(groups)}; this rank ({comm.rank}) has {dtype}")
-    if len({v[5] for v in everyone}) == 1:  # same parameter count: the checksums line up
+    if isinstance(params, str):
+        groups = _partition([v[6] for v in everyone])
+        if len(groups) > 1:
+            problems.append(
+                f"the initial weights' origin (the RNG state the initialisers draw from, the pretrained checkpoint's "
+                f"tensors) differs between {_between(groups)}: seed every rank alike (torch.manual_seed) before "
+                "initialize_engine, and give every rank the same pretrained checkpoint"
+            )
+    elif len({v[5] for v in everyone}) == 1:  # same parameter count: the checksums line up
         own = weights_checksum(params).to(comm.exchange_device(device))
         outs = [torch.empty_like(own) for _ in range(comm.world_size)]
         comm.all_gather_group(outs, own, what="the initial weights' checksums")

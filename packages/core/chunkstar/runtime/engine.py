@@ -31,7 +31,8 @@ only), moving bytes :class:`ChunkManager`'s job and choosing the policies'.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+import os
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -41,6 +42,8 @@ from chunkstar.chunk.layout import TensorSlot, build_layout, search_chunk_size
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.state import TensorState
 from chunkstar.config import EngineConfig, Precision
+from chunkstar.construction.materialize import fill_chunks, origin_fingerprint
+from chunkstar.construction.pretrained import PretrainedSource
 from chunkstar.device.copy_engine import HostWorker, InlineWorker, debug_delay_from_env, make_copy_engine
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
@@ -75,16 +78,8 @@ def _device_capacity(cfg: EngineConfig) -> int:
 
 
 def _check_inputs(model: nn.Module, cfg: EngineConfig, n_elements: int) -> None:
-    """Refuse, before any chunk is built, what the engine cannot take: tensors on the meta
-    device, and a ``default_chunk_size`` the device cannot hold or the model cannot fill."""
-    for kind, tensors in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in tensors:
-            if t.is_meta:
-                raise ValueError(
-                    f"{kind} '{name}' is on the meta device: building the model on the meta device is not "
-                    "supported yet. Materialise it first (e.g. model.to_empty(device=\"cpu\"), then initialise "
-                    "the weights, say with each module's reset_parameters()) and hand that model to chunkstar"
-                )
+    """Refuse, before any chunk is built, a ``default_chunk_size`` the device cannot hold
+    or the model cannot fill."""
     size = cfg.chunk_size
     if size is None:  # "auto" searches a size that fits the parameters
         return
@@ -107,7 +102,14 @@ def _check_inputs(model: nn.Module, cfg: EngineConfig, n_elements: int) -> None:
 
 
 class ChunkEngine:
-    def __init__(self, model: nn.Module, cfg: EngineConfig) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: EngineConfig,
+        *,
+        model_func: Callable[[], nn.Module] | None = None,
+        pretrained: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.module = model
         self.config = cfg
         self.device = cfg.device
@@ -137,32 +139,39 @@ class ChunkEngine:
             [n for n, _ in named], [tuple(p.shape) for p in self._params], chunk_size, world_size=world, frozen=frozen
         )
         self.chunk_size = chunk_size
-        # every rank checks it builds the same engine, before any chunk collective (Note [start-up agreement])
-        self.run_id = agree_on_startup(self.comm, cfg, layout, self._params)
-        self._optimizer: ChunkAdam | None = None
-        cursor = Cursor()  # where the iteration is: the schedule writes it, the manager and the targets read it
-        self.mgr = ChunkManager(
-            layout, dtype, cfg.device, _device_capacity(cfg), cfg.eviction_policy, make_probe(cfg.device), self.events,
-            self.comm, make_copy_engine(cfg.device, cfg.overlap, cfg.device_link_bandwidth), cursor,
-            cfg.device_memory_slack,
-        )  # fmt: skip
-        # Chunk by chunk: copy the parameters in, then point them at their views, which
-        # frees the model's own (fp32) storage as we go, so host memory peaks at about
-        # one chunk above the chunks' own bytes, not at model + chunks.
+        for s, p in zip(layout.slots, self._params):
+            if not p.is_floating_point():
+                raise TypeError(f"parameter '{s.name}' has dtype {p.dtype}; chunkstar manages floating-point parameters")
+        source = PretrainedSource(pretrained) if pretrained is not None else None
+        try:
+            # every rank checks it builds the same engine, before any chunk collective (Note
+            # [start-up agreement]); values that are not all on every rank (a meta-device model,
+            # a checkpoint each rank reads its share of) agree by where they come from
+            meta = any(p.is_meta for p in self._params)
+            weights = origin_fingerprint(model, source) if meta or source is not None else self._params
+            self.run_id = agree_on_startup(self.comm, cfg, layout, weights)
+            self._optimizer: ChunkAdam | None = None
+            cursor = Cursor()  # where the iteration is: the schedule writes it, the manager and the targets read it
+            self.mgr = ChunkManager(
+                layout, dtype, cfg.device, _device_capacity(cfg), cfg.eviction_policy, make_probe(cfg.device),
+                self.events, self.comm, make_copy_engine(cfg.device, cfg.overlap, cfg.device_link_bandwidth), cursor,
+                cfg.device_memory_slack,
+            )  # fmt: skip
+            # the chunks get their values (Note [construction]): host memory peaks at about the
+            # chunks' own bytes, never at the whole model beside them
+            self.construction = fill_chunks(
+                model, self._params, layout, self.mgr, self.mgr.allocate_on_host, model_func=model_func, source=source
+            )
+        finally:
+            if source is not None:
+                source.close()
+        self._index = {id(p): i for i, p in enumerate(self._params)}  # a meta parameter may be a new object
+        self._frozen_params = [p for p in self._params if not p.requires_grad]
         with torch.no_grad():
-            for s, p in zip(layout.slots, self._params):
-                if not p.is_floating_point():
-                    raise TypeError(f"parameter '{s.name}' has dtype {p.dtype}; chunkstar manages floating-point parameters")
             for cid in range(layout.n_chunks):
-                self.mgr.allocate_on_host(cid)
                 slots = self.mgr.slots_of(cid)
                 for s in slots:
                     self.mgr.set_state(s.index, TensorState.HOLD)
-                    if self.mgr.own(cid):  # other ranks keep the rest; all built the same model from one seed
-                        src = self._params[s.index].detach().reshape(-1)
-                        if not self.mgr.frozen(cid):
-                            self.mgr.chunk(ChunkList.MASTER, cid).payload[s.offset : s.end].copy_(src)
-                        self.mgr.chunk(ChunkList.PARAM, cid).payload[s.offset : s.end].copy_(src)
                 views = self.mgr.chunk(ChunkList.PARAM, cid).device_views([(s.offset, s.end, s.shape) for s in slots])
                 for s, view in zip(slots, views):
                     self._params[s.index].data = view

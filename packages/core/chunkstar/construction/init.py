@@ -1,0 +1,150 @@
+"""How a model built on the meta device gets its initial values: each module's own
+initialiser, and its buffers rebuilt for real.
+
+A model built under ``with torch.device("meta"):`` has shapes but no values.
+Its parameters are materialised by :mod:`chunkstar.construction.materialize`
+straight into the chunks; this module says what values they then get
+(:func:`init_weights`) and where the buffers come from
+(:func:`rebuild_buffers`). It moves no chunk and knows nothing of ranks.
+
+Note [meta initialisation]: :func:`init_weights` does what building the model
+for real would have done, in the same spirit and the same order kinds:
+
+1. ``reset_parameters()`` of every module that has one, in registration order
+   (what each ``nn.Linear``, ``nn.Embedding``, norm ... constructor ran);
+   ``nn.MultiheadAttention``'s ``_reset_parameters()`` likewise;
+2. for each outermost Hugging Face ``PreTrainedModel``, its
+   ``initialize_weights()`` (HF's ``post_init`` over ``_init_weights``: the
+   model's own scheme, rotary ``inv_freq`` buffers included);
+3. for PEFT LoRA layers, ``reset_lora_parameters(adapter, True)`` (PEFT's
+   default: ``lora_A`` Kaiming-uniform, ``lora_B`` zero, so the adapted model
+   starts as the base model).
+
+It draws from torch's global RNG like a real build: seed it (the same seed on
+every rank) before ``initialize_engine``. Every rank runs the whole sequence,
+also for parameters it does not keep (they write into a scratch buffer), so
+each value depends on the seed only, never on the world size or rank. The same
+function applied to a plain model (``model.to_empty(device="cpu")``, then
+``chunkstar.init_weights(model)``) gives the same values, bit for bit: that is
+the reference the tests hold the engine to.
+
+Note [meta buffers]: buffers computed in ``__init__`` (position ids, causal
+masks, rotary caches) are lost on the meta device: their values were never
+computed. :func:`rebuild_buffers` runs ``model_func`` a second time with every
+factory call that asked for the meta device sent to the CPU instead, and each
+parameter moved to the meta device as soon as it is registered, so only the
+buffers become real and host memory holds one parameter at a time. The RNG is
+forked around it, so the rebuild draws nothing from the user's stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["init_weights", "meta_buffer_names", "meta_parameter_names", "rebuild_buffers"]
+
+
+def meta_parameter_names(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.is_meta]
+
+
+def meta_buffer_names(model: nn.Module) -> list[str]:
+    return [n for n, b in model.named_buffers() if b.is_meta]
+
+
+def _is_hf_model(module: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in type(module).__mro__)
+
+
+def _outermost_hf_models(model: nn.Module) -> list[nn.Module]:
+    out: list[nn.Module] = []
+
+    def walk(m: nn.Module) -> None:
+        if _is_hf_model(m):
+            out.append(m)
+            return
+        for child in m.children():
+            walk(child)
+
+    walk(model)
+    return out
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module) -> None:
+    """Give every parameter (and rotary buffer) of ``model`` its initial value, the way
+    building the model for real would (Note [meta initialisation]). The parameters
+    must hold real storage (not the meta device)."""
+    meta = meta_parameter_names(model)
+    if meta:
+        raise ValueError(f"init_weights() needs real parameters, but {meta[:3]} are on the meta device (to_empty first)")
+    for m in model.modules():
+        reset: Any = getattr(m, "_reset_parameters" if isinstance(m, nn.MultiheadAttention) else "reset_parameters", None)
+        if callable(reset):
+            reset()
+    for hf in _outermost_hf_models(model):
+        initialize: Any = getattr(hf, "initialize_weights", None)
+        if callable(initialize):
+            initialize()
+        else:  # transformers 4.x: post_init's apply over _init_weights
+            hf.apply(getattr(hf, "_init_weights"))
+    for m in model.modules():
+        adapters = getattr(m, "lora_A", None)
+        reset_lora: Any = getattr(m, "reset_lora_parameters", None)
+        if callable(reset_lora) and isinstance(adapters, nn.ModuleDict):
+            for name in adapters.keys():
+                reset_lora(name, True)
+
+
+class _MetaToCpu(TorchFunctionMode):
+    """Factory calls that ask for the meta device (a ``torch.device("meta")`` block above
+    this mode injects it) get the CPU instead."""
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        dev = kwargs.get("device")
+        if dev is not None and torch.device(dev).type == "meta":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _parameters_to_meta() -> Iterator[None]:
+    """Every parameter registered inside moves to the meta device at once (its storage freed)."""
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            moved = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+            moved.__dict__.update(param.__dict__)
+            param = moved
+        original(self, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def rebuild_buffers(model_func: Callable[[], nn.Module], names: list[str]) -> dict[str, torch.Tensor]:
+    """The buffers ``names`` of ``model_func()``'s model, computed for real on the CPU
+    (Note [meta buffers]). Raises ValueError naming any that stay on the meta device."""
+    with torch.random.fork_rng(devices=[]), _parameters_to_meta(), _MetaToCpu():
+        rebuilt = model_func()
+    found = dict(rebuilt.named_buffers())
+    missing = [n for n in names if n not in found]
+    still_meta = [n for n in names if n in found and found[n].is_meta]
+    if missing or still_meta:
+        raise ValueError(
+            f"buffers {(missing + still_meta)[:5]} of the meta-device model could not be computed for real "
+            f"({'not built by a second model_func() call' if missing else 'still on the meta device when rebuilt'}): "
+            "build the model with real buffers (only the parameters need the meta device), or give them values in "
+            "a checkpoint passed as pretrained="
+        )
+    return {n: found[n] for n in names}

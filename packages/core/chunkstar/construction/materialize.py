@@ -1,0 +1,234 @@
+"""Filling the chunks at start-up: from the model's own tensors, from a meta-device
+model's initialisers, or from a checkpoint streamed tensor by tensor.
+
+Note [construction]: the chunks are the only home the model's values ever get.
+Every rank allocates the chunks it owns (all four lists, zero-filled; a frozen
+chunk its param chunk only), then points each parameter at the place its value
+lives (``torch.utils.swap_tensors``, so the Python object, its attributes and
+every module that holds it stay the same; tied parameters are one object): the
+fp32 master slot of a trainable parameter, the param slot of a frozen one, and,
+for a parameter of a chunk another rank owns, a scratch buffer shared by all
+such parameters (writes to it are thrown away; nothing reads it). Then:
+
+* a parameter that came with real values (the model was built for real) is
+  copied into its place, and its own storage freed with the swap, one
+  parameter at a time;
+* a meta-device parameter gets :func:`chunkstar.construction.init.init_weights`,
+  which every rank runs over the whole model (Note [meta initialisation]),
+  unless the checkpoint holds every parameter;
+* with ``pretrained=``, each parameter the checkpoint holds is read from it
+  into its place, on the rank that owns it only (bit-exact: the master is the
+  file's value, widened exactly from bf16/fp16), overriding both.
+
+Last, each trainable param slot is cast from its master. Host memory peaks at
+the chunks' own bytes plus the scratch buffer (the largest parameter another
+rank keeps) and one tensor of a checkpoint whose dtype differs from the
+chunk's; never at the whole fp32 model beside its chunks.
+
+Meta buffers are rebuilt for real (Note [meta buffers]) or read from the
+checkpoint (persistent ones are in it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from chunkstar.chunk.layout import ChunkLayout
+from chunkstar.chunk.lists import ChunkList
+from chunkstar.chunk.store import ChunkStore
+from chunkstar.construction.init import init_weights, meta_buffer_names, rebuild_buffers
+from chunkstar.construction.pretrained import PretrainedError, PretrainedSource, match_names
+
+__all__ = ["ConstructionReport", "fill_chunks", "origin_fingerprint"]
+
+
+@dataclass
+class ConstructionReport:
+    """How the chunks got their values (``engine.construction``)."""
+
+    meta_params: int = 0
+    """Parameters built on the meta device (initialised or read, never allocated whole)."""
+    initialised: bool = False
+    """Whether the model's initialisers ran (Note [meta initialisation])."""
+    pretrained: str | None = None
+    """The checkpoint read, if any."""
+    loaded: list[str] = field(default_factory=list)
+    """Parameter names read from the checkpoint (on any rank)."""
+    not_in_checkpoint: list[str] = field(default_factory=list)
+    """Parameter names the checkpoint lacks: initialised, or kept as built."""
+    unused_keys: list[str] = field(default_factory=list)
+    """Checkpoint tensors that match no parameter or buffer."""
+    bytes_read: int = 0
+    """Checkpoint bytes this rank read."""
+    rebuilt_buffers: list[str] = field(default_factory=list)
+    """Meta buffers computed by a second ``model_func()`` (Note [meta buffers])."""
+
+
+def origin_fingerprint(model: nn.Module, source: PretrainedSource | None) -> str:
+    """What must agree across ranks when the values are not all on every rank to checksum:
+    the RNG state the initialisers will draw from, and the checkpoint's tensors (names,
+    dtypes, shapes, sizes). A hex digest (Note [start-up agreement])."""
+    h = hashlib.sha256()
+    h.update(bytes(torch.random.get_rng_state().tolist()))
+    if source is not None:
+        for key in sorted(source.keys):
+            h.update(f"{key}:{source.dtype(key)}:{source.shape(key)};".encode())
+    h.update(str(sum(p.numel() for p in model.parameters())).encode())
+    return h.hexdigest()
+
+
+def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, leaf = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    module._buffers[leaf] = value
+
+
+def _prefixes(model: nn.Module) -> list[str]:
+    out: list[str] = []
+    for m in model.modules():
+        p = getattr(m, "base_model_prefix", None)
+        if isinstance(p, str) and p and p not in out:
+            out.append(p)
+    return out
+
+
+def _rehome(model: nn.Module, p: nn.Parameter, place: torch.Tensor) -> nn.Parameter:
+    """Point parameter ``p`` at ``place``; returns the parameter object that now does.
+
+    A real parameter takes ``place`` as its ``.data`` (its old storage is freed). A meta
+    one cannot (``set_data`` refuses another device type), so the tensors are swapped
+    under the same Python object (``torch.utils.swap_tensors``); a parameter something
+    holds a weak reference to (an RNN's flat weights) cannot be swapped, so a new
+    object takes its place in every module that holds it (RNNs refresh their flat weights)."""
+    if not p.is_meta:
+        p.data = place
+        return p
+    new = nn.Parameter(place, requires_grad=p.requires_grad)
+    # the parameter's own attributes go along, but not Hugging Face's record that it was
+    # initialised (a meta build ties weights and marks them so; their values were never made)
+    new.__dict__.update({k: v for k, v in p.__dict__.items() if k != "_is_hf_initialized"})
+    try:
+        torch.utils.swap_tensors(p, new)  # p now views its place; the meta tensor leaves with `new`
+        return p
+    except RuntimeError:
+        pass
+    for m in model.modules():
+        for name, q in list(m._parameters.items()):
+            if q is p:
+                m._parameters[name] = new
+        refresh = getattr(m, "_init_flat_weights", None)
+        if callable(refresh):
+            refresh()
+    return new
+
+
+def fill_chunks(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    layout: ChunkLayout,
+    store: ChunkStore,
+    allocate: Callable[[int], None],
+    *,
+    model_func: Callable[[], nn.Module] | None = None,
+    source: PretrainedSource | None = None,
+) -> ConstructionReport:
+    """Give every chunk this rank owns its values (Note [construction]); ``params`` are the
+    model's unique parameters in layout order, ``allocate(chunk_id)`` allocates a chunk's
+    lists on the host (the store's). Afterwards each parameter is a view of its value's
+    place in the chunks (the caller points it at the param chunk's device views); an
+    entry of ``params`` may have been replaced by a new object (see :func:`_rehome`)."""
+    report = ConstructionReport(pretrained=None if source is None else str(source.path))
+    slots = layout.slots
+    report.meta_params = sum(1 for p in params if p.is_meta)
+
+    # names: every parameter under all of its (tied) names; buffers by name
+    names_of: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(n)
+    all_names = [n for p in params for n in names_of[id(p)]]
+    matched = match_names(all_names, source.keys, _prefixes(model)) if source is not None else {}
+    key_of: dict[int, str] = {}
+    for i, p in enumerate(params):
+        for n in names_of[id(p)]:
+            if n in matched:
+                key_of[i] = matched[n]
+                break
+
+    # buffers: real already, read from the checkpoint, or rebuilt (Note [meta buffers])
+    meta_buffers = meta_buffer_names(model)
+    buffer_names = [n for n, _ in model.named_buffers()]
+    buffer_keys = match_names(buffer_names, source.keys, _prefixes(model)) if source is not None else {}
+    to_rebuild = [n for n in meta_buffers if n not in buffer_keys]
+    if to_rebuild:
+        if model_func is None:
+            raise ValueError(f"buffers {to_rebuild[:5]} are on the meta device and there is no model_func to rebuild them")
+        for n, value in rebuild_buffers(model_func, to_rebuild).items():
+            _set_buffer(model, n, value)
+        report.rebuilt_buffers = to_rebuild
+    if source is not None:
+        for n, b in list(model.named_buffers()):
+            if n in buffer_keys:
+                shape = source.shape(buffer_keys[n])
+                if tuple(shape) != tuple(b.shape):
+                    raise PretrainedError(f"{source.path}: buffer '{n}' is {list(shape)} there, {list(b.shape)} in the model")
+                value = torch.empty(b.shape, dtype=b.dtype)
+                source.read_into(buffer_keys[n], value.reshape(-1))
+                _set_buffer(model, n, value)
+
+    # chunk by chunk: allocate the chunks this rank owns, then point each parameter at its
+    # value's place; a real parameter's own storage is freed as it goes, so host memory
+    # holds the model's tensors or their chunks, not both
+    foreign = [s.numel for s in slots if not store.own(s.chunk_id)]
+    scratch = torch.empty(max(foreign, default=0), dtype=torch.float32)  # written, never read
+    real: list[int] = []  # slot indices of parameters that came with values
+    for cid in range(layout.n_chunks):
+        allocate(cid)
+        for s in store.slots_of(cid):
+            p = params[s.index]
+            own = store.own(cid)
+            place = store.value_view(s).view(s.shape) if own else scratch[: s.numel].view(s.shape)
+            if not p.is_meta:
+                if own:
+                    with torch.no_grad():
+                        place.copy_(p.detach())
+                real.append(s.index)
+            params[s.index] = _rehome(model, p, place)
+
+    # values: the initialisers unless the checkpoint has every parameter, then the checkpoint
+    needs_init = report.meta_params > 0 and len(key_of) < len(params)
+    if needs_init:
+        with torch.no_grad():
+            # init_weights re-initialises the parameters that came with values too: keep those
+            saved = [(i, store.value_view(slots[i]).clone()) for i in real if store.own(slots[i].chunk_id)]
+            init_weights(model)
+            for i, t in saved:
+                store.value_view(slots[i]).copy_(t)
+        report.initialised = True
+    if source is not None:
+        with torch.no_grad():
+            for i, key in key_of.items():
+                s = slots[i]
+                if tuple(source.shape(key)) != s.shape:
+                    raise PretrainedError(
+                        f"{source.path}: tensor '{key}' is {list(source.shape(key))}, the model's parameter "
+                        f"'{s.name}' {list(s.shape)}"
+                    )
+                if store.own(s.chunk_id):
+                    source.read_into(key, store.value_view(s))
+        report.loaded = [slots[i].name for i in sorted(key_of)]
+        report.not_in_checkpoint = [s.name for s in slots if s.index not in key_of]
+        used = set(key_of.values()) | set(buffer_keys.values())
+        report.unused_keys = sorted(source.keys - used)
+        report.bytes_read = source.bytes_read
+
+    # the param chunks from the masters (a frozen chunk's param slots are its values already)
+    with torch.no_grad():
+        for cid in range(layout.n_chunks):
+            if store.own(cid) and not store.frozen(cid):
+                store.chunk(ChunkList.PARAM, cid).payload.copy_(store.chunk(ChunkList.MASTER, cid).payload)
+    return report

@@ -1,0 +1,238 @@
+"""Building straight into chunks (Note [construction]): meta-device models and pretrained=.
+
+A model built under ``torch.device("meta")`` gets exactly the values that plain
+PyTorch gives the same meta model after ``to_empty`` and
+:func:`chunkstar.init_weights` (same seed), its buffers equal a real build's,
+and it trains like plain PyTorch under eviction. A safetensors checkpoint, one
+file or a sharded Hugging Face directory, streams into the chunks bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import chunkstar
+from tests.core._models import (
+    ModelCase,
+    assert_losses_close,
+    build_gpt2,
+    engine_config,
+    eviction_budget,
+    gpt2_batch,
+    hf_loss,
+    train_engine,
+)
+
+SEED = 4321
+STEPS = 3
+
+
+def _on_meta(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def meta() -> nn.Module:
+        with torch.device("meta"):
+            return build()
+
+    return meta
+
+
+def _plain_from_meta(meta_build: Callable[[], nn.Module]) -> nn.Module:
+    """The plain-PyTorch reference: seed, the same meta model, to_empty, then init_weights
+    (the order initialize_engine runs them in; a builder may seed for itself)."""
+    torch.manual_seed(SEED)
+    model = meta_build()
+    model.to_empty(device="cpu")
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()  # to_empty unties shared parameters (each module gets its own copy)
+    chunkstar.init_weights(model)
+    return model
+
+
+def _gpt2() -> nn.Module:
+    return build_gpt2(n_layer=3)
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def _bert() -> nn.Module:
+    from tests.core._models import build_bert
+
+    return build_bert(n_layer=2)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64))
+
+
+def _engine(build: Callable[[], nn.Module], budget: int | str = "64MB", **kw: Any) -> tuple[Any, Any]:
+    torch.manual_seed(SEED)
+    return chunkstar.initialize_engine(build, 0, engine_config("fp32", budget=budget), **kw)
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama, _bert, _mlp], ids=["gpt2", "llama", "bert", "mlp"])
+def test_meta_model_gets_the_values_plain_pytorch_gives_it(build: Callable[[], nn.Module]) -> None:
+    meta = _on_meta(build)
+    want = _plain_from_meta(meta).state_dict()
+    engine, _ = _engine(meta)
+    got = engine.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert engine.construction.meta_params == len(list(engine.parameters()))
+    assert engine.construction.initialised
+
+
+@pytest.mark.parametrize("build", [_llama, _bert], ids=["llama-rotary", "bert-position-ids"])
+def test_meta_buffers_equal_a_real_builds(build: Callable[[], nn.Module]) -> None:
+    torch.manual_seed(0)
+    real = dict(build().named_buffers())
+    engine, _ = _engine(_on_meta(build))
+    got = dict(engine.module.named_buffers())
+    assert real and got.keys() == real.keys()
+    for k in real:
+        assert not got[k].is_meta and torch.equal(got[k], real[k]), k
+
+
+def test_meta_gpt2_is_initialised_by_its_own_scheme() -> None:
+    engine, _ = _engine(_on_meta(_gpt2))
+    sd = engine.state_dict()
+    w = sd["transformer.h.0.mlp.c_fc.weight"]
+    assert abs(w.std().item() - 0.02) < 0.002  # GPT-2's normal(0, initializer_range)
+    assert torch.equal(sd["transformer.h.0.ln_1.weight"], torch.ones(128))
+    assert torch.equal(sd["transformer.h.0.attn.c_attn.bias"], torch.zeros(3 * 128))
+    assert engine.module.lm_head.weight is engine.module.transformer.wte.weight  # still tied
+
+
+def test_meta_gpt2_trains_like_plain_pytorch_under_eviction() -> None:
+    meta = _on_meta(_gpt2)
+    ref = _plain_from_meta(meta)
+    ref.train()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
+    want = []
+    for step in range(STEPS):
+        loss = hf_loss(ref, gpt2_batch(step), torch.float32)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    engine, optimizer = _engine(meta, budget=eviction_budget(_gpt2(), torch.float32))
+    got = train_engine(engine, optimizer, ModelCase("gpt2", _gpt2, gpt2_batch, hf_loss), STEPS)
+    assert_losses_close(got, want, 1e-5, "meta gpt2")
+    assert engine.stats()["chunk_moves_to_host"] > 0
+
+
+def test_meta_model_with_frozen_parameters_and_an_lstm() -> None:
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(50, 16)
+            self.rnn = nn.LSTM(16, 16, batch_first=True)  # holds weak references to its weights
+            self.out = nn.Linear(16, 5)
+            self.embed.weight.requires_grad_(False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.rnn(self.embed(x))[0])
+
+    meta = _on_meta(Tagger)
+    want = _plain_from_meta(meta).state_dict()
+    torch.manual_seed(SEED)
+    engine, optimizer = chunkstar.initialize_engine(meta, 0, engine_config("fp32", budget="64MB", chunk_size="auto"))
+    got = engine.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    x = torch.randint(0, 50, (2, 6))
+    engine.backward(engine(x).float().pow(2).mean())
+    optimizer.step()
+    assert engine.mgr.layout.frozen  # the frozen embedding has a chunk of its own
+
+
+# ---------------------------------------------------------------------- pretrained=
+def _save_pretrained(model: nn.Module, path: Path, max_shard_size: str | None = None) -> None:
+    if max_shard_size is None:
+        model.save_pretrained(path)  # type: ignore[operator]
+    else:
+        model.save_pretrained(path, max_shard_size=max_shard_size)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded-index"])
+def test_pretrained_streams_a_checkpoint_into_the_chunks_bit_for_bit(tmp_path: Path, sharded: bool) -> None:
+    torch.manual_seed(7)
+    saved = _gpt2()
+    _save_pretrained(saved, tmp_path, max_shard_size="100KB" if sharded else None)
+    if sharded:
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+        assert len(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]) > 10
+    want = saved.state_dict()
+    for build in (_on_meta(_gpt2), _gpt2):  # a meta model, and one built for real (overwritten)
+        engine, _ = _engine(build, pretrained=tmp_path)
+        got = engine.state_dict()
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+        report = engine.construction
+        assert not report.initialised and not report.not_in_checkpoint and not report.unused_keys
+        assert report.bytes_read > 0
+
+
+def test_pretrained_bf16_file_and_base_model_prefix(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(8)
+    saved = _gpt2()
+    # the base model's keys ("h.0..." without "transformer."), stored in bf16
+    base = {k.removeprefix("transformer."): v.to(torch.bfloat16) for k, v in saved.state_dict().items() if k != "lm_head.weight"}
+    save_file(base, str(tmp_path / "base.safetensors"))
+    engine, _ = _engine(_on_meta(_gpt2), pretrained=tmp_path / "base.safetensors")
+    got = engine.state_dict()
+    for k, v in saved.state_dict().items():
+        assert torch.equal(got[k], v.to(torch.bfloat16).float()), k  # widened exactly
+
+
+def test_pretrained_with_missing_parameters_initialises_the_rest(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(9)
+    saved = _gpt2().state_dict()
+    partial = {k: v for k, v in saved.items() if ".h.2." not in k and k != "lm_head.weight"}  # tied to wte
+    save_file(partial, str(tmp_path / "partial.safetensors"))
+    engine, _ = _engine(_on_meta(_gpt2), pretrained=tmp_path / "partial.safetensors")
+    report = engine.construction
+    assert report.initialised and report.not_in_checkpoint and all(".h.2." in n for n in report.not_in_checkpoint)
+    got = engine.state_dict()
+    for k in partial:
+        assert torch.equal(got[k], saved[k]), k
+    assert torch.equal(got["transformer.h.2.ln_1.weight"], torch.ones(128))  # initialised
+
+
+def test_pretrained_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
+    torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(chunkstar.PretrainedError, match="pickle"):
+        _engine(_on_meta(_gpt2), pretrained=tmp_path)
+    with pytest.raises(chunkstar.PretrainedError, match="no such file"):
+        _engine(_on_meta(_gpt2), pretrained=tmp_path / "nope.safetensors")
+    torch.manual_seed(1)
+    _save_pretrained(_gpt2(), tmp_path / "ok")
+    data = (tmp_path / "ok" / "model.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(chunkstar.PretrainedError, match="truncated"):
+        _engine(_on_meta(_gpt2), pretrained=tmp_path / "cut.safetensors")
+    from safetensors.torch import save_file
+
+    sd = build_gpt2(n_layer=3).state_dict()
+    sd["transformer.wte.weight"] = torch.zeros(10, 10)
+    save_file({k: v.contiguous() for k, v in sd.items() if k != "lm_head.weight"}, str(tmp_path / "shape.safetensors"))
+    with pytest.raises(chunkstar.PretrainedError, match="transformer.wte.weight"):
+        _engine(_on_meta(_gpt2), pretrained=tmp_path / "shape.safetensors")
