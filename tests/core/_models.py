@@ -233,9 +233,13 @@ def train_reference(
     weight_decay: float = WEIGHT_DECAY,
     clip: float = CLIP,
     lr_schedule: LrSchedule | None = None,
+    keep: list[nn.Module] | None = None,
 ) -> list[float]:
-    """Plain PyTorch: fp32 weights, bf16 via autocast, fused AdamW, global-norm clipping."""
+    """Plain PyTorch: fp32 weights, bf16 via autocast, fused AdamW, global-norm clipping.
+    ``keep``, if given, receives the trained model."""
     model = case.build()
+    if keep is not None:
+        keep.append(model)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay, fused=True)
     losses: list[float] = []

@@ -27,6 +27,7 @@ from tests.core._models import (
     gpt2_batch,
     hf_loss,
     train_engine,
+    train_reference,
 )
 
 SEED = 4321
@@ -118,17 +119,7 @@ def test_meta_gpt2_is_initialised_by_its_own_scheme() -> None:
 
 def test_meta_gpt2_trains_like_plain_pytorch_under_eviction() -> None:
     meta = _on_meta(_gpt2)
-    ref = _plain_from_meta(meta)
-    ref.train()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
-    want = []
-    for step in range(STEPS):
-        loss = hf_loss(ref, gpt2_batch(step), torch.float32)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        want.append(loss.item())
+    want = train_reference(ModelCase("gpt2", lambda: _plain_from_meta(meta), gpt2_batch, hf_loss), STEPS)
     engine, optimizer = _engine(meta, budget=eviction_budget(_gpt2(), torch.float32))
     got = train_engine(engine, optimizer, ModelCase("gpt2", _gpt2, gpt2_batch, hf_loss), STEPS)
     assert_losses_close(got, want, 1e-5, "meta gpt2")

@@ -42,11 +42,15 @@ def scale(rank: int, world: int, port: int, out: str, case: str, pretrained: str
         builders: dict[str, Callable[[], torch.nn.Module]] = {
             "lora": test_frozen.build_lora_llama,
             "meta": test_construction._on_meta(test_construction._gpt2),
+            "meta-disk": test_construction._on_meta(test_construction._gpt2),  # the state on disk
         }
         build = builders[case]
-        budget = eviction_budget(test_construction._gpt2() if case == "meta" else build(), torch.float32, 0.85)
+        budget = eviction_budget(test_construction._gpt2() if case != "lora" else build(), torch.float32, 0.85)
+        extra = {"disk": {"path": str(Path(out) / "disk")}} if case == "meta-disk" else {}  # one directory, both ranks
         torch.manual_seed(test_construction.SEED)  # the same seed on every rank
-        engine, optimizer = chunkstar.initialize_engine(build, rank, engine_config("fp32", budget=budget), pretrained=pretrained)
+        engine, optimizer = chunkstar.initialize_engine(
+            build, rank, engine_config("fp32", budget=budget, **extra), pretrained=pretrained
+        )
         result["bytes_read"] = engine.construction.bytes_read
         result["host_chunk_bytes"] = engine.mgr.host_chunk_bytes
         result["initial"] = {k: v.sum().item() for k, v in engine.state_dict().items()}
@@ -58,6 +62,8 @@ def scale(rank: int, world: int, port: int, out: str, case: str, pretrained: str
         sd = engine.state_dict()  # a collective: every rank gathers
         if rank == 0:
             torch.save(sd, Path(out) / f"{case}_sd.pt")
+        result["disk_bytes_written"] = stats.get("disk_bytes_written", 0)
+        engine.close()
     except Exception as e:  # noqa: BLE001 - the test reads the message
         import traceback
 

@@ -38,26 +38,19 @@ def test_lora_on_two_ranks_matches_one_process(tmp_path: Path) -> None:
         assert torch.equal(sd[k], ref[k]), k
 
 
-def _meta_reference() -> tuple[torch.nn.Module, list[float]]:
+def _meta_reference() -> tuple[dict[str, torch.Tensor], list[float]]:
     from tests.core import test_construction as tc
 
-    ref = tc._plain_from_meta(tc._on_meta(tc._gpt2))
-    init = {k: v.clone() for k, v in ref.state_dict().items()}
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
-    losses = []
-    for step in range(STEPS):
-        loss = hf_loss(ref, gpt2_batch(step), torch.float32)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return init, losses  # type: ignore[return-value]
+    def build() -> torch.nn.Module:
+        return tc._plain_from_meta(tc._on_meta(tc._gpt2))
+
+    return build().state_dict(), train_reference(ModelCase("meta", build, gpt2_batch, hf_loss), STEPS)
 
 
-def test_meta_model_on_two_ranks_matches_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["meta", "meta-disk"])
+def test_meta_model_on_two_ranks_matches_one_process(tmp_path: Path, case: str) -> None:
     init, want = _meta_reference()
-    results = run_ranks(scale, tmp_path, "meta")
+    results = run_ranks(scale, tmp_path, case)
     assert len(results) == WORLD and all("error" not in r for r in results), results
     for r in results:
         assert_losses_close(r["losses"], want, 1e-5, f"meta gpt2, rank {r['rank']}")
@@ -66,6 +59,9 @@ def test_meta_model_on_two_ranks_matches_one_process(tmp_path: Path) -> None:
     # each rank allocated its own chunks only: together, one model's chunks
     total = sum(r["host_chunk_bytes"] for r in results)
     assert results[0]["host_chunk_bytes"] < 0.6 * total
+    if case == "meta-disk":  # each rank's own state went through its own files, in one shared directory
+        assert all(r["disk_bytes_written"] > 0 for r in results)
+        assert not list((tmp_path / "disk").glob("*.chunks"))  # removed by close()
 
 
 def test_pretrained_on_two_ranks_each_reads_its_share(tmp_path: Path) -> None:

@@ -243,7 +243,9 @@ def save_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str]) -
         for name in STATE_LISTS:
             for c in mgr.chunks_of(name):
                 if mgr.own(c.chunk_id):  # host or device payload; serialised before anything changes it
-                    tensors[f"{name}.{c.chunk_id}"] = c.payload.detach().to("cpu")
+                    # a chunk on disk is staged in and copied (its buffer goes back to the staging pool)
+                    with mgr.staged([(name, c.chunk_id)], write=False):
+                        tensors[f"{name}.{c.chunk_id}"] = c.payload.detach().to("cpu", copy=mgr.on_disk(name))
         for c in _own_frozen(mgr):  # the values of a frozen chunk are its param chunk (Note [frozen chunks])
             tensors[f"{ChunkList.PARAM.value}.{c.chunk_id}"] = c.payload.detach().to("cpu")
         slots = {id(p) for p in engine.parameters()}
@@ -425,7 +427,8 @@ def load_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str], *
         for name in STATE_LISTS:
             for c in mgr.chunks_of(name):
                 if mgr.own(c.chunk_id):
-                    c.payload.copy_(h.get_tensor(f"{name}.{c.chunk_id}"))  # host or device: wherever it is now
+                    with mgr.staged([(name, c.chunk_id)], write=True):  # host, device, or disk through a buffer
+                        c.payload.copy_(h.get_tensor(f"{name}.{c.chunk_id}"))
         for c in _own_frozen(mgr):
             c.payload.copy_(h.get_tensor(f"{ChunkList.PARAM.value}.{c.chunk_id}"))
         buffers = {k.split(".", 1)[1]: k for k in h.keys() if k.startswith("buffer.")}

@@ -24,6 +24,7 @@ from chunkstar.errors import ConfigError
 
 __all__ = [
     "AdamConfig",
+    "DiskConfig",
     "EngineConfig",
     "EvictionPolicyName",
     "LossScaleConfig",
@@ -87,6 +88,27 @@ class LossScaleConfig:
         return self.static_scale == 0.0
 
 
+DISK_LISTS = ("master", "exp_avg", "exp_avg_sq")
+"""The chunk lists that may live on disk: the optimizer's fp32 state (12 of the 14 bytes per parameter)."""
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """The disk tier (Note [disk tier] in :mod:`chunkstar.runtime.disk_tier`): chunks of
+    ``lists`` live in files under ``path``; host memory only stages them."""
+
+    path: str
+    """Directory for this run's chunk files (a cache, not a checkpoint: deleted at a clean end)."""
+    lists: tuple[str, ...] = DISK_LISTS
+    """Which of master / exp_avg / exp_avg_sq live on disk."""
+    staging_budget: int | None = None
+    """Host bytes for chunks on their way between disk and the optimizer (None: "auto")."""
+    on_stale: str = "refuse"
+    """Chunk files of another (dead) run found in ``path``: "refuse" (an error naming them) or "wipe"."""
+    direct: bool = True
+    """O_DIRECT reads and writes where the filesystem allows them (no page cache)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to know, validated."""
@@ -129,6 +151,8 @@ class EngineConfig:
     device_link_bandwidth: float | None = None
     """CPU virtual device only: bytes per second every chunk copy takes at least, so the
     run behaves like a device behind a PCIe link (None: copies take what memcpy takes)."""
+    disk: DiskConfig | None = None
+    """The disk tier for optimizer state (None: master and Adam state stay in host memory)."""
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config as given (for run metadata)."""
 
@@ -150,7 +174,49 @@ _TOP_KEYS = {
     "overlap": "true or false",
     "device_link_bandwidth": 'bytes per second as a number or a string like "16GB/s" (cpu device only)',
     "reduce_dtype": '"fp32" (default) or the param dtype ("bf16" / "fp16" when that precision is enabled)',
+    "disk": '{path, lists, staging_budget, on_stale, direct}: optimizer state chunks in files under path',
 }
+
+_DISK_KEYS = {
+    "path": "a directory for the chunk files (created if missing)",
+    "lists": f"a list of {', '.join(DISK_LISTS)} (default: all three)",
+    "staging_budget": 'host bytes for chunks between disk and the optimizer: an integer, a string like "1GB", or "auto"',
+    "on_stale": '"refuse" (default) or "wipe": what to do with chunk files another run left in path',
+    "direct": "true (default) or false: O_DIRECT I/O where the filesystem allows it",
+}
+
+
+def _parse_disk(value: object) -> DiskConfig | None:
+    if value is None:
+        return None
+    sec = _mapping(value, "disk")
+    _check_keys(sec, _DISK_KEYS, "disk.")
+    path = sec.get("path")
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ConfigError("disk.path", f"required: {_DISK_KEYS['path']}; got {path!r}")
+    path = os.fspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError("disk.path", f"{path!r} is a file; the disk tier needs a directory")
+    lists_raw = sec.get("lists", list(DISK_LISTS))
+    if not isinstance(lists_raw, (list, tuple)) or not lists_raw:
+        raise ConfigError("disk.lists", f"expected {_DISK_KEYS['lists']}, got {lists_raw!r}")
+    for name in lists_raw:
+        if name == "param":
+            raise ConfigError(
+                "disk.lists",
+                "the param list cannot live on disk yet (the forward reads it every step); choose among "
+                + ", ".join(DISK_LISTS),
+            )
+        if name not in DISK_LISTS:
+            raise ConfigError("disk.lists", f"unknown list {name!r}; choose among {', '.join(DISK_LISTS)}")
+    lists = tuple(n for n in DISK_LISTS if n in lists_raw)  # in the lists' own order, once each
+    staging_raw = sec.get("staging_budget", "auto")
+    staging = None if staging_raw == "auto" else parse_bytes(staging_raw, "disk.staging_budget")
+    on_stale = sec.get("on_stale", "refuse")
+    if on_stale not in ("refuse", "wipe"):
+        raise ConfigError("disk.on_stale", f"got {on_stale!r}; expected {_DISK_KEYS['on_stale']}")
+    return DiskConfig(path=path, lists=lists, staging_budget=staging, on_stale=on_stale,
+                      direct=_boolean(sec.get("direct", True), "disk.direct"))  # fmt: skip
 
 # Bounds on fp16 loss scaling. A scale of 2**63 (9.2e18) already turns the fp16
 # gradients (max 65504) of any loss above ~1e-14 into inf, so a larger start only
@@ -158,6 +224,7 @@ _TOP_KEYS = {
 # fp32 (2**128) and then Python's float (2.0**1024 raises OverflowError). A window
 # longer than any run means the scale never grows, and each overflow hysteresis
 # tolerates is a skipped step: values past these are typos, not settings.
+_KEY_HELP = {**_TOP_KEYS, **{f"disk.{k}": v for k, v in _DISK_KEYS.items()}}
 _MAX_SCALE_POWER = 63
 _MAX_LOSS_SCALE = 2.0**_MAX_SCALE_POWER
 _MAX_LOSS_SCALE_WINDOW = 10_000_000
@@ -174,7 +241,7 @@ _UNITS = {
 def parse_bytes(value: object, key: str = "device_memory_budget") -> int:
     """``4096``, ``"512MB"``, ``"1.5 GiB"`` -> bytes. Decimal units are powers of 1000."""
     if isinstance(value, bool):
-        raise ConfigError(key, f"expected a byte count, got {value!r}; {_TOP_KEYS[key]}")
+        raise ConfigError(key, f"expected a byte count, got {value!r}; {_KEY_HELP.get(key, '')}")
     if isinstance(value, int):
         n = value
     elif isinstance(value, float) and value.is_integer():
@@ -182,10 +249,10 @@ def parse_bytes(value: object, key: str = "device_memory_budget") -> int:
     elif isinstance(value, str):
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
         if not m or m.group(2).lower() not in _UNITS:
-            raise ConfigError(key, f"cannot read {value!r} as a size; {_TOP_KEYS[key]} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+            raise ConfigError(key, f"cannot read {value!r} as a size; {_KEY_HELP.get(key, '')} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     else:
-        raise ConfigError(key, f"expected a byte count, got {type(value).__name__} {value!r}; {_TOP_KEYS[key]}")
+        raise ConfigError(key, f"expected a byte count, got {type(value).__name__} {value!r}; {_KEY_HELP.get(key, '')}")
     if n <= 0:
         raise ConfigError(key, f"must be positive, got {value!r}")
     return n
@@ -415,5 +482,6 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
         overlap=_boolean(cfg.get("overlap", True), "overlap"),
         device_link_bandwidth=bandwidth,
         reduce_dtype=reduce_dtype,
+        disk=_parse_disk(cfg.get("disk")),
         raw=dict(cfg),
     )

@@ -47,6 +47,7 @@ class Tier(enum.Enum):
 
     DEVICE = "device"
     HOST = "host"
+    DISK = "disk"
 
 
 class MoveReason(enum.Enum):

@@ -105,6 +105,8 @@ class Chunk:
         if self.location is ChunkLocation.HOST:
             assert self._host_buf is not None
             return self._host_buf
+        if self.location is ChunkLocation.DISK:
+            raise RuntimeError(f"{self!r} is on disk: stage it in first (ChunkManager.staged)")
         raise RuntimeError(f"{self!r} has no payload")
 
     @property
@@ -113,6 +115,8 @@ class Chunk:
             return Tier.DEVICE
         if self.location is ChunkLocation.HOST:
             return Tier.HOST
+        if self.location is ChunkLocation.DISK:
+            return Tier.DISK
         return None
 
     def device_views(self, spans: list[tuple[int, int, tuple[int, ...]]]) -> list[torch.Tensor]:
@@ -222,6 +226,42 @@ class Chunk:
         self._host_buf = host
         self._host_valid = True
         return True
+
+    # ------------------------------------------------------------------ the disk tier (Note [disk tier])
+    def place_on_disk(self) -> None:
+        """First placement of a chunk whose list lives on disk: its file slot (zeros) is the payload."""
+        check_location_transition(repr(self), self.location, ChunkLocation.DISK)
+        self.location = ChunkLocation.DISK
+
+    def attach_host(self, buf: torch.Tensor, filling: CopyEvent) -> None:
+        """DISK -> HOST: ``buf`` (1-D host, this chunk's numel and dtype), being filled from the
+        file by ``filling``, becomes the payload; readers wait on it as on any pending copy."""
+        check_location_transition(repr(self), self.location, ChunkLocation.HOST)
+        assert buf.numel() == self.numel and buf.dtype == self.dtype, (repr(self), buf.shape, buf.dtype)
+        self._host_buf = buf
+        self._host_valid = True
+        self._pending = filling  # the read was ordered after this chunk's last write-behind
+        self.location = ChunkLocation.HOST
+
+    def detach_host(self) -> tuple[torch.Tensor, CopyEvent | None]:
+        """HOST -> DISK: the host payload leaves; returns it and the event of the last work on
+        it still running (an update), which a write-behind must follow. The caller writes the
+        buffer back (or drops it, when the file already holds these bytes) and hands the
+        write's event to :meth:`set_disk_write`."""
+        check_location_transition(repr(self), self.location, ChunkLocation.DISK)
+        assert self._host_buf is not None
+        buf, last = self._host_buf, self._work or self._pending
+        self._host_buf = None
+        self._host_valid = False
+        self._work = None
+        self._pending = None
+        self.location = ChunkLocation.DISK
+        return buf, last
+
+    def set_disk_write(self, event: CopyEvent) -> None:
+        """The write-behind of this (DISK) chunk's bytes: the next read of its file waits for it."""
+        assert self.location is ChunkLocation.DISK, repr(self)
+        self._pending = event
 
     def set_pending(self, event: CopyEvent) -> None:
         """Something else now writes (or reads) the device payload asynchronously (an

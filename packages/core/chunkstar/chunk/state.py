@@ -36,6 +36,9 @@ class ChunkLocation(enum.Enum):
     """The payload is a host-memory buffer; the device storage is resized to 0 bytes."""
     DEVICE = "device"
     """The payload is in the device storage; no host copy is kept."""
+    DISK = "disk"
+    """The payload is the chunk's slot in its file on disk (Note [disk tier]); no host or
+    device bytes. A write of it may still be in flight (the chunk's pending event)."""
 
 
 _T = TensorState
@@ -50,8 +53,9 @@ _TENSOR_EDGES: dict[TensorState, frozenset[TensorState]] = {
 
 _L = ChunkLocation
 _LOCATION_EDGES: dict[ChunkLocation, frozenset[ChunkLocation]] = {
-    _L.RELEASED: frozenset({_L.HOST, _L.DEVICE}),
-    _L.HOST: frozenset({_L.DEVICE}),
+    _L.RELEASED: frozenset({_L.HOST, _L.DEVICE, _L.DISK}),
+    _L.HOST: frozenset({_L.DEVICE, _L.DISK}),
+    _L.DISK: frozenset({_L.HOST}),  # staged in through a host buffer
     _L.DEVICE: frozenset({_L.HOST, _L.RELEASED}),  # RELEASED: a gathered remote copy is dropped
 }
 

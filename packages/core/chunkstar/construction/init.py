@@ -83,6 +83,12 @@ def init_weights(model: nn.Module) -> None:
     meta = meta_parameter_names(model)
     if meta:
         raise ValueError(f"init_weights() needs real parameters, but {meta[:3]} are on the meta device (to_empty first)")
+    # Hugging Face skips modules and tensors it marked as initialised; here everything is
+    # initialised, every time (a construction in waves replays this whole function)
+    for m in model.modules():
+        for t in [m, *m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            if getattr(t, "_is_hf_initialized", False):
+                setattr(t, "_is_hf_initialized", False)
     for m in model.modules():
         reset: Any = getattr(m, "_reset_parameters" if isinstance(m, nn.MultiheadAttention) else "reset_parameters", None)
         if callable(reset):

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from chunkstar.chunk.layout import ChunkLayout
+from chunkstar.chunk.layout import ChunkLayout, TensorSlot
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.store import ChunkStore
 from chunkstar.construction.init import init_weights, meta_buffer_names, rebuild_buffers
@@ -136,12 +136,15 @@ def fill_chunks(
     *,
     model_func: Callable[[], nn.Module] | None = None,
     source: PretrainedSource | None = None,
+    wave_bytes: int = 0,
 ) -> ConstructionReport:
     """Give every chunk this rank owns its values (Note [construction]); ``params`` are the
     model's unique parameters in layout order, ``allocate(chunk_id)`` allocates a chunk's
     lists on the host (the store's). Afterwards each parameter is a view of its value's
     place in the chunks (the caller points it at the param chunk's device views); an
-    entry of ``params`` may have been replaced by a new object (see :func:`_rehome`)."""
+    entry of ``params`` may have been replaced by a new object (see :func:`_rehome`).
+    With the masters on disk, the chunks are filled in waves of at most ``wave_bytes`` of
+    masters (Note [construction in waves])."""
     report = ConstructionReport(pretrained=None if source is None else str(source.path))
     slots = layout.slots
     report.meta_params = sum(1 for p in params if p.is_meta)
@@ -180,11 +183,43 @@ def fill_chunks(
                 source.read_into(buffer_keys[n], value.reshape(-1))
                 _set_buffer(model, n, value)
 
+    needs_init = report.meta_params > 0 and len(key_of) < len(params)
+    if source is not None:
+        for i, key in key_of.items():
+            s = slots[i]
+            if tuple(source.shape(key)) != s.shape:
+                raise PretrainedError(
+                    f"{source.path}: tensor '{key}' is {list(source.shape(key))}, the model's parameter "
+                    f"'{s.name}' {list(s.shape)}"
+                )
+        report.loaded = [slots[i].name for i in sorted(key_of)]
+        report.not_in_checkpoint = [s.name for s in slots if s.index not in key_of]
+        report.unused_keys = sorted(source.keys - set(key_of.values()) - set(buffer_keys.values()))
+    if store.on_disk(ChunkList.MASTER):
+        _fill_in_waves(model, params, layout, store, allocate, key_of, source, needs_init, wave_bytes)
+    else:
+        _fill_at_once(model, params, layout, store, allocate, key_of, source, needs_init)
+    report.initialised = needs_init
+    report.bytes_read = source.bytes_read if source is not None else 0
+    return report
+
+
+def _fill_at_once(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    layout: ChunkLayout,
+    store: ChunkStore,
+    allocate: Callable[[int], None],
+    key_of: dict[int, str],
+    source: PretrainedSource | None,
+    needs_init: bool,
+) -> None:
+    """Every value in memory: one pass (Note [construction])."""
+    slots = layout.slots
     # chunk by chunk: allocate the chunks this rank owns, then point each parameter at its
     # value's place; a real parameter's own storage is freed as it goes, so host memory
     # holds the model's tensors or their chunks, not both
-    foreign = [s.numel for s in slots if not store.own(s.chunk_id)]
-    scratch = torch.empty(max(foreign, default=0), dtype=torch.float32)  # written, never read
+    scratch = _scratch([s for s in slots if not store.own(s.chunk_id)])
     real: list[int] = []  # slot indices of parameters that came with values
     for cid in range(layout.n_chunks):
         allocate(cid)
@@ -198,37 +233,97 @@ def fill_chunks(
                         place.copy_(p.detach())
                 real.append(s.index)
             params[s.index] = _rehome(model, p, place)
-
-    # values: the initialisers unless the checkpoint has every parameter, then the checkpoint
-    needs_init = report.meta_params > 0 and len(key_of) < len(params)
-    if needs_init:
-        with torch.no_grad():
+    with torch.no_grad():
+        if needs_init:
             # init_weights re-initialises the parameters that came with values too: keep those
             saved = [(i, store.value_view(slots[i]).clone()) for i in real if store.own(slots[i].chunk_id)]
             init_weights(model)
             for i, t in saved:
                 store.value_view(slots[i]).copy_(t)
-        report.initialised = True
-    if source is not None:
-        with torch.no_grad():
+        if source is not None:
             for i, key in key_of.items():
-                s = slots[i]
-                if tuple(source.shape(key)) != s.shape:
-                    raise PretrainedError(
-                        f"{source.path}: tensor '{key}' is {list(source.shape(key))}, the model's parameter "
-                        f"'{s.name}' {list(s.shape)}"
-                    )
-                if store.own(s.chunk_id):
-                    source.read_into(key, store.value_view(s))
-        report.loaded = [slots[i].name for i in sorted(key_of)]
-        report.not_in_checkpoint = [s.name for s in slots if s.index not in key_of]
-        used = set(key_of.values()) | set(buffer_keys.values())
-        report.unused_keys = sorted(source.keys - used)
-        report.bytes_read = source.bytes_read
-
-    # the param chunks from the masters (a frozen chunk's param slots are its values already)
-    with torch.no_grad():
+                if store.own(slots[i].chunk_id):
+                    source.read_into(key, store.value_view(slots[i]))
+        # the param chunks from the masters (a frozen chunk's param slots are its values already)
         for cid in range(layout.n_chunks):
             if store.own(cid) and not store.frozen(cid):
                 store.chunk(ChunkList.PARAM, cid).payload.copy_(store.chunk(ChunkList.MASTER, cid).payload)
-    return report
+
+
+def _scratch(slots: list[TensorSlot]) -> torch.Tensor:
+    """One fp32 buffer every parameter without a place of its own views (aliased: written, never read)."""
+    return torch.empty(max((s.numel for s in slots), default=0), dtype=torch.float32)
+
+
+def _fill_in_waves(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    layout: ChunkLayout,
+    store: ChunkStore,
+    allocate: Callable[[int], None],
+    key_of: dict[int, str],
+    source: PretrainedSource | None,
+    needs_init: bool,
+    wave_bytes: int,
+) -> None:
+    """Note [construction in waves]: with the masters on disk, they are never all in host
+    memory, so the chunks are filled a wave at a time: the masters of a few chunks (at most
+    ``wave_bytes``) are staged in, their parameters point into them and every other
+    parameter at the shared scratch buffer, the values are made (a real parameter's copied,
+    the checkpoint's read, or the initialisers run over the whole model), the param chunks
+    cast from them, and the masters written back to disk. The initialisers are replayed
+    from the same RNG state in every wave, so every value is the one a single pass would
+    have drawn, whatever the waves; the RNG ends where one pass would leave it. Cost: one
+    pass of the initialisers per wave."""
+    slots = layout.slots
+    if needs_init and any(not p.is_meta for p in params):
+        raise ValueError(
+            "a model with some parameters on the meta device and some real ones cannot be initialised with the "
+            "masters on disk (the initialisers would overwrite the real values before their turn): build all "
+            "parameters on the meta device, or give their values in pretrained="
+        )
+    for cid in range(layout.n_chunks):
+        allocate(cid)  # masters and moments on disk (zeros), param chunks on the host
+    scratch = _scratch(list(slots))
+    waves: list[list[int]] = [[]]
+    size = 0
+    for cid in range(layout.n_chunks):
+        if not store.own(cid) or store.frozen(cid):
+            continue
+        nbytes = store.chunk(ChunkList.MASTER, cid).nbytes
+        if waves[-1] and size + nbytes > wave_bytes:
+            waves.append([])
+            size = 0
+        waves[-1].append(cid)
+        size += nbytes
+    frozen_own = [cid for cid in range(layout.n_chunks) if store.own(cid) and store.frozen(cid)]
+    waves[0] = frozen_own + waves[0]  # frozen chunks are in memory (param list only): the first wave
+    start = torch.random.get_rng_state()
+    end_state: torch.Tensor | None = None
+    for wave in waves:
+        members = set(wave)
+        with store.staged([(ChunkList.MASTER, c) for c in wave if not store.frozen(c)], write=True), torch.no_grad():
+            for s in slots:
+                p = params[s.index]
+                here = s.chunk_id in members
+                place = store.value_view(s).view(s.shape) if here else scratch[: s.numel].view(s.shape)
+                if here and not p.is_meta:
+                    place.copy_(p.detach())  # its own values (a real model): its storage is freed next
+                if here or p.is_meta or needs_init:
+                    params[s.index] = _rehome(model, p, place)
+            if needs_init:
+                torch.random.set_rng_state(start)
+                init_weights(model)
+                end_state = torch.random.get_rng_state()
+            if source is not None:
+                for i, key in key_of.items():
+                    if slots[i].chunk_id in members:
+                        source.read_into(key, store.value_view(slots[i]))
+            for cid in wave:
+                if not store.frozen(cid):
+                    store.chunk(ChunkList.PARAM, cid).payload.copy_(store.chunk(ChunkList.MASTER, cid).payload)
+        # leaving the block writes the wave's masters behind; their buffers go to the next wave
+    if end_state is not None:
+        torch.random.set_rng_state(end_state)
+    for s in slots:  # nothing may keep viewing a staging buffer
+        params[s.index] = _rehome(model, params[s.index], scratch[: s.numel].view(s.shape))

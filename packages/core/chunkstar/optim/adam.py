@@ -118,6 +118,7 @@ class ChunkAdam(torch.optim.Optimizer):
         self._partials: dict[int, tuple[CopyEvent | None, list[torch.Tensor]]] = {}
         self._order: tuple[int, list[int]] | None = None  # (id of the trace, chunk ids in next-forward order)
         self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
+        self._disk = engine.mgr.disk  # the disk tier, if the state lives on disk (Note [disk tier])
         engine.optimizer = self  # engine.save_checkpoint / load_checkpoint carry this optimizer's state
 
     # ------------------------------------------------------------------ public
@@ -394,8 +395,15 @@ class ChunkAdam(torch.optim.Optimizer):
         eng = self._engine
         mgr = self._store
         chunks: list[Chunk] = [mgr.chunk(name, cid) for name in CHUNK_LISTS]
+        disk = self._disk
+        reads: list[CopyEvent] = []
         for c in chunks[1:]:
-            c.wait_ready()  # state chunks: nothing in flight, normally
+            if disk is not None and disk.on_disk(ChunkList(c.list_name)):
+                disk.stage_in(c)  # read ahead on the read lane (Note [disk tier]); the job waits for it
+                assert c.pending_copy is not None
+                reads.append(c.pending_copy)
+            else:
+                c.wait_ready()  # state chunks in memory: nothing in flight, normally
         tensors = tuple(c.host_buffer for c in chunks)
         hyper = self._hyper()
         slots = list(slots)
@@ -404,6 +412,8 @@ class ChunkAdam(torch.optim.Optimizer):
         scratch = self._scratch("host", sum(s.numel for s in slots))  # the worker's alone: its jobs run in turn
 
         def job() -> None:
+            for r in reads:
+                r.wait()
             buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]] = {}
             flush = self._flusher(buckets, factor, apply_factor, hyper)
             self._buckets(buckets, tensors, slots, steps.__getitem__, flush, 0, scratch)  # type: ignore[arg-type]
@@ -412,21 +422,28 @@ class ChunkAdam(torch.optim.Optimizer):
         event = eng.host_work.submit(job, after=chunks[0].pending_copy)
         for c in chunks:
             c.set_work(event)
+        if disk is not None:
+            for c in chunks[1:]:
+                if disk.on_disk(ChunkList(c.list_name)):
+                    disk.stage_out(c, write=True)  # written behind once the update is done
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         mgr = self._store
         state: dict[int, dict[str, torch.Tensor]] = {}
-        for s in mgr.slots:
-            if self._steps[s.index] == 0 or not mgr.own(s.chunk_id):
+        for cid in range(mgr.layout.n_chunks):
+            slots = [s for s in mgr.slots_of(cid) if self._steps[s.index] > 0]
+            if not slots or not mgr.own(cid):
                 continue  # with several processes each rank saves the state of its own chunks
-            m = mgr.slot_view(ChunkList.EXP_AVG, s)
-            v = mgr.slot_view(ChunkList.EXP_AVG_SQ, s)
-            state[s.index] = {
-                "step": torch.tensor(float(self._steps[s.index])),
-                "exp_avg": m.detach().to("cpu", copy=True).view(s.shape),
-                "exp_avg_sq": v.detach().to("cpu", copy=True).view(s.shape),
-            }
+            with mgr.staged([(ChunkList.EXP_AVG, cid), (ChunkList.EXP_AVG_SQ, cid)], write=False):
+                for s in slots:
+                    m = mgr.slot_view(ChunkList.EXP_AVG, s)
+                    v = mgr.slot_view(ChunkList.EXP_AVG_SQ, s)
+                    state[s.index] = {
+                        "step": torch.tensor(float(self._steps[s.index])),
+                        "exp_avg": m.detach().to("cpu", copy=True).view(s.shape),
+                        "exp_avg_sq": v.detach().to("cpu", copy=True).view(s.shape),
+                    }
         groups = []
         for g, group in enumerate(self.param_groups):
             entry = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
@@ -455,24 +472,30 @@ class ChunkAdam(torch.optim.Optimizer):
                 if k != "params":
                     mine[k] = tuple(v) if k == "betas" else v
         mgr = self._store
+        for s in mgr.slots:
+            st = state_dict["state"].get(s.index)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if st is not None and st[key].numel() != s.numel:
+                    raise ValueError(
+                        f"optimizer state '{key}' of parameter '{s.name}' has {st[key].numel()} elements, expected {s.numel}"
+                    )
         with torch.no_grad():
             self._steps = [0] * len(mgr.slots)
-            for s in mgr.slots:
-                if not mgr.own(s.chunk_id) or mgr.frozen(s.chunk_id):
+            for cid in range(mgr.layout.n_chunks):
+                if not mgr.own(cid) or mgr.frozen(cid):
                     continue  # another rank's, or frozen (no Adam state: Note [frozen chunks])
-                st = state_dict["state"].get(s.index)
-                m = mgr.slot_view(ChunkList.EXP_AVG, s)
-                v = mgr.slot_view(ChunkList.EXP_AVG_SQ, s)
-                if st is None:
-                    m.zero_()
-                    v.zero_()
-                    continue
-                for key, dst in (("exp_avg", m), ("exp_avg_sq", v)):
-                    src = st[key]
-                    if src.numel() != s.numel:
-                        raise ValueError(f"optimizer state '{key}' of parameter '{s.name}' has {src.numel()} elements, expected {s.numel}")
-                    dst.copy_(src.reshape(-1))
-                self._steps[s.index] = int(st["step"])
+                with mgr.staged([(ChunkList.EXP_AVG, cid), (ChunkList.EXP_AVG_SQ, cid)], write=True):
+                    for s in mgr.slots_of(cid):
+                        st = state_dict["state"].get(s.index)
+                        m = mgr.slot_view(ChunkList.EXP_AVG, s)
+                        v = mgr.slot_view(ChunkList.EXP_AVG_SQ, s)
+                        if st is None:
+                            m.zero_()
+                            v.zero_()
+                            continue
+                        m.copy_(st["exp_avg"].reshape(-1))
+                        v.copy_(st["exp_avg_sq"].reshape(-1))
+                        self._steps[s.index] = int(st["step"])
         self._engine.scaler.load_state_dict(state_dict["loss_scaler"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 

@@ -48,6 +48,7 @@ from chunkstar.memory.tracer import MemoryTrace
 from chunkstar.placement.eviction import ResidentChunk, choose_evictions
 from chunkstar.placement.prefetch import PrefetchView, Upcoming, plan_prefetch
 from chunkstar.runtime.cursor import Cursor
+from chunkstar.runtime.disk_tier import DiskTier
 
 __all__ = ["ChunkManager", "Key"]
 
@@ -163,6 +164,7 @@ class ChunkManager:
         # sum of the parameters' version counters of each clean param chunk when it was loaded
         self._clean_versions: dict[int, int] = {}
         self._chunk_params: list[list[torch.Tensor]] = [[] for _ in range(layout.n_chunks)]
+        self.disk: DiskTier | None = None  # the disk tier, when the config has one (attach_disk)
         self.gathers = 0  # all-gathers of a chunk group (several processes only)
         self.gathers_ahead = 0  # of them started a moment early (Note [gather ahead])
         self.gathered_groups: set[int] = set()  # first chunk ids of groups whose remote copies are here
@@ -332,10 +334,58 @@ class ChunkManager:
         with self.probe.paused():
             for name in self.lists_of(chunk_id):
                 c = self._chunks[name][chunk_id]
-                c.allocate(Tier.HOST)
-                self.host_chunk_bytes += c.nbytes
+                if self.on_disk(name):  # its file slot is the payload (Note [disk tier])
+                    c.place_on_disk()
+                    tier = Tier.DISK
+                else:
+                    c.allocate(Tier.HOST)
+                    self.host_chunk_bytes += c.nbytes
+                    tier = Tier.HOST
                 if self.events.active:
-                    self.events.emit(ChunkAllocated(c.chunk_id, c.list_name, Tier.HOST, c.nbytes, time.perf_counter_ns()))
+                    self.events.emit(ChunkAllocated(c.chunk_id, c.list_name, tier, c.nbytes, time.perf_counter_ns()))
+
+    # ------------------------------------------------------------------ the disk tier
+    def attach_disk(self, tier: DiskTier) -> None:
+        """From now on the chunks of ``tier.lists`` live on disk (before any chunk is allocated)."""
+        self.disk = tier
+
+    def on_disk(self, name: ChunkList) -> bool:
+        """Whether list ``name``'s chunks live on disk (Note [disk tier])."""
+        return self.disk is not None and self.disk.on_disk(name)
+
+    def disk_chunks(self, names: Sequence[ChunkList]) -> dict[ChunkList, dict[int, Chunk]]:
+        """This rank's chunks of lists ``names`` by chunk id (what a disk tier stores)."""
+        return {n: {cid: c for cid, c in self._chunks[n].items() if self.own(cid)} for n in names}
+
+    @contextlib.contextmanager
+    def staged(self, keys: Iterable[Key], *, write: bool) -> Iterator[None]:
+        """Inside the block, the chunks ``keys`` that live on disk are staged into host buffers
+        (their payloads readable and writable as usual); at its end they go back to disk,
+        written back with ``write``. Nothing happens for chunks in memory. One chunk at a
+        time is the rule: the keys' bytes must fit the staging budget."""
+        tier = self.disk
+        if tier is None:
+            yield
+            return
+        keys = list(dict.fromkeys(keys))
+        chunks = [self._chunks[n][i] for n, i in keys if self._chunks[n][i].location is ChunkLocation.DISK]
+        need = sum(c.nbytes for c in chunks)
+        if need > tier.budget:
+            raise ChunkStateError(
+                f"staging {len(chunks)} chunks from disk at once needs {need} bytes, more than disk.staging_budget "
+                f"({tier.budget} bytes)"
+            )
+        done: list[Chunk] = []
+        try:
+            with self.probe.paused():
+                for c in chunks:
+                    tier.stage_in(c)
+                    done.append(c)
+            yield
+        finally:
+            with self.probe.paused():
+                for c in done:
+                    tier.stage_out(c, write=write)
 
     def resident(self, key: Key) -> bool:
         return self._chunks[key[0]][key[1]].location is ChunkLocation.DEVICE

@@ -58,6 +58,7 @@ from chunkstar.memory.probes import MemoryProbe, cuda_usable_bytes, make_probe
 from chunkstar.optim.loss_scaler import LossScaler
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.cursor import Cursor
+from chunkstar.runtime.disk_tier import DiskTier
 from chunkstar.runtime.gradients import Gradients
 from chunkstar.runtime.hook_targets import HookTargets
 from chunkstar.runtime.iteration import Iteration
@@ -157,11 +158,15 @@ class ChunkEngine:
                 self.events, self.comm, make_copy_engine(cfg.device, cfg.overlap, cfg.device_link_bandwidth), cursor,
                 cfg.device_memory_slack,
             )  # fmt: skip
+            if cfg.disk is not None:  # Note [disk tier]: the state lists' chunks live in files
+                names = [ChunkList(n) for n in cfg.disk.lists]
+                self.mgr.attach_disk(DiskTier(cfg.disk, self.mgr.disk_chunks(names), run_tag=self.run_id, rank=self.comm.rank))
             # the chunks get their values (Note [construction]): host memory peaks at about the
             # chunks' own bytes, never at the whole model beside them
             self.construction = fill_chunks(
-                model, self._params, layout, self.mgr, self.mgr.allocate_on_host, model_func=model_func, source=source
-            )
+                model, self._params, layout, self.mgr, self.mgr.allocate_on_host, model_func=model_func, source=source,
+                wave_bytes=self.mgr.disk.budget if self.mgr.disk is not None else 0,
+            )  # fmt: skip
         finally:
             if source is not None:
                 source.close()
@@ -386,6 +391,9 @@ class ChunkEngine:
         """Chunk ``chunk_id``'s values: its fp32 master, or a frozen chunk's param chunk in fp32."""
         if self.mgr.frozen(chunk_id):
             return self.mgr.chunk(ChunkList.PARAM, chunk_id).payload.float()
+        if self.mgr.on_disk(ChunkList.MASTER):  # a copy: the staging buffer goes back (Note [disk tier])
+            with self.mgr.staged([(ChunkList.MASTER, chunk_id)], write=False):
+                return self.mgr.chunk(ChunkList.MASTER, chunk_id).payload.clone()
         return self.mgr.chunk(ChunkList.MASTER, chunk_id).payload
 
     def full_masters(self) -> dict[int, torch.Tensor]:
@@ -483,22 +491,26 @@ class ChunkEngine:
         if strict and (missing or unexpected):
             raise KeyError(f"state dict mismatch: missing keys {missing}, unexpected keys {unexpected}")
         mgr = self.mgr
+        for key, t in own.items():
+            if key in state_dict and tuple(state_dict[key].shape) != tuple(t.shape):
+                raise ValueError(f"'{key}': shape {tuple(state_dict[key].shape)} in the state dict, {tuple(t.shape)} in the model")
+        by_chunk: dict[int, list[tuple[TensorSlot, torch.Tensor]]] = {}
         with torch.no_grad(), mgr.probe.paused():
             for key, t in own.items():
                 if key not in state_dict:
                     continue
-                src = state_dict[key]
-                if tuple(src.shape) != tuple(t.shape):
-                    raise ValueError(f"'{key}': shape {tuple(src.shape)} in the state dict, {tuple(t.shape)} in the model")
                 s = slots.get(id(t))
                 if s is None:
-                    t.data.copy_(src)
-                    continue
-                if not mgr.own(s.chunk_id):
-                    continue  # its owner loads it (any world size can load a full state dict)
-                if not mgr.frozen(s.chunk_id):
-                    mgr.slot_view(ChunkList.MASTER, s).copy_(src.reshape(-1))
-                mgr.slot_view(ChunkList.PARAM, s).copy_(src.reshape(-1))
+                    t.data.copy_(state_dict[key])
+                elif mgr.own(s.chunk_id):  # else its owner loads it (any world size can load a full state dict)
+                    by_chunk.setdefault(s.chunk_id, []).append((s, state_dict[key]))
+            for cid, members in sorted(by_chunk.items()):  # one chunk at a time (staged from disk, if there)
+                trainable = not mgr.frozen(cid)
+                with mgr.staged([(ChunkList.MASTER, cid)] if trainable else [], write=True):
+                    for s, src in members:
+                        if trainable:
+                            mgr.slot_view(ChunkList.MASTER, s).copy_(src.reshape(-1))
+                        mgr.slot_view(ChunkList.PARAM, s).copy_(src.reshape(-1))
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
@@ -533,7 +545,15 @@ class ChunkEngine:
             "stage": self.mgr.stage.value,
             "schedule": self.schedule.phase.value,
             "replans": self.schedule.replans,
+            **(self.mgr.disk.stats() if self.mgr.disk is not None else {}),
         }
+
+    def close(self) -> None:
+        """Finish the work in flight and delete the disk tier's chunk files (if any). The
+        engine is not usable afterwards; the files also go when the engine is collected."""
+        self.host_work.close()
+        if self.mgr.disk is not None:
+            self.mgr.disk.close()
 
     def remove_hooks(self) -> None:
         """Detach the engine from the model: hooks off, parameters back to their own class."""

@@ -162,10 +162,11 @@ class Gradients:
                         mgr.set_state(s.index, TensorState.HOLD)
                     continue
                 p = mgr.chunk(ChunkList.PARAM, cid).payload
-                master = mgr.chunk(ChunkList.MASTER, cid).payload.to(p.device)
-                for s in slots:
-                    p[s.offset : s.end].copy_(master[s.offset : s.end])
-                    mgr.set_state(s.index, TensorState.HOLD)
+                with mgr.staged([(ChunkList.MASTER, cid)], write=False):  # from disk, if it lives there
+                    master = mgr.chunk(ChunkList.MASTER, cid).payload.to(p.device)
+                    for s in slots:
+                        p[s.offset : s.end].copy_(master[s.offset : s.end])
+                        mgr.set_state(s.index, TensorState.HOLD)
 
     def drop_pending(self) -> None:
         """Forget every gradient not consumed by a step (zero_grad without a step, a failed backward)."""

@@ -57,7 +57,7 @@ class Iteration:
         self.accumulation_steps = cfg.gradient_accumulation_steps
         self.prefetch = cfg.prefetch
         self.prefetch_window = prefetch_window
-        self.hybrid_adam = cfg.hybrid_adam
+        self.hybrid_adam = cfg.hybrid_adam and cfg.disk is None  # state on disk is updated on the host (Note [disk tier])
         # the iteration and its schedule (Note [iteration] in runtime/schedule.py)
         self.schedule = Schedule(mgr, cursor, comm, cfg.device, events, on_freeze=self._plan_adam)
         self.device_adam_chunks: set[int] = set()  # chunks whose Adam runs on the device (hybrid Adam)

@@ -75,6 +75,7 @@ class ParamAccess:
         self._sd_depth = 0  # nesting of module.state_dict() calls in progress
         self._sd_memo: dict[int, torch.Tensor] = {}  # slot index -> fp32 value handed out in this state_dict()
         self._sd_masters: dict[int, torch.Tensor] | None = None  # gathered master chunks (several processes)
+        self._sd_chunk: tuple[int, torch.Tensor] | None = None  # the last master chunk staged from disk, a copy
         self._gathered: set[int] = set()  # slot indices inside gathered_parameters()
         # the engine's hook targets and iteration, which take part in reads during a model
         # pass; they are built after this object (they reset it), so the engine connects them
@@ -208,14 +209,22 @@ class ParamAccess:
         if not all(mgr.own(mgr.slots[indices[k]].chunk_id) for k in mutated):
             # its owner writes it: every rank runs the same code (Note [collective schedule])
             return args[0] if args else None
-        masters: dict[int, torch.Tensor] = {}
-        for key, i in indices.items():
+        for i in indices.values():
             s = mgr.slots[i]
             if not mgr.own(s.chunk_id):
                 raise ChunkStateError(
                     f"{op_name(func)}() reads parameter '{s.name}', which another rank keeps; {GATHER_HINT}"
                 )
-            masters[key] = mgr.value_view(s).view(s.shape)
+        # masters on disk are staged in for the op and written back (Note [disk tier])
+        with mgr.staged([(ChunkList.MASTER, mgr.slots[i].chunk_id) for i in indices.values()
+                         if not mgr.frozen(mgr.slots[i].chunk_id)], write=True):  # fmt: skip
+            return self._write_through_staged(func, args, kwargs, indices, mutated)
+
+    def _write_through_staged(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], indices: dict[int, int], mutated: set[int]
+    ) -> Any:
+        mgr = self.mgr
+        masters = {key: mgr.value_view(mgr.slots[i]).view(mgr.slots[i].shape) for key, i in indices.items()}
         with torch.no_grad():
             out = plain(func, substitute(args, masters), substitute(kwargs, masters))
             for key in mutated:
@@ -241,8 +250,9 @@ class ParamAccess:
         if mgr.states[index] is TensorState.HOLD_AFTER_BWD:
             if not mgr.own(s.chunk_id):
                 raise ChunkStateError(f"parameter '{s.name}' is kept by another rank; {GATHER_HINT}")
-            master = mgr.slot_view(ChunkList.MASTER, s)
-            return master.to(device=self.engine.device, dtype=chunk.dtype).view(s.shape)
+            with mgr.staged([(ChunkList.MASTER, s.chunk_id)], write=False):
+                master = mgr.slot_view(ChunkList.MASTER, s)
+                return master.to(device=self.engine.device, dtype=chunk.dtype, copy=True).view(s.shape)
         if chunk.location is ChunkLocation.RELEASED:
             raise ChunkStateError(
                 f"parameter '{s.name}' is kept by another rank (several processes shard the parameters); {GATHER_HINT}"
@@ -311,15 +321,21 @@ class ParamAccess:
             try:
                 if writeback:
                     with torch.no_grad():
+                        by_chunk: dict[int, list[tuple[int, torch.Tensor]]] = {}
                         for i, p in zip(indices, params):
-                            s = mgr.slots[i]
-                            if not mgr.own(s.chunk_id):
+                            by_chunk.setdefault(mgr.slots[i].chunk_id, []).append((i, p))
+                        for cid, members in by_chunk.items():
+                            if not mgr.own(cid):
                                 continue  # its owner writes it back
-                            src = p.data.reshape(-1)
-                            if not mgr.frozen(s.chunk_id):
-                                mgr.slot_view(ChunkList.MASTER, s).copy_(src)
-                            if mgr.states[i] is not TensorState.HOLD_AFTER_BWD:  # else the slot holds the gradient
-                                mgr.slot_view(ChunkList.PARAM, s).copy_(src)
+                            trainable = not mgr.frozen(cid)
+                            with mgr.staged([(ChunkList.MASTER, cid)] if trainable else [], write=True):
+                                for i, p in members:
+                                    s = mgr.slots[i]
+                                    src = p.data.reshape(-1)
+                                    if trainable:
+                                        mgr.slot_view(ChunkList.MASTER, s).copy_(src)
+                                    if mgr.states[i] is not TensorState.HOLD_AFTER_BWD:  # else the slot holds the gradient
+                                        mgr.slot_view(ChunkList.PARAM, s).copy_(src)
             finally:
                 for i, p in zip(indices, params):
                     p.data = eng.param_view(i)
@@ -332,17 +348,20 @@ class ParamAccess:
         if self._sd_depth == 1:
             self._sd_memo = {}
             self._sd_masters = None  # gathered on first use (every rank runs the same state_dict() calls)
+            self._sd_chunk = None
 
     def end_state_dict(self) -> None:
         self._sd_depth = max(0, self._sd_depth - 1)
         if self._sd_depth == 0:
             self._sd_memo = {}
             self._sd_masters = None
+            self._sd_chunk = None
 
     def reset(self) -> None:
         self._sd_depth = 0
         self._sd_memo = {}
         self._sd_masters = None
+        self._sd_chunk = None
 
     def state_dict_value(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s fp32 master value as a CPU tensor of its own (one
@@ -356,6 +375,12 @@ class ParamAccess:
             if self._sd_masters is None:
                 self._sd_masters = self.engine.full_masters()
             src = self._sd_masters[s.chunk_id][s.offset : s.end]
+        elif mgr.on_disk(ChunkList.MASTER) and not mgr.frozen(s.chunk_id):
+            # staged in once per chunk: state_dict() visits the parameters in about chunk order
+            if self._sd_chunk is None or self._sd_chunk[0] != s.chunk_id:
+                with mgr.staged([(ChunkList.MASTER, s.chunk_id)], write=False):
+                    self._sd_chunk = (s.chunk_id, mgr.chunk(ChunkList.MASTER, s.chunk_id).payload.clone())
+            src = self._sd_chunk[1][s.offset : s.end]
         else:
             src = mgr.value_view(s)  # the master, or a frozen parameter's param slot
         value = src.detach().to("cpu", dtype=torch.float32, copy=True).view(s.shape)

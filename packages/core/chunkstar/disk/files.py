@@ -1,0 +1,492 @@
+"""The chunk files of the disk tier: one preallocated file per (rank, list), one aligned slot per chunk.
+
+Mechanism only. :class:`ChunkFiles` knows *how* to move one chunk's bytes
+between a host tensor and its slot on disk, exactly and at disk bandwidth; it
+does not decide which lists live on disk, when a chunk is read or written back,
+or where its host buffer comes from (the runtime, :mod:`chunkstar.disk.io_lanes`
+and :mod:`chunkstar.disk.staging` do). It is not a checkpoint: the files are a
+cache of one run's state, never reopened, never fsynced, and deleted at a
+clean end (:meth:`ChunkFiles.remove`).
+
+Layout: the file of list ``L`` of rank ``r`` is ``chunkstar-r<r>-<L>.chunks``;
+this rank's chunk ids (it may own only some: ZeRO-style sharding) are stored in
+increasing order, each at an offset that is a multiple of 4096
+(:data:`~chunkstar.disk.blockio.ALIGNMENT`), its slot padded up to the next
+multiple. Each list has its own sizes (a bf16 param list beside fp32 state). A
+slot never written reads as zeros (the file is preallocated with
+``posix_fallocate``). Who may use the directory, and what happens to stale
+files of an earlier run, is Note [directory claim] in :mod:`chunkstar.disk.claim`.
+
+Reads and writes go through ``O_DIRECT`` (``direct=True``, the default:
+Note [direct I/O] in :mod:`chunkstar.disk.blockio`) when the buffer's address is
+4096-aligned; an unaligned buffer is moved through the page cache instead (and
+counted in :attr:`DiskIOStats.buffered_fallbacks`), and a filesystem that
+refuses ``O_DIRECT`` (``EINVAL``: tmpfs, some network filesystems) turns it off
+for good, the reason kept in :attr:`ChunkFiles.direct_fallback`. Buffered
+transfers drop their pages afterwards (``POSIX_FADV_DONTNEED``; a write is
+first written back): the page cache must not hold a second copy of the state.
+
+Thread-safety: reads and writes may run on several threads at once (positional
+I/O on shared descriptors; the counters are locked), but two transfers of the
+same slot, or one of a tensor another thread is changing, must be ordered by
+the caller (the I/O lanes' ``after``). :meth:`close` and :meth:`remove` must
+come after every transfer has finished.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import os
+import shutil
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Mapping, Sequence
+
+import torch
+
+from chunkstar.disk.blockio import (
+    ALIGNMENT,
+    FADV_DONTNEED,
+    FADV_SEQUENTIAL,
+    FADV_WILLNEED,
+    O_DIRECT,
+    advise,
+    aligned_empty,
+    byte_view,
+    is_aligned,
+    pread_full,
+    pwrite_full,
+    round_up,
+    write_back,
+)
+from chunkstar.disk.claim import DirectoryClaim, OnStale, chunk_file_name, claim_directory
+from chunkstar.disk.errors import DiskFullError, DiskTierError
+
+__all__ = ["ChunkFiles", "DiskIOStats", "FilesState"]
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+class FilesState(enum.Enum):
+    OPEN = "open"
+    """The rank lock is held and the files are open: chunks can be read and written."""
+    CLOSED = "closed"
+    """Lock released, descriptors closed; the files stay on disk (a later run finds them stale)."""
+    REMOVED = "removed"
+    """The files, the manifest and the lock file are deleted; nothing is left on disk."""
+
+
+@dataclass(frozen=True)
+class DiskIOStats:
+    """What the files have moved so far (a snapshot)."""
+
+    bytes_read: int
+    bytes_written: int
+    read_seconds: float
+    """Wall time inside :meth:`ChunkFiles.read_into`, summed over threads."""
+    write_seconds: float
+    """Wall time inside :meth:`ChunkFiles.write_from`, write-back included, summed over threads."""
+    reads: int
+    writes: int
+    buffered_fallbacks: int
+    """Transfers that went through the page cache although direct I/O was on: an unaligned buffer."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class _ListFile:
+    name: str
+    path: Path
+    size: int  # bytes, every slot padded to ALIGNMENT
+    slots: dict[int, _Slot]
+    fd: int = -1  # buffered descriptor
+    direct_fd: int = -1  # O_DIRECT descriptor of the same file, -1 if none
+
+
+def _close_fds(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+def _per_list(
+    lists: Sequence[str], chunk_nbytes: Mapping[int, int] | Mapping[str, Mapping[int, int]]
+) -> dict[str, dict[int, int]]:
+    """``chunk_nbytes`` as list -> chunk id -> bytes, checked."""
+    names = list(lists)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"lists={names!r}: expected one or more distinct list names")
+    keys = list(chunk_nbytes)
+    per: dict[str, Mapping[int, int]]
+    if keys and all(isinstance(k, str) for k in keys):
+        per = dict(chunk_nbytes)  # type: ignore[arg-type]
+        if set(per) != set(names):
+            raise ValueError(f"chunk_nbytes has sizes for lists {sorted(per)}, expected exactly {sorted(names)}")
+    else:
+        per = {name: chunk_nbytes for name in names}  # type: ignore[misc]
+    out: dict[str, dict[int, int]] = {}
+    for name in names:
+        chunk_file_name(0, name)  # checks the name can be part of a file name
+        sizes: dict[int, int] = {}
+        for cid, nbytes in per[name].items():
+            if not isinstance(cid, int) or cid < 0 or not isinstance(nbytes, int) or nbytes <= 0:
+                raise ValueError(
+                    f"chunk_nbytes of list {name!r}: chunk {cid!r} -> {nbytes!r}: expected chunk id >= 0 -> bytes > 0"
+                )
+            sizes[cid] = nbytes
+        out[name] = sizes
+    return out
+
+
+class ChunkFiles:
+    """This rank's chunk files in one directory (see the module docstring); make one with :meth:`create`."""
+
+    def __init__(self, claim: DirectoryClaim, files: dict[str, _ListFile], direct_fallback: str | None) -> None:
+        self._claim = claim
+        self._files = files
+        self._direct_fallback = direct_fallback
+        self._state = FilesState.OPEN
+        self._lock = threading.Lock()  # guards the counters and the direct-I/O switch
+        self._bytes_read = self._bytes_written = self._reads = self._writes = self._fallbacks = 0
+        self._read_s = self._write_s = 0.0
+        self._fds = [fd for f in files.values() for fd in (f.fd, f.direct_fd) if fd >= 0]
+        # descriptors (and with them the rank lock) must not outlive a ChunkFiles dropped unclosed
+        self._finalizer = weakref.finalize(self, _close_fds, self._fds)
+        self._claim_finalizer = weakref.finalize(self, claim.close)
+
+    @classmethod
+    def create(
+        cls,
+        directory: str | os.PathLike[str],
+        *,
+        run_tag: str,
+        rank: int,
+        lists: Sequence[str],
+        chunk_nbytes: Mapping[int, int] | Mapping[str, Mapping[int, int]],
+        on_stale: OnStale = "refuse",
+        direct: bool = True,
+    ) -> ChunkFiles:
+        """Claim ``directory`` for this rank (Note [directory claim]: stale files are refused or
+        wiped as ``on_stale`` says), check the free space, preallocate one file per list and
+        write the manifest. ``chunk_nbytes``: chunk id -> bytes of this rank's chunks, the same
+        for every list, or list -> (chunk id -> bytes) when the lists differ. ``direct``: use
+        ``O_DIRECT`` where the filesystem allows it (faster here: Note [direct I/O])."""
+        sizes = _per_list(lists, chunk_nbytes)
+        root = Path(directory)
+        files: dict[str, _ListFile] = {}
+        for name, per_chunk in sizes.items():
+            slots, offset = {}, 0
+            for cid in sorted(per_chunk):
+                slots[cid] = _Slot(offset, per_chunk[cid])
+                offset += round_up(per_chunk[cid])
+            files[name] = _ListFile(name, root / chunk_file_name(rank, name), offset, slots)
+        needed = sum(f.size for f in files.values())
+
+        claim = claim_directory(root, run_tag=run_tag, rank=rank, on_stale=on_stale)
+        opened: list[int] = []
+        made: list[Path] = []
+        try:
+            free = shutil.disk_usage(root).free
+            if needed > free:  # before anything is allocated
+                raise DiskFullError(root, needed, free)
+            remaining = needed
+            for f in files.values():
+                f.fd = os.open(f.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                opened.append(f.fd)
+                made.append(f.path)
+                _preallocate(f, remaining)
+                remaining -= f.size
+                advise(f.fd, 0, 0, FADV_SEQUENTIAL)
+            fallback = None if direct else "direct=False"
+            if direct:
+                fallback = _open_direct(files, opened)
+            claim.write_manifest(
+                {
+                    "alignment": ALIGNMENT,
+                    "direct": fallback is None,
+                    "lists": {
+                        f.name: {
+                            "file": f.path.name,
+                            "bytes": f.size,
+                            "chunks": {str(c): {"offset": s.offset, "nbytes": s.nbytes} for c, s in f.slots.items()},
+                        }
+                        for f in files.values()
+                    },
+                }
+            )
+        except BaseException as e:
+            _close_fds(opened)
+            claim.release(delete=made)
+            if isinstance(e, OSError):  # a permission, a read-only filesystem, ...
+                raise DiskTierError(f"chunkstar disk tier: creating the chunk files in {root} failed: {e}") from e
+            raise
+        return cls(claim, files, fallback)
+
+    # -- what is stored ----------------------------------------------------------------
+
+    @property
+    def state(self) -> FilesState:
+        return self._state
+
+    @property
+    def directory(self) -> Path:
+        return self._claim.directory
+
+    @property
+    def rank(self) -> int:
+        return self._claim.rank
+
+    @property
+    def run_tag(self) -> str:
+        return self._claim.run_tag
+
+    @property
+    def lists(self) -> tuple[str, ...]:
+        return tuple(self._files)
+
+    def chunk_ids(self, list_name: str) -> tuple[int, ...]:
+        """This rank's chunk ids stored in ``list_name``, in increasing order."""
+        return tuple(self._file(list_name).slots)
+
+    def nbytes(self, list_name: str, chunk_id: int) -> int:
+        """The bytes of one chunk (what :meth:`read_into` and :meth:`write_from` move)."""
+        return self._slot(list_name, chunk_id)[1].nbytes
+
+    def path(self, list_name: str) -> Path:
+        return self._file(list_name).path
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes preallocated on disk, all lists together (slots padded to 4096)."""
+        return sum(f.size for f in self._files.values())
+
+    @property
+    def direct(self) -> bool:
+        """Whether aligned buffers move by ``O_DIRECT`` (False once the filesystem refused it)."""
+        return self._direct_fallback is None
+
+    @property
+    def direct_fallback(self) -> str | None:
+        """Why direct I/O is off (asked off, or refused by the filesystem), None while it is on."""
+        return self._direct_fallback
+
+    @property
+    def stats(self) -> DiskIOStats:
+        with self._lock:
+            return DiskIOStats(
+                self._bytes_read,
+                self._bytes_written,
+                self._read_s,
+                self._write_s,
+                self._reads,
+                self._writes,
+                self._fallbacks,
+            )
+
+    # -- moving bytes ------------------------------------------------------------------
+
+    def read_into(self, list_name: str, chunk_id: int, dst: torch.Tensor) -> None:
+        """Fill ``dst`` (contiguous, 1-D, CPU, any dtype, exactly the chunk's bytes) with the
+        chunk's bytes on disk, bit for bit; returns once they are in ``dst``."""
+        f, slot = self._slot(list_name, chunk_id)
+        view = _check_buffer(f, chunk_id, slot, dst, "read_into")
+        t0 = time.perf_counter()
+        try:
+            self._move(f, slot, view, dst, write=False)
+        except (OSError, EOFError) as e:
+            raise self._failure(e, "reading", f, chunk_id, slot) from e
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._bytes_read += slot.nbytes
+            self._read_s += dt
+            self._reads += 1
+
+    def write_from(self, list_name: str, chunk_id: int, src: torch.Tensor) -> None:
+        """Write ``src`` (contiguous, 1-D, CPU, exactly the chunk's bytes) to the chunk's slot;
+        returns once the bytes are on the device, out of the page cache, so ``src`` may be reused."""
+        f, slot = self._slot(list_name, chunk_id)
+        view = _check_buffer(f, chunk_id, slot, src, "write_from")
+        t0 = time.perf_counter()
+        try:
+            self._move(f, slot, view, src, write=True)
+        except (OSError, EOFError) as e:
+            raise self._failure(e, "writing", f, chunk_id, slot) from e
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._bytes_written += slot.nbytes
+            self._write_s += dt
+            self._writes += 1
+
+    def _move(self, f: _ListFile, slot: _Slot, view: memoryview, t: torch.Tensor, *, write: bool) -> None:
+        if self._direct_fallback is None and f.direct_fd >= 0:
+            if is_aligned(t):
+                try:
+                    _move_direct(f.direct_fd, slot, view, write=write)
+                    return
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    reason = f"{f.path}: O_DIRECT transfers refused ({e.strerror}); buffered from then on"
+                    with self._lock:  # the filesystem took the open flag but refuses the I/O
+                        self._direct_fallback = reason
+            else:
+                with self._lock:
+                    self._fallbacks += 1
+        if write:
+            pwrite_full(f.fd, view, slot.offset)
+            write_back(f.fd, slot.offset, slot.nbytes)  # the pages must be clean to be dropped
+        else:
+            advise(f.fd, slot.offset, slot.nbytes, FADV_WILLNEED)
+            pread_full(f.fd, view, slot.offset)
+        advise(f.fd, slot.offset, slot.nbytes, FADV_DONTNEED)
+
+    # -- lookups and errors --------------------------------------------------------------
+
+    def _file(self, list_name: str) -> _ListFile:
+        if self._state is not FilesState.OPEN:
+            raise DiskTierError(f"chunkstar disk tier: the chunk files in {self.directory} are {self._state.value}")
+        try:
+            return self._files[list_name]
+        except KeyError:
+            on_disk = list(self._files)
+            raise ValueError(f"list {list_name!r} is not on disk here; the lists on disk are {on_disk}") from None
+
+    def _slot(self, list_name: str, chunk_id: int) -> tuple[_ListFile, _Slot]:
+        f = self._file(list_name)
+        try:
+            return f, f.slots[chunk_id]
+        except KeyError:
+            ids = list(f.slots)
+            shown = ", ".join(map(str, ids[:16])) + (", ..." if len(ids) > 16 else "")
+            raise ValueError(
+                f"chunk {chunk_id!r} of list {list_name!r} is not stored by rank {self.rank} (its chunks: {shown})"
+            ) from None
+
+    def _failure(self, e: BaseException, doing: str, f: _ListFile, cid: int, slot: _Slot) -> DiskTierError:
+        where = f"chunk {cid} of list {f.name!r} ({slot.nbytes} bytes at offset {slot.offset} of {f.path})"
+        if isinstance(e, OSError) and e.errno in _NO_SPACE:
+            return DiskFullError(f.path, slot.nbytes, _free_bytes(f.path), where=where)
+        if isinstance(e, EOFError):
+            return DiskTierError(
+                f"chunkstar disk tier: {doing} {where}: the file is shorter than its manifest says ({e})"
+            )
+        return DiskTierError(f"chunkstar disk tier: {doing} {where} failed: {e}")
+
+    # -- the end -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the files and release the rank lock, leaving the files on disk; idempotent."""
+        if self._state is FilesState.OPEN:
+            self._state = FilesState.CLOSED
+            self._finalizer()
+            self._claim_finalizer()
+
+    def remove(self) -> None:
+        """Delete this rank's files, manifest and lock (a clean end), then close; idempotent."""
+        if self._state is FilesState.REMOVED:
+            return
+        if self._state is FilesState.CLOSED:
+            raise DiskTierError(
+                f"chunkstar disk tier: remove() after close(): the lock on {self.directory} is released, so "
+                f"another run may own those files now; delete them by hand if they are this run's"
+            )
+        self._finalizer()
+        self._state = FilesState.REMOVED
+        self._claim.release(delete=[f.path for f in self._files.values()])
+
+    def __enter__(self) -> ChunkFiles:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # The files cannot be reopened (a cache, not a checkpoint): leaving them would only
+        # cost disk space and a stale-files refusal at the next start.
+        self.remove()
+
+    def __repr__(self) -> str:
+        return (
+            f"ChunkFiles({self.directory}, rank={self.rank}, lists={[str(n) for n in self._files]}, "
+            f"bytes={self.file_bytes}, direct={self.direct}, state={self.state.value})"
+        )
+
+
+def _check_buffer(f: _ListFile, cid: int, slot: _Slot, t: torch.Tensor, op: str) -> memoryview:
+    nbytes = t.numel() * t.element_size()
+    if t.dim() != 1 or nbytes != slot.nbytes or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(
+            f"{op}: chunk {cid} of list {f.name!r} is {slot.nbytes} bytes; expected a contiguous 1-D CPU tensor "
+            f"of exactly that, got shape {tuple(t.shape)} of {t.dtype} ({nbytes} bytes) on {t.device}, "
+            f"contiguous: {t.is_contiguous()}"
+        )
+    return byte_view(t)
+
+
+def _move_direct(fd: int, slot: _Slot, view: memoryview, *, write: bool) -> None:
+    """One chunk by O_DIRECT: the aligned body straight to or from the buffer, the tail (a
+    chunk of a size that is not a multiple of 4096) through an aligned block of padding."""
+    body = slot.nbytes - slot.nbytes % ALIGNMENT
+    tail = slot.nbytes - body
+    if body:
+        (pwrite_full if write else pread_full)(fd, view[:body], slot.offset)
+    if tail:
+        block = aligned_empty(ALIGNMENT)  # 1-D uint8 host, 4096-aligned
+        bview = byte_view(block)
+        if write:
+            block.zero_()
+            bview[:tail] = view[body:]
+            pwrite_full(fd, bview, slot.offset + body)
+        else:
+            pread_full(fd, bview, slot.offset + body)  # the slot is padded: the block is in the file
+            view[body:] = bview[:tail]
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path.parent).free
+    except OSError:
+        return -1
+
+
+def _preallocate(f: _ListFile, still_needed: int) -> None:
+    """Reserve the file's blocks now, so that a full disk shows at start-up, not mid-step."""
+    if f.size == 0:
+        return
+    try:
+        os.posix_fallocate(f.fd, 0, f.size)
+    except OSError as e:
+        if e.errno in _NO_SPACE:
+            raise DiskFullError(f.path, still_needed, _free_bytes(f.path)) from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise DiskTierError(f"chunkstar disk tier: allocating {f.size} bytes for {f.path} failed: {e}") from e
+        # a filesystem without fallocate: a sparse file (a full disk then shows at the first write)
+        os.ftruncate(f.fd, f.size)
+
+
+def _open_direct(files: dict[str, _ListFile], opened: list[int]) -> str | None:
+    """Open an O_DIRECT descriptor beside each buffered one; the reason if it cannot be done."""
+    if not O_DIRECT:
+        return "this platform has no O_DIRECT"
+    for f in files.values():
+        try:
+            f.direct_fd = os.open(f.path, os.O_RDWR | O_DIRECT | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise DiskTierError(f"chunkstar disk tier: opening {f.path} for direct I/O failed: {e}") from e
+            for g in files.values():
+                if g.direct_fd >= 0:
+                    opened.remove(g.direct_fd)
+                    os.close(g.direct_fd)
+                    g.direct_fd = -1
+            return f"the filesystem of {f.path} refused O_DIRECT ({e.strerror})"
+        opened.append(f.direct_fd)
+    return None

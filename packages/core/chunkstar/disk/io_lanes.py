@@ -1,0 +1,159 @@
+"""Asynchronous chunk reads and writes: the disk tier's read-ahead lane and write-behind lane.
+
+Mechanism only (DESIGN §11-12): a :class:`DiskLanes` queues transfers of
+:class:`~chunkstar.disk.files.ChunkFiles` chunks on two worker threads, one
+for reads and one for writes (a disk reads and writes at once, and a write
+behind must not hold up the read ahead), each running its jobs in the order
+they were queued. Each transfer returns an event with ``wait()`` and
+``done()`` (a :class:`~chunkstar.device.copy_engine.CopyEvent`), so a consumer
+waits for one chunk, never for the disk. What to read ahead and how far is
+not decided here: the runtime does, bounded by the host buffers of
+:class:`~chunkstar.disk.staging.StagingBuffers`.
+
+Ordering is the caller's to state: ``after=`` makes a job wait for an event
+first (a write-behind waits for the optimizer's update of its buffer; a read
+of a chunk whose write-behind is still queued waits for that write). An
+``after`` must belong to another lane or be queued earlier on this one: a lane
+waiting for a later job of its own would wait forever. The debug setting
+``CHUNKSTAR_DEBUG_COPY_DELAY_MS=lo-hi`` (as for the copy engines) sleeps a
+random time before each transfer, so a missing wait shows up in tests as a
+wrong result rather than on a customer's disk.
+
+A transfer that fails raises, to everyone who waits on its event, a
+:class:`~chunkstar.disk.errors.DiskTierError` that names the file (a full disk
+stays a :class:`~chunkstar.disk.errors.DiskFullError`). The worker carries on
+with the next job: the run is failing, but its other events still resolve.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from chunkstar.device.copy_engine import CopyEvent, debug_delay_from_env
+from chunkstar.disk.errors import DiskTierError
+from chunkstar.disk.files import ChunkFiles
+
+__all__ = ["DiskEvent", "DiskLanes"]
+
+
+class DiskEvent:
+    """The event of one queued transfer: :meth:`wait` returns once it is done, or raises its failure."""
+
+    def __init__(self, future: Future[None], what: str) -> None:
+        self._future = future
+        self._what = what
+
+    def wait(self) -> None:
+        try:
+            self._future.result()
+        except DiskTierError:
+            raise  # it already names the file
+        except BaseException as e:
+            raise DiskTierError(f"chunkstar disk tier: {self._what} failed on the I/O thread: {e!r}") from e
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def __repr__(self) -> str:
+        return f"DiskEvent({self._what}, done={self.done()})"
+
+
+class _Lane:
+    """One worker thread running transfers in the order they were queued, each after a
+    random debug delay if one is set."""
+
+    def __init__(self, name: str, delay: tuple[float, float] | None, seed: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._delay = delay
+        self._rng = random.Random(seed)
+        self._rng_lock = threading.Lock()  # submitters may be on several threads
+
+    def submit(self, fn: Callable[[], None], after: CopyEvent | None, what: str) -> DiskEvent:
+        pause = 0.0
+        if self._delay is not None:
+            with self._rng_lock:
+                pause = self._rng.uniform(*self._delay)
+
+        def job() -> None:
+            if after is not None:
+                after.wait()
+            if pause:
+                time.sleep(pause)
+            fn()
+
+        return DiskEvent(self._pool.submit(job), what)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)  # queued transfers finish: a write-behind is not dropped
+
+
+class DiskLanes:
+    """A read lane and a write lane over one :class:`ChunkFiles` (see the module docstring).
+
+    ``delay``: a random pause of (low, high) seconds before each transfer; None takes the
+    debug setting ``CHUNKSTAR_DEBUG_COPY_DELAY_MS`` (unset: no pause)."""
+
+    def __init__(self, files: ChunkFiles, *, delay: tuple[float, float] | None = None) -> None:
+        self.files = files
+        if delay is None:
+            delay = debug_delay_from_env()
+        self.delay = delay
+        self._reads = _Lane("chunkstar-disk-read", delay, seed=2)
+        self._writes = _Lane("chunkstar-disk-write", delay, seed=3)
+
+    def read(self, list_name: str, chunk_id: int, dst: torch.Tensor, after: CopyEvent | None = None) -> DiskEvent:
+        """Queue ``files.read_into(list_name, chunk_id, dst)`` once ``after`` is done; ``dst``
+        must not be read (nor written) until the event is."""
+        self._check(list_name, chunk_id, dst)
+        files = self.files
+        what = f"reading chunk {chunk_id} of list {list_name!r} from {files.path(list_name)}"
+        return self._reads.submit(lambda: files.read_into(list_name, chunk_id, dst), after, what)
+
+    def write(
+        self,
+        list_name: str,
+        chunk_id: int,
+        src: torch.Tensor,
+        after: CopyEvent | None = None,
+        then: Callable[[], None] | None = None,
+    ) -> DiskEvent:
+        """Queue ``files.write_from(list_name, chunk_id, src)`` once ``after`` is done (the update
+        that wrote ``src``); ``then`` runs on the write lane once the bytes are on disk and only
+        if they are (giving the buffer back, say). ``src`` must not change until the event is done."""
+        self._check(list_name, chunk_id, src)
+        files = self.files
+        what = f"writing chunk {chunk_id} of list {list_name!r} to {files.path(list_name)}"
+
+        def job() -> None:
+            files.write_from(list_name, chunk_id, src)
+            if then is not None:
+                then()
+
+        return self._writes.submit(job, after, what)
+
+    def drain(self) -> None:
+        """Return once every transfer queued so far has finished (failures are raised to their
+        own events' waiters, not here)."""
+        marks = [lane.submit(lambda: None, None, "drain") for lane in (self._reads, self._writes)]
+        for mark in marks:
+            mark.wait()
+
+    def close(self) -> None:
+        """Finish the queued transfers and stop both threads (the files stay open: their owner closes them)."""
+        self._reads.close()
+        self._writes.close()
+
+    def _check(self, list_name: str, chunk_id: int, t: torch.Tensor) -> None:
+        # in the caller's thread: a wrong buffer is the caller's bug, raised where it was made
+        nbytes = self.files.nbytes(list_name, chunk_id)
+        if t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous() or t.numel() * t.element_size() != nbytes:
+            raise ValueError(
+                f"chunk {chunk_id} of list {list_name!r} is {nbytes} bytes; expected a contiguous 1-D CPU tensor of "
+                f"exactly that, got shape {tuple(t.shape)} of {t.dtype} on {t.device}"
+            )

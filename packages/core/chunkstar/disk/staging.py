@@ -1,0 +1,149 @@
+"""The host staging buffers of the disk tier: a bounded, reusing pool for chunks between disk and optimizer.
+
+Mechanism only. With the optimizer state on disk, host memory holds only the
+chunks on their way: read ahead and waiting for the optimizer, being updated,
+or waiting for their write-behind. :class:`StagingBuffers` bounds those bytes:
+:meth:`~StagingBuffers.take` blocks until the budget has room, so a read-ahead
+can never run host memory out, and :meth:`~StagingBuffers.give_back` (the
+write-behind's ``then``, typically) makes the room again. How far ahead to read
+is the runtime's policy; this pool only says "not yet".
+
+Freed buffers are kept and handed out again to a request of the same size: a
+fresh 64 MiB buffer page-faults on first touch (about as long as reading it
+from a fast disk), a reused one does not. Kept buffers count against the
+budget too, so what the pool holds, lent or kept, never exceeds it; a request
+that fits only once kept buffers of other sizes are dropped drops them.
+Requests are served in the order they arrive, so a large one is not starved
+by a stream of small ones. ``aligned=True`` makes every buffer start at a
+multiple of 4096 bytes, as ``O_DIRECT`` needs (each then costs up to 4 KiB
+more than its size, not counted in the budget). Thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import torch
+
+from chunkstar.disk.blockio import aligned_empty
+from chunkstar.errors import _fmt as _fmt_bytes
+
+__all__ = ["StagingBuffers"]
+
+
+class StagingBuffers:
+    """At most ``budget_bytes`` of host buffers (lent and kept together); see the module docstring."""
+
+    def __init__(self, budget_bytes: int, *, aligned: bool = False) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes={budget_bytes}: expected > 0")
+        self.budget_bytes = budget_bytes
+        self.aligned = aligned
+        self._cond = threading.Condition()
+        # nbytes -> kept buffers (1-D uint8, host), the sizes given back longest ago first
+        self._kept: collections.OrderedDict[int, list[torch.Tensor]] = collections.OrderedDict()
+        self._lent: dict[int, tuple[int, torch.Tensor]] = {}  # data_ptr -> (nbytes, the uint8 buffer under the view)
+        self._queue: collections.deque[object] = collections.deque()  # waiting takers, first come first served
+        self._in_use = 0
+        self._kept_bytes = 0
+        self.peak_in_use_bytes = 0
+        self.allocations = 0
+        """Buffers allocated so far (a take served by a kept buffer allocates none)."""
+
+    @property
+    def in_use_bytes(self) -> int:
+        """Bytes lent out now."""
+        with self._cond:
+            return self._in_use
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the pool holds now, lent or kept for reuse (never more than the budget)."""
+        with self._cond:
+            return self._in_use + self._kept_bytes
+
+    def take(self, nbytes: int, dtype: torch.dtype = torch.uint8, *, timeout: float | None = None) -> torch.Tensor:
+        """A 1-D host tensor of ``nbytes`` bytes of ``dtype`` (uninitialised, or a previous
+        chunk's bytes), once the budget has room for it; ``TimeoutError`` after ``timeout`` s."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if nbytes <= 0 or nbytes % itemsize:
+            raise ValueError(f"take: {nbytes} bytes is not a positive whole number of {dtype} elements")
+        if nbytes > self.budget_bytes:
+            raise ValueError(
+                f"take: a staging buffer of {_fmt_bytes(nbytes)} ({nbytes} bytes) cannot fit the staging budget of "
+                f"{_fmt_bytes(self.budget_bytes)} ({self.budget_bytes} bytes): raise the budget to at least one chunk "
+                f"(several, for read-ahead to overlap), or use smaller chunks"
+            )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        token = object()
+        with self._cond:
+            self._queue.append(token)
+            try:
+                while not (self._queue[0] is token and self._in_use + nbytes <= self.budget_bytes):
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(
+                            f"take: waited {timeout} s for {nbytes} bytes of staging; {self._in_use} of "
+                            f"{self.budget_bytes} bytes are lent out and not given back"
+                        )
+                    self._cond.wait(left)
+                buf = self._reuse(nbytes)
+                self._in_use += nbytes
+                self.peak_in_use_bytes = max(self.peak_in_use_bytes, self._in_use)
+            finally:
+                self._queue.remove(token)
+                self._cond.notify_all()  # the next in line may fit now
+        if buf is None:
+            # Outside the lock: allocating maps memory (no page is touched yet). The room is
+            # already reserved, so nothing else can overrun the budget meanwhile.
+            buf = aligned_empty(nbytes) if self.aligned else torch.empty(nbytes, dtype=torch.uint8)
+            with self._cond:
+                self.allocations += 1
+        with self._cond:
+            self._lent[buf.data_ptr()] = (nbytes, buf)
+        return buf.view(dtype)
+
+    def _reuse(self, nbytes: int) -> torch.Tensor | None:
+        """A kept buffer of exactly ``nbytes``, or None after dropping kept buffers of other
+        sizes (oldest sizes first) until a new one fits the budget. Called holding the lock."""
+        same = self._kept.get(nbytes)
+        if same:
+            self._kept_bytes -= nbytes
+            buf = same.pop()
+            if not same:
+                del self._kept[nbytes]
+            return buf
+        while self._in_use + self._kept_bytes + nbytes > self.budget_bytes:
+            size, bufs = next(iter(self._kept.items()))
+            bufs.pop()
+            self._kept_bytes -= size
+            if not bufs:
+                del self._kept[size]
+        return None
+
+    def give_back(self, t: torch.Tensor) -> None:
+        """Return a buffer :meth:`take` lent (any view of the same first byte), to be reused."""
+        with self._cond:
+            entry = self._lent.pop(t.data_ptr(), None)
+            if entry is None:
+                raise ValueError("give_back: this tensor was not lent by this staging pool, or was given back already")
+            nbytes, buf = entry
+            self._in_use -= nbytes
+            self._kept.setdefault(nbytes, []).append(buf)
+            self._kept.move_to_end(nbytes)  # the sizes in use now are dropped last
+            self._kept_bytes += nbytes
+            self._cond.notify_all()
+
+    def release_kept(self) -> None:
+        """Free the kept buffers (lent ones stay lent)."""
+        with self._cond:
+            self._kept.clear()
+            self._kept_bytes = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"StagingBuffers(budget={self.budget_bytes}, in_use={self._in_use}, kept={self._kept_bytes}, "
+            f"aligned={self.aligned})"
+        )

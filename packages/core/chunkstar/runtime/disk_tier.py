@@ -1,0 +1,162 @@
+"""The disk tier at run time: this rank's state chunks in files, staged through host buffers.
+
+Note [disk tier]: with config ``disk``, the chunks of the chosen state lists
+(fp32 master, exp_avg, exp_avg_sq; DESIGN §12) live in preallocated files, one
+per list (:class:`chunkstar.disk.ChunkFiles`); their location is DISK and they
+hold no host or device bytes. Host memory is only a staging area of
+``staging_budget`` bytes (:class:`chunkstar.disk.StagingBuffers`):
+
+* at the optimizer step, for each chunk in the order the next forward needs
+  it, the state chunks are read ahead into staging buffers on the read lane,
+  the Adam update waits for its reads (and its gradient's copy) on the host
+  worker, and the updated chunks are written behind on the write lane, their
+  buffers given back when the bytes are on disk. The main thread only queues
+  this work; it waits when the staging budget is spent, until a write-behind
+  gives a buffer back, so reads run at most a budget ahead of the writes. Disk
+  reads, host Adam and disk writes of different chunks overlap, and so does
+  the next forward (its param chunks wait for their own updates only);
+* between steps, code that reads or writes a state chunk (checkpoints, state
+  dicts, ``gathered_parameters``, writes through to a master) stages it in for
+  the moment, one chunk at a time (:meth:`ChunkManager.staged`), and writes it
+  back when it changed;
+* device Adam (hybrid Adam) is off: the state lives on disk and is updated on
+  the host.
+
+The same arithmetic runs on the same values in the same order as without the
+disk tier, so results are bit-identical. The files are a cache of this run,
+not a checkpoint (``save_checkpoint`` writes the real thing): they are deleted
+when the engine is closed or collected, and a later run refuses or wipes files
+a dead run left (Note [directory claim] in :mod:`chunkstar.disk.claim`).
+
+This module is the mechanism; the chunk store (the manager) decides which
+chunks to stage and when.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from typing import Iterator, Mapping
+
+import torch
+
+from chunkstar.chunk.chunk import Chunk
+from chunkstar.chunk.lists import ChunkList
+from chunkstar.config import DiskConfig
+from chunkstar.disk import ChunkFiles, DiskLanes, StagingBuffers
+from chunkstar.errors import ChunkStateError
+
+__all__ = ["DiskTier", "default_staging_budget"]
+
+
+def default_staging_budget(chunk_bytes: Mapping[int, int], n_lists: int) -> int:
+    """Two chunks' worth of every disk list: one chunk read ahead while another is updated
+    and written behind (``chunk_bytes``: a state chunk's bytes by chunk id). The least that
+    works is one chunk of every list."""
+    return 2 * n_lists * max(chunk_bytes.values(), default=0)
+
+
+def _close(lanes: DiskLanes, files: ChunkFiles) -> None:
+    lanes.close()
+    files.remove()
+
+
+class DiskTier:
+    def __init__(
+        self,
+        cfg: DiskConfig,
+        chunks: Mapping[ChunkList, Mapping[int, Chunk]],
+        *,
+        run_tag: str,
+        rank: int,
+    ) -> None:
+        """``chunks``: this rank's chunks of each disk list by chunk id (frozen chunks have none)."""
+        self.lists = tuple(chunks)
+        sizes = {name.value: {cid: c.nbytes for cid, c in per.items()} for name, per in chunks.items()}
+        self.files = ChunkFiles.create(
+            cfg.path, run_tag=run_tag, rank=rank, lists=[n.value for n in self.lists], chunk_nbytes=sizes,
+            on_stale="wipe" if cfg.on_stale == "wipe" else "refuse", direct=cfg.direct,
+        )  # fmt: skip
+        self.lanes = DiskLanes(self.files)
+        any_list = next(iter(sizes.values()), {})
+        self.budget = cfg.staging_budget or default_staging_budget(any_list, len(self.lists))
+        # one chunk id's state, every disk list at once: an update needs all of them staged
+        one = max((sum(per.get(cid, 0) for per in sizes.values()) for cid in any_list), default=0)
+        if one > self.budget:
+            raise ChunkStateError(
+                f"disk.staging_budget is {self.budget} bytes, less than the state of one chunk ({one} bytes: "
+                f"{', '.join(n.value for n in self.lists)}), which an update stages at once: raise it to at least "
+                f"that (twice that lets reads run ahead of the updates), or lower default_chunk_size"
+            )
+        self.staging = StagingBuffers(self.budget, aligned=True)
+        self.stage_ins = 0
+        self.stage_outs = 0
+        self.clean_stage_outs = 0  # staged out without a write (nothing changed)
+        self.wait_s = 0.0  # main-thread seconds waiting for a staging buffer
+        # the files go at a clean end of the engine (close) or when it is collected
+        self._finalizer = weakref.finalize(self, _close, self.lanes, self.files)
+
+    def on_disk(self, name: ChunkList) -> bool:
+        return name in self.lists
+
+    def stage_in(self, chunk: Chunk) -> None:
+        """DISK -> HOST: a staging buffer, filled on the read lane after the chunk's last
+        write-behind; readers wait on the read as on any pending copy."""
+        t0 = time.perf_counter()
+        buf = self.staging.take(chunk.nbytes, chunk.dtype)
+        self.wait_s += time.perf_counter() - t0
+        event = self.lanes.read(chunk.list_name, chunk.chunk_id, buf, after=chunk.pending_copy)
+        chunk.attach_host(buf, event)
+        self.stage_ins += 1
+
+    def stage_out(self, chunk: Chunk, *, write: bool) -> None:
+        """HOST -> DISK: with ``write``, the buffer is written behind once the last work on it
+        is done and given back when its bytes are on disk; without, given back at once."""
+        buf, last = chunk.detach_host()
+        self.stage_outs += 1
+        if write:
+            staging = self.staging
+            event = self.lanes.write(chunk.list_name, chunk.chunk_id, buf, after=last, then=lambda: staging.give_back(buf))
+            chunk.set_disk_write(event)
+            return
+        if last is not None:
+            last.wait()
+        self.clean_stage_outs += 1
+        self.staging.give_back(buf)
+
+    def write_now(self, chunk: Chunk, buf: torch.Tensor) -> None:
+        """Write ``buf`` (a host tensor of the chunk's bytes) as the chunk's content, in this
+        thread (construction)."""
+        chunk.wait_ready()
+        self.files.write_from(chunk.list_name, chunk.chunk_id, buf)
+
+    @contextlib.contextmanager
+    def buffer(self, nbytes: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        """A staging buffer for the block (construction fills chunks through it)."""
+        buf = self.staging.take(nbytes, dtype)
+        try:
+            yield buf
+        finally:
+            self.staging.give_back(buf)
+
+    def drain(self) -> None:
+        self.lanes.drain()
+
+    def close(self) -> None:
+        """Finish the transfers in flight and delete this run's chunk files."""
+        self._finalizer()
+
+    def stats(self) -> dict[str, float | int]:
+        s = self.files.stats
+        return {
+            "disk_bytes_read": s.bytes_read,
+            "disk_bytes_written": s.bytes_written,
+            "disk_read_s": s.read_seconds,
+            "disk_write_s": s.write_seconds,
+            "disk_file_bytes": self.files.file_bytes,
+            "disk_direct_io": int(self.files.direct),
+            "disk_staging_budget_bytes": self.budget,
+            "disk_staging_peak_bytes": self.staging.peak_in_use_bytes,
+            "disk_staging_wait_s": self.wait_s,
+        }

@@ -1,0 +1,191 @@
+"""The disk tier's I/O lanes (chunkstar.disk.io_lanes).
+
+- transfers queue and return at once; their events wait; each lane keeps order;
+- ``after`` holds a job until the event it names is done (write-behind after an
+  update), and a failure of that event fails the job;
+- a failure on an I/O thread reaches every waiter, naming the file; a full disk
+  stays a DiskFullError; ``then`` runs once the bytes are on disk, and only then;
+- random debug delays (``CHUNKSTAR_DEBUG_COPY_DELAY_MS``) are real (a missing wait
+  sees the old bytes) and leave waited-for results exact.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from chunkstar.device.copy_engine import DEBUG_DELAY_ENV
+from chunkstar.disk import ChunkFiles, DiskFullError, DiskLanes, DiskTierError, aligned_empty
+
+NBYTES = 256 << 10  # 64 Ki fp32 per chunk
+CHUNKS = list(range(8))
+
+
+class Gate:
+    """An event someone opens by hand (the optimizer's update of a buffer, say)."""
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+        self.error: BaseException | None = None
+
+    def open(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._flag.set()
+
+    def wait(self) -> None:
+        self._flag.wait()
+        if self.error is not None:
+            raise self.error
+
+    def done(self) -> bool:
+        return self._flag.is_set()
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Iterator[ChunkFiles]:
+    with ChunkFiles.create(
+        tmp_path, run_tag="lanes", rank=0, lists=["master", "exp_avg"], chunk_nbytes={c: NBYTES for c in CHUNKS}
+    ) as f:
+        yield f
+
+
+def _values(seed: int) -> torch.Tensor:
+    t = aligned_empty(NBYTES, torch.float32)
+    t.copy_(torch.randn(NBYTES // 4, generator=torch.Generator().manual_seed(seed)))
+    return t
+
+
+def test_transfers_return_at_once_and_their_events_wait(files: ChunkFiles) -> None:
+    lanes = DiskLanes(files, delay=(0.03, 0.03))  # eight writes in the caller would take 0.24 s
+    try:
+        srcs = {c: _values(c) for c in CHUNKS}
+        t0 = time.perf_counter()
+        writes = [lanes.write("master", c, srcs[c]) for c in CHUNKS]
+        assert time.perf_counter() - t0 < 0.12, "queueing ran the writes in the caller"
+        assert not writes[0].done()
+        dsts = {c: aligned_empty(NBYTES, torch.float32) for c in CHUNKS}
+        reads = [lanes.read("master", c, dsts[c], after=w) for c, w in zip(CHUNKS, writes)]
+        reads[-1].wait()
+        assert all(r.done() for r in reads), "a lane runs its jobs in the order they were queued"
+        assert all(w.done() for w in writes)
+        for c in CHUNKS:
+            assert torch.equal(dsts[c].view(torch.int32), srcs[c].view(torch.int32))
+    finally:
+        lanes.close()
+
+
+def test_a_write_behind_waits_for_its_after_event(files: ChunkFiles) -> None:
+    lanes = DiskLanes(files, delay=(0.0, 0.0))
+    try:
+        buf = _values(1)
+        update = Gate()
+        written = lanes.write("exp_avg", 3, buf, after=update)
+        time.sleep(0.05)
+        assert not written.done(), "the write ran before the update it was told to wait for"
+        buf.mul_(2.0)  # the update
+        expected = buf.clone()
+        update.open()
+        written.wait()
+        back = aligned_empty(NBYTES, torch.float32)
+        lanes.read("exp_avg", 3, back).wait()
+        assert torch.equal(back.view(torch.int32), expected.view(torch.int32))
+    finally:
+        lanes.close()
+
+
+def test_random_debug_delays_are_real_and_keep_results_exact(
+    files: ChunkFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(DEBUG_DELAY_ENV, "0-8")
+    lanes = DiskLanes(files)
+    assert lanes.delay == (0.0, 0.008)
+    try:
+        # write-behind -> read back, chunk after chunk, two lists, several rounds of updates
+        state = {(name, c): _values(10 * c + i) for i, name in enumerate(files.lists) for c in CHUNKS}
+        pending = {}
+        for _ in range(3):
+            for key, buf in state.items():
+                buf.add_(1.0)
+                pending[key] = lanes.write(*key, buf)
+            backs = {key: aligned_empty(NBYTES, torch.float32) for key in state}
+            events = [lanes.read(*key, backs[key], after=pending[key]) for key in state]
+            for e in events:
+                e.wait()
+            for key in state:
+                assert torch.equal(backs[key].view(torch.int32), state[key].view(torch.int32)), key
+    finally:
+        lanes.close()
+
+    # ... and a reader that forgets to wait sees the old bytes
+    slow = DiskLanes(files, delay=(0.25, 0.25))
+    try:
+        dst = torch.zeros(NBYTES // 4)
+        event = slow.read("master", 0, dst)
+        assert torch.count_nonzero(dst) == 0
+        event.wait()
+        assert torch.count_nonzero(dst) > 0
+    finally:
+        slow.close()
+
+
+def test_a_failure_on_the_io_thread_reaches_every_waiter_with_the_path(files: ChunkFiles) -> None:
+    lanes = DiskLanes(files, delay=(0.0, 0.0))
+    try:
+        # (1) the event a write waits for fails: the write fails, and its `then` never runs
+        gate, ran_then = Gate(), []
+        failed = lanes.write("master", 0, _values(0), after=gate, then=lambda: ran_then.append(1))
+        gate.open(RuntimeError("the update blew up"))
+        with pytest.raises(DiskTierError, match=r"writing chunk 0 of list 'master' to .*chunkstar-r0-master\.chunks"):
+            failed.wait()
+        assert ran_then == []
+
+        # (2) a real ENOSPC on the write lane, seen by two waiting threads; the lane carries on
+        f = files._files["exp_avg"]  # its descriptors become /dev/full (writes fail ENOSPC)
+        saved = (f.fd, f.direct_fd)
+        f.fd, f.direct_fd = os.open("/dev/full", os.O_WRONLY), -1
+        try:
+            full = lanes.write("exp_avg", 2, _values(2))
+            seen: list[BaseException] = []
+
+            def waiter() -> None:
+                try:
+                    full.wait()
+                except BaseException as e:
+                    seen.append(e)
+
+            threads = [threading.Thread(target=waiter) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            os.close(f.fd)
+            f.fd, f.direct_fd = saved
+        assert len(seen) == 2 and all(isinstance(e, DiskFullError) for e in seen)
+        assert str(files.path("exp_avg")) in str(seen[0]) and "chunk 2 of list 'exp_avg'" in str(seen[0])
+
+        done: list[int] = []
+        lanes.write("exp_avg", 2, _values(3), then=lambda: done.append(2)).wait()
+        assert done == [2], "then runs once the bytes are on disk"
+
+        # (3) a wrong buffer is refused in the caller's thread, not on the worker
+        with pytest.raises(ValueError, match="exactly that"):
+            lanes.read("master", 1, torch.empty(7))
+    finally:
+        lanes.close()
+
+
+def test_drain_waits_for_everything_queued(files: ChunkFiles) -> None:
+    lanes = DiskLanes(files, delay=(0.005, 0.01))
+    events = [lanes.write("master", c, _values(c)) for c in CHUNKS]
+    events += [lanes.read("exp_avg", c, aligned_empty(NBYTES, torch.float32)) for c in CHUNKS]
+    lanes.drain()
+    assert all(e.done() for e in events)
+    lanes.close()
+    assert files.stats.writes == len(CHUNKS) and files.stats.reads == len(CHUNKS)

@@ -1,0 +1,193 @@
+"""The disk tier in the engine (Note [disk tier]): optimizer state chunks in files.
+
+Every result is compared bit for bit with the same run without the disk tier:
+training under eviction (with random I/O and worker delays), a staging budget
+of the minimum two chunks, checkpoints and resumes, the between-step habits
+that read or write masters, meta-device construction in waves and pretrained=.
+The files are a cache: deleted at close, a dead run's refused or wiped.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import chunkstar
+from chunkstar.chunk.lists import ChunkList
+from chunkstar.disk import DiskTierError
+from tests.core._models import CASES, engine_config, eviction_budget, gpt2_batch, train_engine
+
+CASE = CASES["gpt2"]
+STEPS = 4
+LARGEST_STATE_CHUNK = 4 * 512 * 128
+"""The test GPT-2's largest fp32 state chunk: its tied embedding (512 x 128), alone in its chunk."""
+ONE_CHUNK = {"staging_budget": 3 * LARGEST_STATE_CHUNK}
+"""The smallest staging budget, one chunk's master and moments: the masters are filled in many
+waves, the step streams one chunk at a time."""
+
+
+def _pair(
+    tmp_path: Path, dtype: str = "bf16", build: Callable[[], nn.Module] = CASE.build, disk: dict[str, Any] | None = None, **kw: Any
+) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    """The same engine twice from the same seed: without and with the disk tier."""
+    budget = eviction_budget(CASE.build(), torch.bfloat16 if dtype == "bf16" else torch.float32)
+    torch.manual_seed(5)
+    plain = chunkstar.initialize_engine(build, 0, engine_config(dtype, budget=budget), **kw)
+    torch.manual_seed(5)
+    with_disk = chunkstar.initialize_engine(
+        build, 0, engine_config(dtype, budget=budget, disk={"path": str(tmp_path / "disk"), **(disk or {})}), **kw
+    )
+    return plain, with_disk
+
+
+def _same_state(a: Any, b: Any) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def _same_optimizer(a: Any, b: Any) -> None:
+    oa, ob = a.state_dict()["state"], b.state_dict()["state"]
+    assert oa.keys() == ob.keys() and oa
+    for i in oa:
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(oa[i][k], ob[i][k]), (i, k)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_training_is_bit_identical_with_the_state_on_disk(
+    tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CHUNKSTAR_DEBUG_COPY_DELAY_MS", "0-3")  # a missing wait would show
+    (e0, o0), (e1, o1) = _pair(tmp_path, dtype)
+    assert train_engine(e1, o1, CASE, STEPS, dtype=dtype) == train_engine(e0, o0, CASE, STEPS, dtype=dtype)
+    _same_state(e0, e1)
+    _same_optimizer(o0, o1)
+    s = e1.stats()
+    # the state lives on disk: the host holds param chunks only; every step reads and writes it
+    assert e1.mgr.host_chunk_bytes == e1.mgr.bytes_of(ChunkList.PARAM)
+    assert s["disk_bytes_written"] >= STEPS * s["master_and_adam_bytes"]
+    assert s["disk_bytes_read"] >= (STEPS - 1) * s["master_and_adam_bytes"]
+    assert s["disk_staging_peak_bytes"] <= s["disk_staging_budget_bytes"]
+    assert s["chunk_moves_to_host"] > 0 and s["device_adam_chunks"] == 0
+    e1.close()
+    assert not list((tmp_path / "disk").glob("*.chunks"))  # a cache: gone at a clean end
+
+
+def test_a_staging_budget_of_one_chunk_is_enough_and_less_is_refused(tmp_path: Path) -> None:
+    (e0, o0), (e1, o1) = _pair(tmp_path, disk=ONE_CHUNK)
+    assert e1.stats()["disk_staging_budget_bytes"] == ONE_CHUNK["staging_budget"]
+    assert train_engine(e1, o1, CASE, 3, dtype="bf16") == train_engine(e0, o0, CASE, 3, dtype="bf16")
+    _same_state(e0, e1)
+    e1.close()
+    with pytest.raises(chunkstar.ChunkStateError, match="staging_budget"):
+        chunkstar.initialize_engine(
+            CASE.build, 0, engine_config("bf16", budget="64MB", disk={"path": str(tmp_path / "d2"), "staging_budget": ONE_CHUNK["staging_budget"] - 1})
+        )
+
+
+def test_checkpoints_and_between_step_habits_match(tmp_path: Path) -> None:
+    (e0, o0), (e1, o1) = _pair(tmp_path)
+    for e, o in ((e0, o0), (e1, o1)):
+        train_engine(e, o, CASE, 2, dtype="bf16")
+        e.save_checkpoint(str(tmp_path / f"ck{e is e1}"))
+        w = e.module.transformer.h[1].mlp.c_fc.weight
+        with torch.no_grad():
+            w.mul_(0.5)  # written through to the master (staged from disk and back)
+        with e.gathered_parameters([e.module.transformer.h[0].attn.c_attn.weight]) as (p,):
+            p.data.add_(0.01)
+        engine_sd = e.state_dict()
+        e.load_state_dict(engine_sd)
+        e.backward(CASE.loss(e, gpt2_batch(9), torch.bfloat16))
+        o.zero_grad()  # drops the gradients: params restored from the masters
+    _same_state(e0, e1)
+    assert train_engine(e1, o1, CASE, range(2, 4), dtype="bf16") == train_engine(e0, o0, CASE, range(2, 4), dtype="bf16")
+    _same_optimizer(o0, o1)
+    # a checkpoint of the disk run resumes bit for bit, into a disk engine and into a plain one
+    torch.manual_seed(5)
+    budget = eviction_budget(CASE.build(), torch.bfloat16)
+    back = chunkstar.initialize_engine(
+        CASE.build, 0, engine_config("bf16", budget=budget, disk={"path": str(tmp_path / "disk3")})
+    )
+    back[0].load_checkpoint(str(tmp_path / "ckTrue"))
+    plain = chunkstar.initialize_engine(CASE.build, 0, engine_config("bf16", budget=budget))
+    plain[0].load_checkpoint(str(tmp_path / "ckTrue"))
+    assert train_engine(*back, CASE, range(2, 4), dtype="bf16") == train_engine(*plain, CASE, range(2, 4), dtype="bf16")
+    for e in (e1, back[0]):
+        e.close()
+
+
+def _meta_gpt2() -> nn.Module:
+    with torch.device("meta"):
+        return CASE.build()
+
+
+def test_meta_construction_in_waves_gives_the_same_values_and_rng(tmp_path: Path) -> None:
+    # a staging budget of a few chunks: the masters are filled in many waves
+    (e0, o0), (e1, o1) = _pair(tmp_path, build=_meta_gpt2, disk=ONE_CHUNK)
+    assert e1.construction.initialised
+    _same_state(e0, e1)
+    assert train_engine(e1, o1, CASE, 2, dtype="bf16") == train_engine(e0, o0, CASE, 2, dtype="bf16")
+    e1.close()
+
+
+def test_rng_after_waves_equals_one_pass(tmp_path: Path) -> None:
+    budget = eviction_budget(CASE.build(), torch.bfloat16)
+    torch.manual_seed(5)
+    chunkstar.initialize_engine(_meta_gpt2, 0, engine_config("bf16", budget=budget))
+    one_pass = torch.random.get_rng_state()
+    torch.manual_seed(5)
+    e = chunkstar.initialize_engine(
+        _meta_gpt2, 0, engine_config("bf16", budget=budget, disk={"path": str(tmp_path / "d"), **ONE_CHUNK})
+    )[0]
+    assert torch.equal(torch.random.get_rng_state(), one_pass)
+    e.close()
+
+
+def test_pretrained_into_the_disk_tier_is_bit_exact(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    saved = CASE.build()
+    saved.save_pretrained(tmp_path / "ck")  # type: ignore[operator]
+    (e0, _), (e1, _) = _pair(tmp_path, dtype="fp32", build=_meta_gpt2, pretrained=tmp_path / "ck")
+    want = saved.state_dict()
+    got = e1.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    _same_state(e0, e1)
+    e1.close()
+
+
+_CRASH = textwrap.dedent(
+    """
+    import os, sys, torch, chunkstar
+    from torch import nn
+    cfg = {"device": "cpu", "device_memory_budget": "16MB", "disk": {"path": sys.argv[1]}}
+    engine, _ = chunkstar.initialize_engine(lambda: nn.Linear(64, 64), 0, cfg)
+    os._exit(0)  # dies without closing: its chunk files stay behind
+    """
+)
+
+
+def test_files_a_dead_run_left_are_refused_then_wiped(tmp_path: Path) -> None:
+    d = tmp_path / "disk"
+    subprocess.run([sys.executable, "-c", _CRASH, str(d)], check=True, timeout=120)
+    left = sorted(p.name for p in d.iterdir())
+    assert any(n.endswith(".chunks") for n in left), left
+    (d / "notes.txt").write_text("not chunkstar's")
+    cfg = {"device": "cpu", "device_memory_budget": "16MB", "disk": {"path": str(d)}}
+    with pytest.raises(DiskTierError, match="on_stale"):
+        chunkstar.initialize_engine(lambda: nn.Linear(64, 64), 0, cfg)
+    cfg["disk"]["on_stale"] = "wipe"  # type: ignore[index]
+    engine, opt = chunkstar.initialize_engine(lambda: nn.Linear(64, 64), 0, cfg)
+    engine.backward(engine(torch.ones(2, 64)).sum())
+    opt.step()
+    engine.close()
+    assert (d / "notes.txt").read_text() == "not chunkstar's"  # never deletes what it did not write
