@@ -37,12 +37,13 @@ import resource
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from chunkstar_bench.runner import RESULT_DIR_ENV, RESULT_PREFIX, RunSpec
+from chunkstar_bench.runner import DISK_DIR_ENV, RESULT_DIR_ENV, RESULT_PREFIX, RunSpec
 from chunkstar_bench.zoo import ModelSpec, build_hf, get, n_params
 
 __all__ = ["main"]
@@ -294,29 +295,68 @@ def _run_chunkstar(ctx: _Context) -> dict[str, Any]:
     }
 
 
+_NVME_SUB_GROUP_ELEMENTS = 10_000_000
+"""ZeRO-3 ``sub_group_size`` with NVMe offload: the optimizer swaps one sub-group's fp32
+master, moments and gradient in and out at a time, through four host buffers of the largest
+sub-group's size, so DeepSpeed's default (1e9 elements: one sub-group for every model of the CPU
+ladder) would bring the whole optimizer state back to the host at once and defeat the offload."""
+
+_AIO: dict[str, Any] = {
+    "block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+    "overlap_events": True,
+}  # fmt: skip
+"""DeepSpeed's documented ``aio`` defaults, written out so the record holds them."""
+
+
 def deepspeed_zero3_offload_config(
-    *, batch: int, adamw: dict[str, Any], pin_memory: bool, ds_cpu_adam: bool
-) -> dict[str, Any]:
-    """ZeRO-3 with params and optimizer offloaded to CPU, bf16, clipping 1.0.
+    *, batch: int, adamw: dict[str, Any], pin_memory: bool, ds_cpu_adam: bool,
+    nvme_path: str | None = None, nvme_params: bool = False, largest_param_numel: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """ZeRO-3 with params and optimizer offloaded to CPU (or, with ``nvme_path``, to disk), bf16, clipping 1.0.
 
     ``pin_memory`` only helps DMA to a real device; on a CPU-only machine it would
     just lock RAM. With ``ds_cpu_adam`` DeepSpeed builds DeepSpeedCPUAdam(adamw_mode)
     from the ``optimizer`` entry; without it (the C++ op could not be built) the
     caller hands DeepSpeed a torch optimizer, which these keys allow with offload.
-    Shared with ``benchmarks/step_time.py``."""
+
+    With ``nvme_path`` (ZeRO-Infinity) the optimizer state and gradients are
+    swapped to files there, and with ``nvme_params`` the bf16 parameters too
+    (``max_in_cpu`` 0: none kept on the host), through ``buffer_count`` host
+    buffers each big enough for the largest parameter *and* the largest optimizer
+    sub-group (DeepSpeed initialises the fp32 master from those buffers), hence
+    ``largest_param_numel``. Shared with ``benchmarks/step_time.py``."""
+    zero: dict[str, Any] = {
+        "stage": 3,
+        "offload_param": {"device": "cpu", "pin_memory": pin_memory},
+        "offload_optimizer": {"device": "cpu", "pin_memory": pin_memory},
+    }
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
-        "zero_optimization": {
-            "stage": 3,
-            "offload_param": {"device": "cpu", "pin_memory": pin_memory},
-            "offload_optimizer": {"device": "cpu", "pin_memory": pin_memory},
-        },
+        "zero_optimization": zero,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if nvme_path is not None:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": pin_memory, "buffer_count": 4}
+        zero["sub_group_size"] = _NVME_SUB_GROUP_ELEMENTS
+        config["aio"] = dict(_AIO)
+    elif nvme_params:
+        raise ValueError("nvme_params needs an nvme_path")
+    if nvme_params:
+        if largest_param_numel < 1:
+            raise ValueError("largest_param_numel is needed to size the NVMe parameter buffers")
+        zero["offload_param"] = {
+            "device": "nvme", "nvme_path": nvme_path, "pin_memory": pin_memory, "buffer_count": 5,
+            # a sub-group stops at the first parameter that takes it past sub_group_size
+            "buffer_size": _NVME_SUB_GROUP_ELEMENTS + largest_param_numel, "max_in_cpu": 0,
+        }  # fmt: skip
+        # Each gathered parameter holds one of the buffer_count swap buffers until it is
+        # released: no prefetch, and no keeping a parameter for its reuse (DeepSpeed's
+        # defaults keep up to 1e9 elements live, and the second step runs out of buffers).
+        zero.update(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
     if ds_cpu_adam:
         config["optimizer"] = {"type": "AdamW", "params": adamw}
     else:
@@ -325,22 +365,41 @@ def deepspeed_zero3_offload_config(
     return config
 
 
-def _deepspeed_config(ctx: _Context, *, ds_cpu_adam: bool) -> dict[str, Any]:
-    return deepspeed_zero3_offload_config(
-        batch=ctx.spec.batch, adamw=_ADAMW, pin_memory=ctx.device == "cuda", ds_cpu_adam=ds_cpu_adam
-    )
+def largest_param_numel(model: ModelSpec) -> int:
+    """Elements of the zoo GPT-2's largest tensor: the tied token embedding ``V*h``, or an MLP matrix ``4h*h``."""
+    return max(model.vocab * model.hidden, 4 * model.hidden * model.hidden)
 
 
-def _run_deepspeed(ctx: _Context) -> dict[str, Any]:
-    """DeepSpeed ZeRO-3 with offload_param + offload_optimizer to CPU, bf16.
+def _require_async_io(builder: Any = None) -> str:
+    """Load DeepSpeed's async I/O op (JIT-built on first use: minutes); its module's path, or a RuntimeError saying why not.
+
+    ``builder``: DeepSpeed's ``AsyncIOBuilder()`` for the current accelerator when None."""
+    if builder is None:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        builder = AsyncIOBuilder()
+    if not builder.is_compatible(verbose=False):
+        raise RuntimeError(
+            "DeepSpeed's async I/O op (AsyncIOBuilder) cannot be built here: libaio's headers and library "
+            "were not found (Debian: apt-get install libaio-dev; `./dev bench` installs it when run as root)"
+        )
+    try:
+        return str(builder.load(verbose=False).__file__)
+    except Exception as exc:  # noqa: BLE001  (a compiler or loader failure, said in the record)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise RuntimeError(f"DeepSpeed's async I/O op failed to build or load: {type(exc).__name__}: {first}") from exc
+
+
+def _run_zero3(ctx: _Context, *, nvme_path: str | None) -> dict[str, Any]:
+    """DeepSpeed ZeRO-3 with params and optimizer offloaded to CPU, or to ``nvme_path`` (ZeRO-Infinity).
 
     On CPU: gloo, ``DS_ACCELERATOR=cpu``, DeepSpeedCPUAdam JIT-built (cached
     under ~/.cache/torch_extensions) before timing, torch AdamW if that build
     fails (said in ``notes``). The model is built outside ``zero.Init`` on CPU
     (HF's weight init would otherwise see empty partitions and the weights
     would differ from the other systems'); on CUDA it is built under
-    ``zero.Init`` with parameters kept on the CPU, since the paper's models do
-    not fit one GPU (or, times eight ranks, the host) unpartitioned.
+    ``zero.Init`` with parameters kept on the offload device, since the paper's
+    models do not fit one GPU (or, times eight ranks, the host) unpartitioned.
     """
     if ctx.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -349,6 +408,9 @@ def _run_deepspeed(ctx: _Context) -> dict[str, Any]:
     import torch
 
     notes: list[str] = []
+    extra: dict[str, Any] = {}
+    if nvme_path is not None:
+        extra["async_io_op"] = _require_async_io()  # before the CPU Adam build: a missing libaio fails in seconds
     try:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
@@ -359,10 +421,14 @@ def _run_deepspeed(ctx: _Context) -> dict[str, Any]:
         notes.append(f"DeepSpeedCPUAdam unavailable ({type(exc).__name__}: {exc}); used torch AdamW")
 
     deepspeed.init_distributed(dist_backend="nccl" if ctx.device == "cuda" else "gloo", auto_mpi_discovery=False)
-    config = _deepspeed_config(ctx, ds_cpu_adam=ds_cpu_adam)
+    config = deepspeed_zero3_offload_config(
+        batch=ctx.spec.batch, adamw=_ADAMW, pin_memory=ctx.device == "cuda", ds_cpu_adam=ds_cpu_adam,
+        nvme_path=nvme_path, nvme_params=ctx.spec.nvme_params, largest_param_numel=largest_param_numel(ctx.model),
+    )  # fmt: skip
     if ctx.device == "cuda":
         torch.cuda.set_device(ctx.local_rank)
-        with deepspeed.zero.Init(remote_device="cpu", config_dict_or_path=config):
+        remote = config["zero_optimization"]["offload_param"]["device"]
+        with deepspeed.zero.Init(remote_device=remote, config_dict_or_path=config):
             model = ctx.build()
     else:
         model = ctx.build()
@@ -382,12 +448,34 @@ def _run_deepspeed(ctx: _Context) -> dict[str, Any]:
     peak, kind = _cuda_peak(ctx)
     return {
         **record,
+        **extra,
         "peak_device_bytes": peak,
         "peak_device_kind": kind,
         "optimizer": f"{type(optimizer).__name__} over {type(inner).__module__}.{type(inner).__name__}",
         "deepspeed_config": config,
         "notes": notes,
     }
+
+
+def _run_deepspeed(ctx: _Context) -> dict[str, Any]:
+    """DeepSpeed ZeRO-3 with offload_param + offload_optimizer to CPU, bf16 (see :func:`_run_zero3`)."""
+    return _run_zero3(ctx, nvme_path=None)
+
+
+def _run_deepspeed_nvme(ctx: _Context) -> dict[str, Any]:
+    """DeepSpeed ZeRO-Infinity: ZeRO-3 with the optimizer state (and with ``spec.nvme_params``
+    the params) swapped to files, bf16; otherwise as ``deepspeed``.
+
+    The files go to the run's own folder, which the runner makes under
+    ``spec.disk_dir`` and removes afterwards (``CHUNKSTAR_BENCH_DISK_DIR``);
+    run without the runner, a temporary folder there plays that part. A
+    machine without libaio fails in seconds with status ``error`` and the reason.
+    """
+    given = os.environ.get(DISK_DIR_ENV)
+    if given:
+        return _run_zero3(ctx, nvme_path=given)
+    with tempfile.TemporaryDirectory(prefix="chunkstar-bench-disk-", dir=ctx.spec.disk_dir) as own:
+        return _run_zero3(ctx, nvme_path=own)
 
 
 def _run_fsdp2(ctx: _Context) -> dict[str, Any]:
@@ -435,6 +523,7 @@ def _run_fsdp2(ctx: _Context) -> dict[str, Any]:
 _SYSTEMS: dict[str, Callable[[_Context], dict[str, Any]]] = {
     "chunkstar": _run_chunkstar,
     "deepspeed": _run_deepspeed,
+    "deepspeed-nvme": _run_deepspeed_nvme,
     "fsdp2": _run_fsdp2,
     "pytorch": _run_pytorch,
 }

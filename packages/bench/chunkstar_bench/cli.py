@@ -110,7 +110,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _register_maxscale(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from chunkstar_bench.runner import SYSTEMS
+    from chunkstar_bench.runner import DISK_SYSTEMS, SYSTEMS
 
     p = sub.add_parser("max-scale", help="largest zoo model a system trains under a host-memory cap")
     p.add_argument("--system", required=True, choices=SYSTEMS)
@@ -122,22 +122,37 @@ def _register_maxscale(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--hardware", default="cpu")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per attempt")
+    p.add_argument(
+        "--disk-dir", type=Path,
+        help=f"only for {', '.join(DISK_SYSTEMS)}: where attempts swap; each gets its own folder there, removed "
+        "when it ends (default: the folder of --db; put it on the disk under test: a tmpfs is RAM the cap does not see)",
+    )  # fmt: skip
+    p.add_argument("--nvme-params", action="store_true",
+                   help="deepspeed-nvme only: swap the parameters to disk too, not only the optimizer state")
     p.set_defaults(func=_cmd_maxscale)
 
 
 def _cmd_maxscale(args: argparse.Namespace) -> int:
-    from chunkstar_bench.maxscale import search
+    from chunkstar_bench.maxscale import peaks, search
     from chunkstar_bench.results import ResultsDB
+    from chunkstar_bench.runner import DISK_SYSTEMS
     from chunkstar_bench.zoo import get, n_params
 
+    disk_dir: Path | None = args.disk_dir
+    if args.system in DISK_SYSTEMS:
+        disk_dir = disk_dir or args.db.resolve().parent
+    elif disk_dir is not None or args.nvme_params:
+        print(f"chunkstar-bench max-scale: --disk-dir and --nvme-params are only for {', '.join(DISK_SYSTEMS)}",
+              file=sys.stderr)
+        return 2
     models = [m.strip() for m in args.models.split(",")] if args.models else None
     best, records = search(
         args.system, models, args.cap, db=ResultsDB(args.db), strategy=args.strategy,
         batch=args.batch, seq_len=args.seq, hardware=args.hardware, timeout_s=args.timeout,
+        disk_dir=None if disk_dir is None else str(disk_dir), nvme_params=args.nvme_params,
     )
     for r in records:
-        peak = f"{r.peak_host_bytes / 2**30:.2f} GiB" if r.peak_host_bytes else "?"
-        print(f"  {r.spec.model:>10} {(r.n_params or 0) / 1e6:>8,.1f}M  {r.status:5}  peak RSS {peak}  {r.message}")
+        print(f"  {r.spec.model:>10} {(r.n_params or 0) / 1e6:>8,.1f}M  {r.status:5}  {peaks(r)}  {r.message}")
     size = "none" if best is None else f"{best} ({n_params(get(best)) / 1e6:,.1f}M parameters)"
     print(f"max-scale {args.system} under a host-memory cap of {args.cap / 2**30:.2f} GiB: largest trained = {size}")
     return 0

@@ -23,10 +23,17 @@ from chunkstar_bench.results import ResultsDB
 from chunkstar_bench.runner import RunRecord, RunSpec, System, run
 from chunkstar_bench.zoo import cpu_ladder, get, n_params
 
-__all__ = ["SUITE", "search"]
+__all__ = ["SUITE", "peaks", "search"]
 
 SUITE = "max-scale"
 """The suite name max-scale attempts are stored under."""
+
+
+def peaks(record: RunRecord) -> str:
+    """``peak RSS 7.20 GiB`` (and ``, disk 12.3 GiB`` for a run that swapped to disk)."""
+    text = f"peak RSS {record.peak_host_bytes / 2**30:.2f} GiB" if record.peak_host_bytes else "peak RSS ?"
+    disk = record.details.get("disk_bytes")
+    return text + (f", disk {disk / 2**30:.2f} GiB" if isinstance(disk, int) else "")
 
 
 def search(
@@ -43,6 +50,8 @@ def search(
     device: Literal["cpu", "cuda"] = "cpu",
     hardware: str = "cpu",
     chunkstar_budget: str | int | None = None,
+    disk_dir: str | None = None,
+    nvme_params: bool = False,
     timeout_s: float = 1800.0,
     echo: bool = True,
 ) -> tuple[str | None, list[RunRecord]]:
@@ -50,6 +59,7 @@ def search(
 
     Returns ``(name or None, every attempt's record in the order run)``; each
     attempt is appended to ``db`` (suite ``max-scale``) as soon as it ends.
+    ``disk_dir`` and ``nvme_params`` go to every attempt's :class:`RunSpec`.
     """
     ladder = sorted(models if models is not None else cpu_ladder(), key=lambda m: n_params(get(m)))
     if not ladder:
@@ -61,7 +71,7 @@ def search(
         spec = RunSpec(
             system=system, model=ladder[i], batch=batch, seq_len=seq_len, steps=steps, warmup=warmup,
             device=device, host_mem_cap_bytes=host_mem_cap_bytes, chunkstar_budget=chunkstar_budget,
-            hardware=hardware,
+            hardware=hardware, disk_dir=disk_dir, nvme_params=nvme_params,
         )
         if echo:
             print(
@@ -73,8 +83,7 @@ def search(
         if db is not None:
             db.append(record, suite=SUITE)
         if echo:
-            peak = f"{record.peak_host_bytes / 2**30:.2f} GiB" if record.peak_host_bytes else "?"
-            print(f"max-scale {system}: {ladder[i]} -> {record.status} (peak RSS {peak}) {record.message}",
+            print(f"max-scale {system}: {ladder[i]} -> {record.status} ({peaks(record)}) {record.message}",
                   file=sys.stderr, flush=True)
         verdict[i] = record.status == "ok"
         return verdict[i]

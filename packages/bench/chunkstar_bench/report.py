@@ -137,7 +137,10 @@ def maxscale_table(df: pd.DataFrame) -> str:
     if ms.empty:
         return "(no max-scale attempts)"
     ms = ms.copy()
-    ms["cap"] = [json.loads(c)["spec"].get("host_mem_cap_bytes") for c in ms["config_json"]]
+    specs = [json.loads(c)["spec"] for c in ms["config_json"]]
+    ms["cap"] = [spec.get("host_mem_cap_bytes") for spec in specs]
+    # deepspeed-nvme with its params on disk too is a different offload: its own row
+    ms["system"] = [f"{system}+params" if spec.get("nvme_params") else system for system, spec in zip(ms["system"], specs)]
     rows = []
     for (system, hardware, cap), group in ms.groupby(["system", "hardware", "cap"], sort=True):
         good = group[group["status"] == "ok"].sort_values("n_params")

@@ -19,6 +19,15 @@ Note: the host-memory cap
     cap means ``oom`` too. The cap is the same rule for every system, which is
     what a max-scale comparison needs.
 
+Note: the disk tier
+    A system in :data:`DISK_SYSTEMS` swaps to files. For each such run the
+    parent makes a fresh folder under ``RunSpec.disk_dir`` (the system temp
+    folder when None), hands it to the child in ``CHUNKSTAR_BENCH_DISK_DIR``,
+    and removes it when the child has exited, whatever happened (a child killed
+    by the watchdog cannot clean up after itself). Just before removing it, it
+    sums the bytes the files there occupy (swap files only grow, so this is the
+    run's peak) into ``details["disk_bytes"]``, beside ``details["disk_dir"]``.
+
 This module imports only the standard library and the torch-free parts of this
 package (the parent stays light; the child pays for torch).
 """
@@ -45,18 +54,25 @@ from chunkstar_bench import flops
 from chunkstar_bench.watch import watch
 from chunkstar_bench.zoo import get, n_params
 
-__all__ = ["DEVICES", "RESULT_PREFIX", "STATUSES", "SYSTEMS", "RunRecord", "RunSpec", "git_commit", "run", "versions"]
+__all__ = [
+    "DEVICES", "DISK_DIR_ENV", "DISK_SYSTEMS", "RESULT_PREFIX", "STATUSES", "SYSTEMS", "RunRecord", "RunSpec",
+    "git_commit", "run", "versions",
+]  # fmt: skip
 
-SYSTEMS: tuple[str, ...] = ("chunkstar", "deepspeed", "fsdp2", "pytorch")
+SYSTEMS: tuple[str, ...] = ("chunkstar", "deepspeed", "deepspeed-nvme", "fsdp2", "pytorch")
 """Every system the suite knows."""
+DISK_SYSTEMS: tuple[str, ...] = ("deepspeed-nvme",)
+"""The systems that swap to a disk folder (Note [the disk tier])."""
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 STATUSES: tuple[str, ...] = ("ok", "oom", "error")
 
 RESULT_PREFIX = "CHUNKSTAR_BENCH_RESULT "
 RESULT_DIR_ENV = "CHUNKSTAR_BENCH_RESULT_DIR"  # children write rank<r>.json there (stdout line as fallback)
 """A child's stdout line that starts with this carries one rank's JSON result."""
+DISK_DIR_ENV = "CHUNKSTAR_BENCH_DISK_DIR"
+"""The run's own swap folder, made and removed by the parent (Note [the disk tier])."""
 
-System = Literal["chunkstar", "deepspeed", "fsdp2", "pytorch"]
+System = Literal["chunkstar", "deepspeed", "deepspeed-nvme", "fsdp2", "pytorch"]
 Device = Literal["cpu", "cuda"]
 Status = Literal["ok", "oom", "error"]
 
@@ -69,8 +85,10 @@ class RunSpec:
     """Everything that defines one run; two equal specs are the same experiment."""
 
     system: System
-    """``chunkstar``, ``deepspeed`` (ZeRO-3, params + optimizer offloaded to CPU), ``fsdp2``
-    (CPU offload) or ``pytorch`` (plain, DDP when several processes)."""
+    """``chunkstar``, ``deepspeed`` (ZeRO-3, params + optimizer offloaded to CPU),
+    ``deepspeed-nvme`` (ZeRO-Infinity: optimizer state, and with ``nvme_params`` the
+    params, offloaded to files under ``disk_dir``), ``fsdp2`` (CPU offload) or ``pytorch``
+    (plain, DDP when several processes)."""
     model: str
     """A zoo name (:data:`chunkstar_bench.zoo.ZOO`)."""
     batch: int
@@ -95,6 +113,14 @@ class RunSpec:
     """A label for the machine (``v100x8_240gb``, ``a100x8_1tb``, ``cpu-2core``); picks the MFU peak."""
     threads: int | None = None
     """torch threads per process on CPU; None: the cores shared evenly among the processes."""
+    disk_dir: str | None = None
+    """Only for :data:`DISK_SYSTEMS`: the folder under which each run gets (and loses) its own
+    swap folder; None: the system temp folder. It should be on the disk under test: files
+    on a tmpfs live in RAM, outside the resident set the host-memory cap watches."""
+    nvme_params: bool = False
+    """Only for ``deepspeed-nvme``: swap the bf16 parameters to disk too (``offload_param``
+    to ``nvme``), not only the optimizer state and gradients. Measured here: a larger
+    model under the same cap, 1.2-1.4x the step time (README "Measured")."""
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -109,6 +135,10 @@ class RunSpec:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if self.seq_len is not None and self.seq_len > get(self.model).seq_len:
             raise ValueError(f"seq_len {self.seq_len} exceeds {self.model}'s {get(self.model).seq_len} positions")
+        if self.disk_dir is not None and self.system not in DISK_SYSTEMS:
+            raise ValueError(f"disk_dir is only used by {', '.join(DISK_SYSTEMS)}, not by {self.system}")
+        if self.nvme_params and self.system != "deepspeed-nvme":
+            raise ValueError(f"nvme_params is only used by deepspeed-nvme, not by {self.system}")
 
     @property
     def seq(self) -> int:
@@ -206,9 +236,17 @@ def run(spec: RunSpec, timeout_s: float = 1800.0, *, echo: bool = True) -> RunRe
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    try:
+        disk_dir = _make_disk_dir(spec)
+    except OSError as exc:
+        record = _new_record(spec, created, 0.0)
+        record.message = f"cannot make a swap folder under {spec.disk_dir or tempfile.gettempdir()}: {exc}"
+        return record
+    if disk_dir is not None:
+        env[DISK_DIR_ENV] = disk_dir
     result_dir = tempfile.mkdtemp(prefix="chunkstar-bench-")
     env[RESULT_DIR_ENV] = result_dir
-    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     results: list[dict[str, Any]] = []
     tail: collections.deque[str] = collections.deque(maxlen=40)
 
@@ -223,13 +261,15 @@ def run(spec: RunSpec, timeout_s: float = 1800.0, *, echo: bool = True) -> RunRe
             print(f"  {line}", file=sys.stderr, flush=True)
         tail.append(line)
 
-    done = watch(_command(spec), env, on_line, timeout_s, spec.host_mem_cap_bytes)
+    try:
+        done = watch(_command(spec), env, on_line, timeout_s, spec.host_mem_cap_bytes)
+    finally:
+        disk_bytes = _remove_disk_dir(disk_dir)
     killed_for, returncode, sampled_peak, wall = done.killed_for, done.returncode, done.sampled_peak_rss_bytes, done.wall_s
-    record = RunRecord(
-        spec=spec, status="error", n_params=n_params(get(spec.model)), wall_s=wall, created_utc=created,
-        versions=versions(), git_commit=git_commit(), host=socket.gethostname(),
-    )
+    record = _new_record(spec, created, wall)
     record.details["sampled_peak_group_rss_bytes"] = sampled_peak
+    if disk_dir is not None:
+        record.details.update(disk_dir=disk_dir, disk_bytes=disk_bytes)
     for f in sorted(Path(result_dir).glob("rank*.json")):
         try:
             results.append(json.loads(f.read_text(encoding="utf-8")))
@@ -237,6 +277,38 @@ def run(spec: RunSpec, timeout_s: float = 1800.0, *, echo: bool = True) -> RunRe
             tail.append(f"unreadable result file {f.name}: {e}")
     shutil.rmtree(result_dir, ignore_errors=True)
     return _finish(record, results, killed_for, returncode, list(tail), timeout_s)
+
+
+def _new_record(spec: RunSpec, created: str, wall: float) -> RunRecord:
+    """An ``error`` record of ``spec`` with where and with what it ran; the caller fills in the rest."""
+    return RunRecord(
+        spec=spec, status="error", n_params=n_params(get(spec.model)), wall_s=wall, created_utc=created,
+        versions=versions(), git_commit=git_commit(), host=socket.gethostname(),
+    )
+
+
+def _make_disk_dir(spec: RunSpec) -> str | None:
+    """A fresh swap folder for a run of a disk system (Note [the disk tier]); None for the others."""
+    if spec.system not in DISK_SYSTEMS:
+        return None
+    parent = Path(spec.disk_dir) if spec.disk_dir is not None else Path(tempfile.gettempdir())
+    parent.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkdtemp(prefix="chunkstar-bench-disk-", dir=parent.resolve())
+
+
+def _remove_disk_dir(disk_dir: str | None) -> int | None:
+    """Remove a run's swap folder; the bytes its files occupied on disk (allocated blocks)."""
+    if disk_dir is None:
+        return None
+    used = 0
+    for root, _dirs, files in os.walk(disk_dir):
+        for name in files:
+            try:
+                used += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except OSError:
+                pass
+    shutil.rmtree(disk_dir, ignore_errors=True)
+    return used
 
 
 def _finish(
