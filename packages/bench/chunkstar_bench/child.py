@@ -263,7 +263,24 @@ def _run_chunkstar(ctx: _Context) -> dict[str, Any]:
     }
     if budget is not None:
         config["device_memory_budget"] = budget
-    engine, optimizer = chunkstar.initialize_engine(model_func=ctx.build, local_rank=ctx.local_rank, config=config)
+    build = ctx.build
+    if ctx.spec.system == "chunkstar-disk":
+        # the disk tier (master and Adam state in files), and the model built on the meta
+        # device straight into the chunks: its fp32 weights never exist whole in host memory
+        # the runner makes (and removes) the run's own folder; run without it, a temporary one
+        config["disk"] = {"path": os.environ.get(DISK_DIR_ENV) or tempfile.mkdtemp(prefix="chunkstar-disk-", dir=ctx.spec.disk_dir)}
+        if ctx.spec.chunkstar_staging is not None:
+            config["disk"]["staging_budget"] = ctx.spec.chunkstar_staging
+
+        def build() -> Any:
+            import torch
+
+            torch.manual_seed(ctx.spec.seed)
+            with torch.device("meta"):
+                return build_hf(ctx.model)
+
+    engine, optimizer = chunkstar.initialize_engine(model_func=build, local_rank=ctx.local_rank, config=config)
+    _progress(ctx, f"engine built: {engine.construction.meta_params} parameters from the meta device, {engine.stats()['n_chunks']} chunks")
 
     def step(ids: Any) -> float:
         loss = engine(input_ids=ids, labels=ids).loss
@@ -277,9 +294,17 @@ def _run_chunkstar(ctx: _Context) -> dict[str, Any]:
     stats = dict(engine.stats())
     moves = {
         key: (stats[key] - before.get(key, 0)) / max(ctx.spec.steps, 1)
-        for key in ("chunk_moves_to_device", "chunk_moves_to_host", "bytes_to_device", "bytes_to_host")
+        for key in ("chunk_moves_to_device", "chunk_moves_to_host", "bytes_to_device", "bytes_to_host",
+                    "disk_bytes_read", "disk_bytes_written")  # fmt: skip
         if isinstance(stats.get(key), (int, float))
     }
+    if "disk_bytes_read" in moves:  # the disk tier's traffic per timed step, and its rate
+        step_s = statistics.median(record["step_times_s"]) if record["step_times_s"] else 0.0
+        disk = moves["disk_bytes_read"] + moves["disk_bytes_written"]
+        record["disk_bytes_per_step"] = disk
+        record["disk_bytes_per_s"] = disk / step_s if step_s > 0 else None
+        record["disk_file_bytes"] = int(stats["disk_file_bytes"])
+        # the chunk files stay until the runner measures and removes the run's folder
     peak, kind = _cuda_peak(ctx)
     if peak is None:
         peak = int(stats["device_chunk_bytes_peak"]) + int(stats["warmup_non_model_peak_bytes"] or 0)
@@ -522,6 +547,7 @@ def _run_fsdp2(ctx: _Context) -> dict[str, Any]:
 
 _SYSTEMS: dict[str, Callable[[_Context], dict[str, Any]]] = {
     "chunkstar": _run_chunkstar,
+    "chunkstar-disk": _run_chunkstar,
     "deepspeed": _run_deepspeed,
     "deepspeed-nvme": _run_deepspeed_nvme,
     "fsdp2": _run_fsdp2,

@@ -129,6 +129,12 @@ def _register_maxscale(sub: argparse._SubParsersAction) -> None:  # type: ignore
     )  # fmt: skip
     p.add_argument("--nvme-params", action="store_true",
                    help="deepspeed-nvme only: swap the parameters to disk too, not only the optimizer state")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per attempt (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default %(default)s)")
+    p.add_argument("--chunkstar-budget", default=None,
+                   help='chunkstar systems: the device budget, bytes, "2GiB" or "params:F" (default: params:0.6)')
+    p.add_argument("--staging", default=None,
+                   help='chunkstar-disk only: the disk tier\'s host staging budget, e.g. "1GiB" (default: the engine\'s auto)')
     p.set_defaults(func=_cmd_maxscale)
 
 
@@ -145,12 +151,20 @@ def _cmd_maxscale(args: argparse.Namespace) -> int:
         print(f"chunkstar-bench max-scale: --disk-dir and --nvme-params are only for {', '.join(DISK_SYSTEMS)}",
               file=sys.stderr)
         return 2
+    if args.staging is not None and args.system != "chunkstar-disk":
+        print("chunkstar-bench max-scale: --staging is only for chunkstar-disk", file=sys.stderr)
+        return 2
+    if args.chunkstar_budget is not None and not args.system.startswith("chunkstar"):
+        print("chunkstar-bench max-scale: --chunkstar-budget is only for the chunkstar systems", file=sys.stderr)
+        return 2
     models = [m.strip() for m in args.models.split(",")] if args.models else None
     best, records = search(
         args.system, models, args.cap, db=ResultsDB(args.db), strategy=args.strategy,
         batch=args.batch, seq_len=args.seq, hardware=args.hardware, timeout_s=args.timeout,
         disk_dir=None if disk_dir is None else str(disk_dir), nvme_params=args.nvme_params,
-    )
+        steps=args.steps, warmup=args.warmup, chunkstar_budget=args.chunkstar_budget,
+        chunkstar_staging=args.staging,
+    )  # fmt: skip
     for r in records:
         print(f"  {r.spec.model:>10} {(r.n_params or 0) / 1e6:>8,.1f}M  {r.status:5}  {peaks(r)}  {r.message}")
     size = "none" if best is None else f"{best} ({n_params(get(best)) / 1e6:,.1f}M parameters)"

@@ -30,10 +30,15 @@ SUITE = "max-scale"
 
 
 def peaks(record: RunRecord) -> str:
-    """``peak RSS 7.20 GiB`` (and ``, disk 12.3 GiB`` for a run that swapped to disk)."""
+    """``peak RSS 7.20 GiB`` (and ``, disk 12.3 GiB at 1.10 GB/s`` for a run that swapped to disk)."""
     text = f"peak RSS {record.peak_host_bytes / 2**30:.2f} GiB" if record.peak_host_bytes else "peak RSS ?"
-    disk = record.details.get("disk_bytes")
-    return text + (f", disk {disk / 2**30:.2f} GiB" if isinstance(disk, int) else "")
+    # the swap folder's blocks when the run ended, or what chunkstar's disk tier reported (its
+    # files go when the engine does, before the runner looks)
+    found = [v for v in (record.details.get("disk_bytes"), record.details.get("disk_file_bytes")) if isinstance(v, int)]
+    disk = max(found) if found else None
+    rate = record.details.get("disk_bytes_per_s")
+    text += f", disk {disk / 2**30:.2f} GiB" if disk is not None else ""
+    return text + (f" at {rate / 1e9:.2f} GB/s" if isinstance(rate, (int, float)) else "")
 
 
 def search(
@@ -52,6 +57,7 @@ def search(
     chunkstar_budget: str | int | None = None,
     disk_dir: str | None = None,
     nvme_params: bool = False,
+    chunkstar_staging: str | int | None = None,
     timeout_s: float = 1800.0,
     echo: bool = True,
 ) -> tuple[str | None, list[RunRecord]]:
@@ -59,7 +65,7 @@ def search(
 
     Returns ``(name or None, every attempt's record in the order run)``; each
     attempt is appended to ``db`` (suite ``max-scale``) as soon as it ends.
-    ``disk_dir`` and ``nvme_params`` go to every attempt's :class:`RunSpec`.
+    ``disk_dir``, ``nvme_params`` and ``chunkstar_staging`` go to every attempt's :class:`RunSpec`.
     """
     ladder = sorted(models if models is not None else cpu_ladder(), key=lambda m: n_params(get(m)))
     if not ladder:
@@ -71,7 +77,7 @@ def search(
         spec = RunSpec(
             system=system, model=ladder[i], batch=batch, seq_len=seq_len, steps=steps, warmup=warmup,
             device=device, host_mem_cap_bytes=host_mem_cap_bytes, chunkstar_budget=chunkstar_budget,
-            hardware=hardware, disk_dir=disk_dir, nvme_params=nvme_params,
+            hardware=hardware, disk_dir=disk_dir, nvme_params=nvme_params, chunkstar_staging=chunkstar_staging,
         )
         if echo:
             print(

@@ -59,9 +59,9 @@ __all__ = [
     "git_commit", "run", "versions",
 ]  # fmt: skip
 
-SYSTEMS: tuple[str, ...] = ("chunkstar", "deepspeed", "deepspeed-nvme", "fsdp2", "pytorch")
+SYSTEMS: tuple[str, ...] = ("chunkstar", "chunkstar-disk", "deepspeed", "deepspeed-nvme", "fsdp2", "pytorch")
 """Every system the suite knows."""
-DISK_SYSTEMS: tuple[str, ...] = ("deepspeed-nvme",)
+DISK_SYSTEMS: tuple[str, ...] = ("chunkstar-disk", "deepspeed-nvme")
 """The systems that swap to a disk folder (Note [the disk tier])."""
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 STATUSES: tuple[str, ...] = ("ok", "oom", "error")
@@ -72,7 +72,7 @@ RESULT_DIR_ENV = "CHUNKSTAR_BENCH_RESULT_DIR"  # children write rank<r>.json the
 DISK_DIR_ENV = "CHUNKSTAR_BENCH_DISK_DIR"
 """The run's own swap folder, made and removed by the parent (Note [the disk tier])."""
 
-System = Literal["chunkstar", "deepspeed", "deepspeed-nvme", "fsdp2", "pytorch"]
+System = Literal["chunkstar", "chunkstar-disk", "deepspeed", "deepspeed-nvme", "fsdp2", "pytorch"]
 Device = Literal["cpu", "cuda"]
 Status = Literal["ok", "oom", "error"]
 
@@ -117,6 +117,9 @@ class RunSpec:
     """Only for :data:`DISK_SYSTEMS`: the folder under which each run gets (and loses) its own
     swap folder; None: the system temp folder. It should be on the disk under test: files
     on a tmpfs live in RAM, outside the resident set the host-memory cap watches."""
+    chunkstar_staging: str | int | None = None
+    """Only for ``chunkstar-disk``: the disk tier's host staging budget (bytes or ``"1GB"``;
+    None: the engine's "auto", two chunks of master and moments)."""
     nvme_params: bool = False
     """Only for ``deepspeed-nvme``: swap the bf16 parameters to disk too (``offload_param``
     to ``nvme``), not only the optimizer state and gradients. Measured here: a larger
@@ -137,6 +140,8 @@ class RunSpec:
             raise ValueError(f"seq_len {self.seq_len} exceeds {self.model}'s {get(self.model).seq_len} positions")
         if self.disk_dir is not None and self.system not in DISK_SYSTEMS:
             raise ValueError(f"disk_dir is only used by {', '.join(DISK_SYSTEMS)}, not by {self.system}")
+        if self.chunkstar_staging is not None and self.system != "chunkstar-disk":
+            raise ValueError(f"chunkstar_staging is only used by chunkstar-disk, not by {self.system}")
         if self.nvme_params and self.system != "deepspeed-nvme":
             raise ValueError(f"nvme_params is only used by deepspeed-nvme, not by {self.system}")
 

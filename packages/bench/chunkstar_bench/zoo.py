@@ -137,6 +137,8 @@ _CPU_LADDER: tuple[tuple[str, int, int, int, str], ...] = (
     ("cpu-774m", 1280, 36, 20, "GPT-2 large shape"),
     ("cpu-1b", 1536, 34, 16, ""),
     ("cpu-1.5b", 1600, 48, 25, "GPT-2 XL shape"),
+    ("cpu-2b", 2048, 38, 16, "beyond host memory: the disk tier's target"),
+    ("cpu-3b", 2560, 38, 20, "fp32 weights (12 GB) alone exceed an 8 GiB cap"),
 )
 _CPU_SEQ = 128
 

@@ -63,6 +63,11 @@ class MoveReason(enum.Enum):
     """Placed where its Adam update runs (host for CPU Adam, device for device Adam)."""
     OFFLOAD = "offload"
     """Its gradients were complete during backward: sent to the host, where its Adam update runs."""
+    STAGE_IN = "stage_in"
+    """Read from its file on disk into a host staging buffer (Note [disk tier]): for its Adam
+    update, or for code between steps that reads it."""
+    STAGE_OUT = "stage_out"
+    """Written back from its staging buffer to its file on disk (``nbytes`` 0: unchanged, dropped)."""
 
 
 @dataclass(frozen=True)

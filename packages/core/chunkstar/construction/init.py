@@ -13,17 +13,22 @@ for real would have done, in the same spirit and the same order kinds:
 1. ``reset_parameters()`` of every module that has one, in registration order
    (what each ``nn.Linear``, ``nn.Embedding``, norm ... constructor ran);
    ``nn.MultiheadAttention``'s ``_reset_parameters()`` likewise;
-2. for each outermost Hugging Face ``PreTrainedModel``, its
-   ``initialize_weights()`` (HF's ``post_init`` over ``_init_weights``: the
-   model's own scheme, rotary ``inv_freq`` buffers included);
+2. for each module inside a Hugging Face ``PreTrainedModel``, children before
+   parents, that model's ``_initialize_weights(module)`` (what HF's
+   ``post_init`` runs: the model's own scheme over ``_init_weights``, rotary
+   ``inv_freq`` buffers included; a sub-model uses its own);
 3. for PEFT LoRA layers, ``reset_lora_parameters(adapter, True)`` (PEFT's
    default: ``lora_A`` Kaiming-uniform, ``lora_B`` zero, so the adapted model
    starts as the base model).
 
-It draws from torch's global RNG like a real build: seed it (the same seed on
-every rank) before ``initialize_engine``. Every rank runs the whole sequence,
-also for parameters it does not keep (they write into a scratch buffer), so
-each value depends on the seed only, never on the world size or rank. The same
+Each of these calls draws from a generator seeded for that call alone, from
+one base seed (drawn once from torch's global RNG: seed it alike on every rank
+before ``initialize_engine``) and the module's position, so a value depends on
+the seed and the model only: never on the world size, the rank, or which other
+modules ran. That is what lets a rank, or a wave of a construction with the
+masters on disk (Note [construction in waves]), run only the modules whose
+parameters it fills (and their ancestors, whose initialisers may reach into
+their children), and still get every value a single pass gives. The same
 function applied to a plain model (``model.to_empty(device="cpu")``, then
 ``chunkstar.init_weights(model)``) gives the same values, bit for bit: that is
 the reference the tests hold the engine to.
@@ -46,7 +51,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["init_weights", "meta_buffer_names", "meta_parameter_names", "rebuild_buffers"]
+__all__ = ["draw_base_seed", "init_weights", "meta_buffer_names", "meta_parameter_names", "modules_for", "rebuild_buffers"]
 
 
 def meta_parameter_names(model: nn.Module) -> list[str]:
@@ -75,36 +80,96 @@ def _outermost_hf_models(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def _hf_init_guard() -> contextlib.AbstractContextManager[Any]:
+    """transformers' guard that makes ``torch.nn.init`` respect its flags (as ``initialize_weights`` runs)."""
+    try:
+        from transformers import initialization
+    except ImportError:
+        return contextlib.nullcontext()
+    guard = getattr(initialization, "guard_torch_init_functions", None)
+    return guard() if callable(guard) else contextlib.nullcontext()
+
+
+def _post_order(model: nn.Module) -> list[tuple[nn.Module, nn.Module | None]]:
+    """Every module, children before parents, with the Hugging Face model whose scheme
+    initialises it (the nearest ``PreTrainedModel`` at or above it; None outside any)."""
+    out: list[tuple[nn.Module, nn.Module | None]] = []
+
+    def walk(m: nn.Module, hf: nn.Module | None) -> None:
+        hf = m if _is_hf_model(m) else hf
+        for child in m.children():
+            walk(child, hf)
+        out.append((m, hf))
+
+    walk(model, None)
+    return out
+
+
+def draw_base_seed() -> int:
+    """The base seed of :func:`init_weights`, drawn from torch's global RNG."""
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
 @torch.no_grad()
-def init_weights(model: nn.Module) -> None:
+def init_weights(model: nn.Module, *, base_seed: int | None = None, only: set[int] | None = None) -> None:
     """Give every parameter (and rotary buffer) of ``model`` its initial value, the way
     building the model for real would (Note [meta initialisation]). The parameters
-    must hold real storage (not the meta device)."""
+    must hold real storage (not the meta device).
+
+    ``base_seed`` (default: drawn from torch's global RNG) seeds each module's call
+    apart; ``only`` (ids of modules) runs just those modules' initialisers, which gives
+    them the values a full pass would."""
     meta = meta_parameter_names(model)
     if meta:
         raise ValueError(f"init_weights() needs real parameters, but {meta[:3]} are on the meta device (to_empty first)")
+    seed = draw_base_seed() if base_seed is None else base_seed
+    modules = list(model.modules())
+    position = {id(m): i for i, m in enumerate(modules)}
+    def run(phase: int, m: nn.Module, call: Callable[[], Any]) -> None:
+        if only is not None and id(m) not in only:
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((seed * 1_000_003 + phase * 7_919 + position[id(m)] * 104_729) % (2**63))
+            call()
+
     # Hugging Face skips modules and tensors it marked as initialised; here everything is
-    # initialised, every time (a construction in waves replays this whole function)
-    for m in model.modules():
+    # initialised, every time (a construction in waves calls this once per wave)
+    for m in modules:
         for t in [m, *m.parameters(recurse=False), *m.buffers(recurse=False)]:
             if getattr(t, "_is_hf_initialized", False):
                 setattr(t, "_is_hf_initialized", False)
-    for m in model.modules():
+    for m in modules:
         reset: Any = getattr(m, "_reset_parameters" if isinstance(m, nn.MultiheadAttention) else "reset_parameters", None)
         if callable(reset):
-            reset()
-    for hf in _outermost_hf_models(model):
-        initialize: Any = getattr(hf, "initialize_weights", None)
-        if callable(initialize):
-            initialize()
-        else:  # transformers 4.x: post_init's apply over _init_weights
-            hf.apply(getattr(hf, "_init_weights"))
-    for m in model.modules():
+            run(1, m, reset)
+    with _hf_init_guard():
+        for m, hf in _post_order(model):
+            if hf is None:
+                continue
+            initialize: Any = getattr(hf, "_initialize_weights", None) or getattr(hf, "_init_weights")
+            run(2, m, lambda: initialize(m))
+    for m in modules:
         adapters = getattr(m, "lora_A", None)
         reset_lora: Any = getattr(m, "reset_lora_parameters", None)
         if callable(reset_lora) and isinstance(adapters, nn.ModuleDict):
             for name in adapters.keys():
-                reset_lora(name, True)
+                run(3, m, lambda: reset_lora(name, True))
+
+
+def modules_for(model: nn.Module, params: set[int]) -> set[int]:
+    """Ids of the modules whose initialisers may write the parameters ``params`` (ids):
+    the modules holding them and every ancestor of those."""
+    out: set[int] = set()
+
+    def walk(m: nn.Module, path: list[nn.Module]) -> None:
+        here = [*path, m]
+        if any(id(p) in params for p in m.parameters(recurse=False)):
+            out.update(id(a) for a in here)
+        for child in m.children():
+            walk(child, here)
+
+    walk(model, [])
+    return out
 
 
 class _MetaToCpu(TorchFunctionMode):

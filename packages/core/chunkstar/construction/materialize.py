@@ -41,7 +41,7 @@ from torch import nn
 from chunkstar.chunk.layout import ChunkLayout, TensorSlot
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.store import ChunkStore
-from chunkstar.construction.init import init_weights, meta_buffer_names, rebuild_buffers
+from chunkstar.construction.init import draw_base_seed, init_weights, meta_buffer_names, modules_for, rebuild_buffers
 from chunkstar.construction.pretrained import PretrainedError, PretrainedSource, match_names
 
 __all__ = ["ConstructionReport", "fill_chunks", "origin_fingerprint"]
@@ -237,7 +237,11 @@ def _fill_at_once(
         if needs_init:
             # init_weights re-initialises the parameters that came with values too: keep those
             saved = [(i, store.value_view(slots[i]).clone()) for i in real if store.own(slots[i].chunk_id)]
-            init_weights(model)
+            # each rank runs the initialisers of the modules holding its own parameters (and their
+            # ancestors): the values do not depend on which modules run (Note [meta initialisation])
+            own_params = {id(params[s.index]) for s in slots if store.own(s.chunk_id)}
+            everything = len(own_params) == len(params)
+            init_weights(model, only=None if everything else modules_for(model, own_params))
             for i, t in saved:
                 store.value_view(slots[i]).copy_(t)
         if source is not None:
@@ -271,10 +275,11 @@ def _fill_in_waves(
     ``wave_bytes``) are staged in, their parameters point into them and every other
     parameter at the shared scratch buffer, the values are made (a real parameter's copied,
     the checkpoint's read, or the initialisers run over the whole model), the param chunks
-    cast from them, and the masters written back to disk. The initialisers are replayed
-    from the same RNG state in every wave, so every value is the one a single pass would
-    have drawn, whatever the waves; the RNG ends where one pass would leave it. Cost: one
-    pass of the initialisers per wave."""
+    cast from them, and the masters written back to disk. Each wave runs the initialisers
+    of the modules holding its parameters and of their ancestors only, each call seeded
+    apart from one base seed (Note [meta initialisation]), so every value is the one a
+    single pass gives, whatever the waves, and the initialisers cost about one pass in all
+    (the ancestors' own calls repeat, and they are small)."""
     slots = layout.slots
     if needs_init and any(not p.is_meta for p in params):
         raise ValueError(
@@ -298,8 +303,7 @@ def _fill_in_waves(
         size += nbytes
     frozen_own = [cid for cid in range(layout.n_chunks) if store.own(cid) and store.frozen(cid)]
     waves[0] = frozen_own + waves[0]  # frozen chunks are in memory (param list only): the first wave
-    start = torch.random.get_rng_state()
-    end_state: torch.Tensor | None = None
+    base_seed = draw_base_seed() if needs_init else 0  # one draw from the user's RNG, as one pass makes
     for wave in waves:
         members = set(wave)
         with store.staged([(ChunkList.MASTER, c) for c in wave if not store.frozen(c)], write=True), torch.no_grad():
@@ -311,10 +315,9 @@ def _fill_in_waves(
                     place.copy_(p.detach())  # its own values (a real model): its storage is freed next
                 if here or p.is_meta or needs_init:
                     params[s.index] = _rehome(model, p, place)
-            if needs_init:
-                torch.random.set_rng_state(start)
-                init_weights(model)
-                end_state = torch.random.get_rng_state()
+            if needs_init:  # only the modules that can write this wave's parameters (and their ancestors)
+                members_params = {id(params[s.index]) for s in slots if s.chunk_id in members}
+                init_weights(model, base_seed=base_seed, only=modules_for(model, members_params))
             if source is not None:
                 for i, key in key_of.items():
                     if slots[i].chunk_id in members:
@@ -323,7 +326,5 @@ def _fill_in_waves(
                 if not store.frozen(cid):
                     store.chunk(ChunkList.PARAM, cid).payload.copy_(store.chunk(ChunkList.MASTER, cid).payload)
         # leaving the block writes the wave's masters behind; their buffers go to the next wave
-    if end_state is not None:
-        torch.random.set_rng_state(end_state)
     for s in slots:  # nothing may keep viewing a staging buffer
         params[s.index] = _rehome(model, params[s.index], scratch[: s.numel].view(s.shape))

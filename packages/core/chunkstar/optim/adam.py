@@ -399,7 +399,8 @@ class ChunkAdam(torch.optim.Optimizer):
         reads: list[CopyEvent] = []
         for c in chunks[1:]:
             if disk is not None and disk.on_disk(ChunkList(c.list_name)):
-                disk.stage_in(c)  # read ahead on the read lane (Note [disk tier]); the job waits for it
+                with mgr.paused_probe():  # a staging buffer is model memory, kept for the run
+                    disk.stage_in(c)  # read ahead on the read lane (Note [disk tier]); the job waits for it
                 assert c.pending_copy is not None
                 reads.append(c.pending_copy)
             else:

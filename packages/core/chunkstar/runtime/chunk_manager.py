@@ -349,6 +349,22 @@ class ChunkManager:
         """From now on the chunks of ``tier.lists`` live on disk (before any chunk is allocated)."""
         self.disk = tier
 
+    def on_disk_move(self, chunk: Chunk, to_disk: bool, nbytes: int, t_ns: int) -> None:
+        """A chunk was staged in from disk or out to it (the disk tier calls this): events and counters."""
+        self.host_chunk_bytes += -chunk.nbytes if to_disk else chunk.nbytes
+        self.moves_by_reason[(MoveReason.STAGE_OUT if to_disk else MoveReason.STAGE_IN).value] += 1
+        if not self.events.active:
+            return
+        cur = self._cur
+        src, dst = (Tier.HOST, Tier.DISK) if to_disk else (Tier.DISK, Tier.HOST)
+        reason = MoveReason.STAGE_OUT if to_disk else MoveReason.STAGE_IN
+        if not to_disk:
+            self.events.emit(ChunkAllocated(chunk.chunk_id, chunk.list_name, Tier.HOST, chunk.nbytes, t_ns))
+        # issued now; the bytes travel on the disk tier's I/O lanes (t_end is the issue time too)
+        self.events.emit(ChunkMoved(chunk.chunk_id, chunk.list_name, nbytes, src, dst, reason, cur.moment, cur.module, t_ns, t_ns))
+        if to_disk:
+            self.events.emit(ChunkFreed(chunk.chunk_id, chunk.list_name, Tier.HOST, chunk.nbytes, t_ns))
+
     def on_disk(self, name: ChunkList) -> bool:
         """Whether list ``name``'s chunks live on disk (Note [disk tier])."""
         return self.disk is not None and self.disk.on_disk(name)
@@ -722,6 +738,9 @@ class ChunkManager:
         )
         host = self.host_chunk_bytes
         self.events.emit(MemorySample(Tier.HOST, host, host, 0, 0, self._cur.moment, time.perf_counter_ns()))
+        if self.disk is not None:  # the chunk files: this rank's state, whatever is staged
+            files = self.disk.files.file_bytes
+            self.events.emit(MemorySample(Tier.DISK, files, files, 0, files, self._cur.moment, time.perf_counter_ns()))
 
     def model_data_bytes(self) -> int:
         """Param chunks (all: each is gathered when used) plus this rank's state chunks."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -70,8 +70,12 @@ class DiskTier:
         *,
         run_tag: str,
         rank: int,
+        on_move: Callable[[Chunk, bool, int, int], None] | None = None,
     ) -> None:
-        """``chunks``: this rank's chunks of each disk list by chunk id (frozen chunks have none)."""
+        """``chunks``: this rank's chunks of each disk list by chunk id (frozen chunks have none).
+        ``on_move(chunk, to_disk, nbytes, t_ns)`` hears of every staging move as it is issued
+        (the store turns them into events)."""
+        self._on_move = on_move
         self.lists = tuple(chunks)
         sizes = {name.value: {cid: c.nbytes for cid, c in per.items()} for name, per in chunks.items()}
         self.files = ChunkFiles.create(
@@ -109,12 +113,16 @@ class DiskTier:
         event = self.lanes.read(chunk.list_name, chunk.chunk_id, buf, after=chunk.pending_copy)
         chunk.attach_host(buf, event)
         self.stage_ins += 1
+        if self._on_move is not None:
+            self._on_move(chunk, False, chunk.nbytes, time.perf_counter_ns())
 
     def stage_out(self, chunk: Chunk, *, write: bool) -> None:
         """HOST -> DISK: with ``write``, the buffer is written behind once the last work on it
         is done and given back when its bytes are on disk; without, given back at once."""
         buf, last = chunk.detach_host()
         self.stage_outs += 1
+        if self._on_move is not None:
+            self._on_move(chunk, True, chunk.nbytes if write else 0, time.perf_counter_ns())
         if write:
             staging = self.staging
             event = self.lanes.write(chunk.list_name, chunk.chunk_id, buf, after=last, then=lambda: staging.give_back(buf))

@@ -160,7 +160,10 @@ class ChunkEngine:
             )  # fmt: skip
             if cfg.disk is not None:  # Note [disk tier]: the state lists' chunks live in files
                 names = [ChunkList(n) for n in cfg.disk.lists]
-                self.mgr.attach_disk(DiskTier(cfg.disk, self.mgr.disk_chunks(names), run_tag=self.run_id, rank=self.comm.rank))
+                self.mgr.attach_disk(DiskTier(
+                    cfg.disk, self.mgr.disk_chunks(names), run_tag=self.run_id, rank=self.comm.rank,
+                    on_move=self.mgr.on_disk_move,
+                ))  # fmt: skip
             # the chunks get their values (Note [construction]): host memory peaks at about the
             # chunks' own bytes, never at the whole model beside them
             self.construction = fill_chunks(
