@@ -114,16 +114,17 @@ def draw_base_seed() -> int:
 def init_weights(model: nn.Module, *, base_seed: int | None = None, only: set[int] | None = None) -> None:
     """Give every parameter (and rotary buffer) of ``model`` its initial value, the way
     building the model for real would (Note [meta initialisation]). The parameters
-    must hold real storage (not the meta device).
+    must hold real storage (not the meta device), those of the modules in ``only`` at least.
 
     ``base_seed`` (default: drawn from torch's global RNG) seeds each module's call
     apart; ``only`` (ids of modules) runs just those modules' initialisers, which gives
     them the values a full pass would."""
-    meta = meta_parameter_names(model)
+    modules = list(model.modules())
+    meta = [f"{n}.{k}".lstrip(".") for n, m in model.named_modules() if only is None or id(m) in only
+            for k, p in m.named_parameters(recurse=False) if p.is_meta]  # fmt: skip
     if meta:
         raise ValueError(f"init_weights() needs real parameters, but {meta[:3]} are on the meta device (to_empty first)")
     seed = draw_base_seed() if base_seed is None else base_seed
-    modules = list(model.modules())
     position = {id(m): i for i, m in enumerate(modules)}
     def run(phase: int, m: nn.Module, call: Callable[[], Any]) -> None:
         if only is not None and id(m) not in only:

@@ -289,7 +289,6 @@ def _fill_in_waves(
         )
     for cid in range(layout.n_chunks):
         allocate(cid)  # masters and moments on disk (zeros), param chunks on the host
-    scratch = _scratch(list(slots))
     waves: list[list[int]] = [[]]
     size = 0
     for cid in range(layout.n_chunks):
@@ -304,20 +303,34 @@ def _fill_in_waves(
     frozen_own = [cid for cid in range(layout.n_chunks) if store.own(cid) and store.frozen(cid)]
     waves[0] = frozen_own + waves[0]  # frozen chunks are in memory (param list only): the first wave
     base_seed = draw_base_seed() if needs_init else 0  # one draw from the user's RNG, as one pass makes
+    slot_of = {id(p): s for s, p in zip(slots, params)}
     for wave in waves:
         members = set(wave)
+        # the modules whose initialisers run in this wave, and the parameters they may touch:
+        # this wave's get their places; the others they hold (an ancestor's own, a tied one)
+        # a scratch buffer of this wave; every other parameter is left alone (nothing runs it)
+        run: set[int] = set()
+        touched: list[TensorSlot] = []
+        if needs_init:
+            run = modules_for(model, {id(params[s.index]) for s in slots if s.chunk_id in members})
+            seen: set[int] = set()
+            for m in model.modules():
+                if id(m) in run:
+                    for q in m.parameters(recurse=False):
+                        if id(q) not in seen:
+                            seen.add(id(q))
+                            touched.append(slot_of[id(q)])
+        scratch = _scratch([s for s in touched if s.chunk_id not in members])  # written, never read
         with store.staged([(ChunkList.MASTER, c) for c in wave if not store.frozen(c)], write=True), torch.no_grad():
-            for s in slots:
+            for s in [*(s for s in slots if s.chunk_id in members), *(s for s in touched if s.chunk_id not in members)]:
                 p = params[s.index]
                 here = s.chunk_id in members
                 place = store.value_view(s).view(s.shape) if here else scratch[: s.numel].view(s.shape)
                 if here and not p.is_meta:
                     place.copy_(p.detach())  # its own values (a real model): its storage is freed next
-                if here or p.is_meta or needs_init:
-                    params[s.index] = _rehome(model, p, place)
-            if needs_init:  # only the modules that can write this wave's parameters (and their ancestors)
-                members_params = {id(params[s.index]) for s in slots if s.chunk_id in members}
-                init_weights(model, base_seed=base_seed, only=modules_for(model, members_params))
+                params[s.index] = _rehome(model, p, place)
+            if needs_init:
+                init_weights(model, base_seed=base_seed, only=run)
             if source is not None:
                 for i, key in key_of.items():
                     if slots[i].chunk_id in members:
@@ -326,5 +339,10 @@ def _fill_in_waves(
                 if not store.frozen(cid):
                     store.chunk(ChunkList.PARAM, cid).payload.copy_(store.chunk(ChunkList.MASTER, cid).payload)
         # leaving the block writes the wave's masters behind; their buffers go to the next wave
-    for s in slots:  # nothing may keep viewing a staging buffer
-        params[s.index] = _rehome(model, params[s.index], scratch[: s.numel].view(s.shape))
+        del scratch
+    # nothing may keep viewing a staging buffer or stay on the meta device (another rank's
+    # parameters, say): a one-element placeholder each, until the caller points them at the
+    # param chunks' device views
+    placeholder = torch.zeros(1)
+    for s in slots:
+        params[s.index] = _rehome(model, params[s.index], placeholder.expand(s.shape))
