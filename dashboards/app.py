@@ -22,7 +22,7 @@ if str(_HERE) not in sys.path:  # `streamlit run` adds it; AppTest and other run
 import streamlit as st  # noqa: E402
 
 from chunkstar_dashboard import loading  # noqa: E402
-from chunkstar_dashboard.data import ProfileData, format_bytes  # noqa: E402
+from chunkstar_dashboard.data import ProfileData, format_bytes, has_disk_tier, peak_bytes  # noqa: E402
 from chunkstar_dashboard.text import escape_markdown  # noqa: E402
 
 
@@ -48,6 +48,8 @@ def _sidebar_summary(p: ProfileData) -> None:
         f"device {escape_markdown(m.get('device', '?'))}, budget " + (format_bytes(m["budget_bytes"]) if m.get("budget_bytes") else "unbounded"),
         f"{escape_markdown(m.get('iterations', '?'))} iterations, {p.duration_s:.3f} s recorded",
     ]
+    if has_disk_tier(p):
+        lines.insert(4, f"disk tier: {format_bytes(peak_bytes(p.memory, 'disk'))} of chunk files")
     created = m.get("created_unix")
     if isinstance(created, (int, float)) and created > 0:
         try:

@@ -13,7 +13,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .data import MAX_POINTS_PER_TRACE, TIERS, PlacementGrid, ProfileData, memory_series
+from .data import MAX_POINTS_PER_TRACE, TIERS, PlacementGrid, ProfileData, memory_series, tiers_present
 
 __all__ = ["STAGE_COLOURS", "TIER_COLOURS", "chunk_map", "memory_timeline", "operator_bytes", "step_times_chart"]
 
@@ -21,7 +21,10 @@ MIB = 2.0**20
 BUDGET_OFF_SCALE = 2.0
 """A budget more than this many times the peak is drawn off scale (named in the legend)."""
 STAGE_COLOURS = {"fwd": "rgba(31,119,180,0.10)", "bwd": "rgba(255,127,14,0.12)", "optim": "rgba(44,160,44,0.14)"}
-TIER_COLOURS = {"device": "#e4572e", "host": "#2e86ab"}
+TIER_COLOURS = {"device": "#e4572e", "host": "#2e86ab", "disk": "#8c564b"}
+"""One colour per tier, on every page: the chunk map, the operator bars, the memory panels' titles."""
+TIER_TITLES = {"disk": "disk (chunk files)"}
+"""Panel titles where the tier's name alone would mislead: the disk tier's bytes are its chunk files."""
 _SERIES = (
     # column, legend name, line style
     ("total_bytes", "total", dict(color="#222222", width=1.6)),
@@ -63,12 +66,17 @@ def memory_timeline(
 
     Returns the figure and whether any trace was downsampled. Hovering a
     sample names the module (operator) whose moment boundary it was taken at.
+    Tiers without samples are left out (``TIERS`` holds the disk tier, which
+    most runs do not have); one panel per tier, titled in the tier's colour.
     """
-    tiers = [t for t in tiers if (p.memory["tier"] == t).any()] or list(tiers)[:1]
+    present = set(tiers_present(p.memory))
+    tiers = [t for t in tiers if t in present] or list(tiers)[:1]
     fig = make_subplots(
         rows=len(tiers), cols=1, shared_xaxes=True, vertical_spacing=0.08,
-        subplot_titles=[f"{t} memory" for t in tiers] if len(tiers) > 1 else None,
+        subplot_titles=[f"{TIER_TITLES.get(t, t)} memory" for t in tiers] if len(tiers) > 1 else None,
     )  # fmt: skip
+    for title, tier in zip(fig.layout.annotations, tiers):
+        title.font = dict(color=TIER_COLOURS.get(tier, "#222222"))
     downsampled = False
     for row, tier in enumerate(tiers, start=1):
         rows, dropped = memory_series(p.memory, tier, max_points)
@@ -108,7 +116,9 @@ def memory_timeline(
                 ),
                 row=row, col=1,
             )  # fmt: skip
-        fig.update_yaxes(title_text=f"{tier} MiB", range=[0, top], row=row, col=1)
+        fig.update_yaxes(
+            title_text=f"{tier} MiB", title_font=dict(color=TIER_COLOURS.get(tier, "#222222")), range=[0, top], row=row, col=1
+        )
     fig.update_xaxes(title_text="seconds since profile start", row=len(tiers), col=1)
     fig.update_layout(
         height=height_per_tier * len(tiers) + 80, margin=dict(l=10, r=10, t=70, b=10),
@@ -119,7 +129,13 @@ def memory_timeline(
 
 
 def chunk_map(grid: PlacementGrid) -> go.Figure:
-    """Chunks x time, coloured by where the payload was; one panel per chunk list."""
+    """Chunks x time, coloured by where the payload was; one panel per chunk list.
+
+    Without the disk tier the colour is the device share of each bin (host blue,
+    mixed pale, device red). With it, one scale runs disk (brown) -> host (blue)
+    -> device (red), :meth:`PlacementGrid.tier_level`: a state chunk on disk is
+    brown, staged in blue, half of a bin each in between.
+    """
     lists = list(dict.fromkeys(grid.chunk_lists))
     counts = [grid.chunk_lists.count(c) for c in lists]
     fig = make_subplots(
@@ -127,19 +143,27 @@ def chunk_map(grid: PlacementGrid) -> go.Figure:
         row_heights=[max(c, 1) for c in counts] or [1], subplot_titles=[f"{c} ({n} chunks)" for c, n in zip(lists, counts)],
     )  # fmt: skip
     centres = (grid.edges[:-1] + grid.edges[1:]) / 2
-    share = grid.device_share().astype(np.float32)  # float32 and uint8 below: fewer bytes to the browser
     lists_arr = np.array(grid.chunk_lists, dtype=object)
     ids = np.array(grid.chunk_ids)
-    colourscale = [[0.0, TIER_COLOURS["host"]], [0.5, "#efe6f5"], [1.0, TIER_COLOURS["device"]]]
+    # float32 and uint8 below: fewer bytes to the browser
+    if grid.has_disk:
+        z = grid.tier_level().astype(np.float32)
+        colourscale = [[0.0, TIER_COLOURS["disk"]], [0.5, TIER_COLOURS["host"]], [1.0, TIER_COLOURS["device"]]]
+        colorbar = dict(title="where", tickvals=[0, 0.5, 1], ticktext=["disk", "host", "device"], len=0.5, y=1, yanchor="top")
+        parts, hover = [grid.device, grid.host, grid.disk], "device %{customdata[0]}%, host %{customdata[1]}%, disk %{customdata[2]}%"
+    else:
+        z = grid.device_share().astype(np.float32)
+        colourscale = [[0.0, TIER_COLOURS["host"]], [0.5, "#efe6f5"], [1.0, TIER_COLOURS["device"]]]
+        colorbar = dict(title="on device", tickvals=[0, 0.5, 1], ticktext=["host", "mixed", "device"], len=0.5, y=1, yanchor="top")
+        parts, hover = [grid.device, grid.host], "device %{customdata[0]}%, host %{customdata[1]}%"
     for row, name in enumerate(lists, start=1):
         sel = lists_arr == name
-        custom = np.rint(100 * np.dstack([grid.device[sel], grid.host[sel]])).astype(np.uint8)  # percent
+        custom = np.rint(100 * np.dstack([part[sel] for part in parts])).astype(np.uint8)  # percent
         fig.add_trace(
             go.Heatmap(
-                x=centres, y=[str(i) for i in ids[sel]], z=share[sel], zmin=0.0, zmax=1.0, colorscale=colourscale,
-                showscale=row == 1, customdata=custom, xgap=0, ygap=1,
-                colorbar=dict(title="on device", tickvals=[0, 0.5, 1], ticktext=["host", "mixed", "device"], len=0.5, y=1, yanchor="top"),
-                hovertemplate=f"{name} chunk %{{y}}<br>t %{{x:.4f}} s<br>device %{{customdata[0]}}%, host %{{customdata[1]}}% of the bin<extra></extra>",
+                x=centres, y=[str(i) for i in ids[sel]], z=z[sel], zmin=0.0, zmax=1.0, colorscale=colourscale,
+                showscale=row == 1, customdata=custom, xgap=0, ygap=1, colorbar=colorbar,
+                hovertemplate=f"{name} chunk %{{y}}<br>t %{{x:.4f}} s<br>{hover} of the bin<extra></extra>",
             ),
             row=row, col=1,
         )  # fmt: skip
@@ -149,13 +173,28 @@ def chunk_map(grid: PlacementGrid) -> go.Figure:
     return fig
 
 
+_DIRECTION_BARS = (
+    # column of data.moves_by_operator, legend name, colour (of the tier the bytes go to), hatching
+    ("bytes_to_device", "to device", TIER_COLOURS["device"], ""),
+    ("bytes_to_host", "to host", TIER_COLOURS["host"], ""),
+    ("bytes_from_disk", "disk -> host (stage-in)", TIER_COLOURS["host"], "/"),
+    ("bytes_to_disk", "host -> disk (stage-out)", TIER_COLOURS["disk"], ""),
+)
+
+
 def operator_bytes(table: pd.DataFrame, top: int = 20) -> go.Figure:
-    """Stacked horizontal bars of MiB moved to device / to host for the ``top`` modules by bytes."""
-    t = table.assign(_bytes=table["bytes_to_device"] + table["bytes_to_host"]).nlargest(top, "_bytes").iloc[::-1]
+    """Stacked horizontal bars of MiB moved each way for the ``top`` modules by bytes.
+
+    A bar's colour is the tier its bytes went to; stage-ins (disk -> host) are
+    hatched host bars. The disk tier's bars appear only when it moved bytes.
+    """
+    bars = [b for b in _DIRECTION_BARS if b[0] in table.columns]
+    t = table.assign(_bytes=table[[b[0] for b in bars]].sum(axis=1)).nlargest(top, "_bytes").iloc[::-1]
     fig = go.Figure(
         [
-            go.Bar(y=t["module"], x=t["bytes_to_device"] / MIB, name="to device", orientation="h", marker_color=TIER_COLOURS["device"]),
-            go.Bar(y=t["module"], x=t["bytes_to_host"] / MIB, name="to host", orientation="h", marker_color=TIER_COLOURS["host"]),
+            go.Bar(y=t["module"], x=t[col] / MIB, name=name, orientation="h", marker=dict(color=colour, pattern_shape=hatch))
+            for col, name, colour, hatch in bars
+            if col in ("bytes_to_device", "bytes_to_host") or t[col].any()
         ]
     )
     fig.update_layout(

@@ -14,8 +14,10 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from chunkstar_profiler import MOVE_REASONS, TIERS
 
 __all__ = [
+    "DIRECTIONS",
     "MAX_POINTS_PER_TRACE",
     "MOVE_REASONS",
     "OUTSIDE_MOMENTS",
@@ -29,6 +31,7 @@ __all__ = [
     "filter_moves",
     "format_bytes",
     "memory_series",
+    "has_disk_tier",
     "move_totals",
     "moves_by_operator",
     "peak_bytes",
@@ -36,11 +39,11 @@ __all__ = [
     "step_time_comparison",
     "step_times",
     "summary_figures",
+    "tiers_present",
 ]
 
-TIERS = ("device", "host")
 STAGES = ("fwd", "bwd", "optim")
-MOVE_REASONS = ("access", "eviction", "prefetch", "optimizer")
+# TIERS (device, host, disk) and MOVE_REASONS are the profile format's own (chunkstar_profiler)
 MAX_POINTS_PER_TRACE = 5000
 """Longest memory trace sent to the browser; longer ones are min/max downsampled."""
 OUTSIDE_MOMENTS = "(outside moments)"
@@ -110,6 +113,22 @@ def format_bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
+def tiers_present(memory: pd.DataFrame) -> list[str]:
+    """The tiers ``memory`` has samples of: the known ones fastest first (``TIERS``), then any other."""
+    seen = {str(t) for t in memory["tier"]}
+    return [t for t in TIERS if t in seen] + sorted(seen - set(TIERS))
+
+
+def has_disk_tier(p: ProfileData) -> bool:
+    """Whether the run had the disk tier: disk samples, stage moves or disk stats in the profile."""
+    return bool(
+        (p.memory["tier"] == "disk").any()
+        or (p.moves["src"] == "disk").any()
+        or (p.moves["dst"] == "disk").any()
+        or p.meta.get("disk_stats")
+    )
+
+
 # ---------------------------------------------------------------------------
 # memory timeline
 
@@ -164,10 +183,11 @@ def peak_bytes(memory: pd.DataFrame, tier: str, column: str = "total_bytes") -> 
 class PlacementGrid:
     """Where each chunk's payload was, binned in time.
 
-    ``device[r, k]`` and ``host[r, k]`` are the fractions of time bin ``k`` that
-    chunk row ``r``'s payload spent in each tier (0..1); a row whose payload
-    was in neither tier during a bin (not allocated yet, or freed) has 0 in
-    both.
+    ``device[r, k]``, ``host[r, k]`` and ``disk[r, k]`` are the fractions of
+    time bin ``k`` that chunk row ``r``'s payload spent in each tier (0..1); a
+    row whose payload was in no tier during a bin (not allocated yet, or freed)
+    has 0 in all. A disk stay is the time the chunk's bytes were only in its file
+    (not staged in to the host).
     """
 
     chunk_lists: list[str]
@@ -177,16 +197,30 @@ class PlacementGrid:
     """Bin edges in seconds, ``n_bins + 1`` of them."""
     device: np.ndarray = field(repr=False)
     host: np.ndarray = field(repr=False)
+    disk: np.ndarray = field(repr=False)
 
     @property
     def bin_s(self) -> float:
         return float(self.edges[1] - self.edges[0]) if len(self.edges) > 1 else 0.0
 
+    @property
+    def has_disk(self) -> bool:
+        return bool(self.disk.any())
+
+    def _share(self, weighted: np.ndarray) -> np.ndarray:
+        present = self.device + self.host + self.disk
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(present > 0, weighted / np.where(present > 0, present, 1), np.nan)
+
     def device_share(self) -> np.ndarray:
         """Device fraction of the time the payload existed in a bin; NaN where it did not exist."""
-        present = self.device + self.host
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(present > 0, self.device / np.where(present > 0, present, 1), np.nan)
+        return self._share(self.device)
+
+    def tier_level(self) -> np.ndarray:
+        """Where the payload was in a bin on one scale, 0 disk, 0.5 host, 1 device (time-weighted
+        over the tiers it was in); NaN where it did not exist. Without a disk stay it is
+        ``0.5 + device_share() / 2``."""
+        return self._share(self.device + 0.5 * self.host)
 
 
 def _covered(starts: np.ndarray, ends: np.ndarray, edges: np.ndarray) -> np.ndarray:
@@ -239,6 +273,7 @@ def placement_grid(
         edges=edges,
         device=np.clip(grids["device"], 0.0, 1.0),
         host=np.clip(grids["host"], 0.0, 1.0),
+        disk=np.clip(grids["disk"], 0.0, 1.0),
     )
 
 
@@ -255,6 +290,22 @@ class MoveFilter:
     chunk_lists: tuple[str, ...] | None = None
     iterations: tuple[int, int] | None = None
     """Inclusive range."""
+
+
+DIRECTIONS = ("to_device", "to_host", "from_disk", "to_disk")
+"""Directions of a move: to the device; device -> host; disk -> host (a stage-in); host -> disk (a stage-out)."""
+
+
+def _directions(moves: pd.DataFrame) -> dict[str, pd.Series]:
+    """A mask over ``moves`` per direction (``DIRECTIONS``). A move to a tier none of them names
+    (a newer core's) is in none."""
+    from_disk = moves["src"] == "disk"
+    return {
+        "to_device": moves["dst"] == "device",
+        "to_host": (moves["dst"] == "host") & ~from_disk,
+        "from_disk": from_disk,
+        "to_disk": moves["dst"] == "disk",
+    }
 
 
 def filter_moves(moves: pd.DataFrame, flt: MoveFilter) -> pd.DataFrame:
@@ -274,24 +325,23 @@ def filter_moves(moves: pd.DataFrame, flt: MoveFilter) -> pd.DataFrame:
 def moves_by_operator(moves: pd.DataFrame) -> pd.DataFrame:
     """One row per module: move counts, bytes each way, stall time, and moves per reason.
 
-    Columns: ``module``, ``moves``, ``to_device``, ``to_host`` (counts),
-    ``bytes_to_device``, ``bytes_to_host``, ``stall_s`` (sum of move
-    durations), then one count column per reason (``access`` ...). Sorted by
-    stall time, longest first.
+    Columns: ``module``, ``moves``, then counts by direction (``DIRECTIONS``:
+    ``to_device``, ``to_host`` from the device, ``from_disk`` staged in to the
+    host, ``to_disk`` staged out), the bytes of each (``bytes_to_device`` ...),
+    ``stall_s`` (sum of move durations), then one count column per reason
+    (``access`` ...). Sorted by stall time, longest first.
     """
     reasons = list(MOVE_REASONS) + sorted(set(moves["reason"]) - set(MOVE_REASONS))
     if moves.empty:
-        cols = ["module", "moves", "to_device", "to_host", "bytes_to_device", "bytes_to_host", "stall_s", *reasons]
+        cols = ["module", "moves", *DIRECTIONS, *(f"bytes_{d}" for d in DIRECTIONS), "stall_s", *reasons]
         return pd.DataFrame({c: pd.Series(dtype=object if c == "module" else "int64") for c in cols}).astype({"stall_s": float})
-    to_dev = moves["dst"] == "device"
+    way = _directions(moves)
     frame = pd.DataFrame(
         {
             "module": _module_labels(moves["module"]),
             "moves": 1,
-            "to_device": to_dev.astype("int64"),
-            "to_host": (~to_dev).astype("int64"),
-            "bytes_to_device": moves["nbytes"].where(to_dev, 0).astype("int64"),
-            "bytes_to_host": moves["nbytes"].where(~to_dev, 0).astype("int64"),
+            **{d: way[d].astype("int64") for d in DIRECTIONS},
+            **{f"bytes_{d}": moves["nbytes"].where(way[d], 0).astype("int64") for d in DIRECTIONS},
             "stall_s": moves["duration_s"].astype(float),
         }
     )
@@ -302,16 +352,13 @@ def moves_by_operator(moves: pd.DataFrame) -> pd.DataFrame:
 
 
 def move_totals(moves: pd.DataFrame) -> dict[str, float]:
-    """Totals over ``moves``: count, bytes each way, stall seconds."""
-    to_dev = moves["dst"] == "device"
-    return {
-        "moves": int(len(moves)),
-        "to_device": int(to_dev.sum()),
-        "to_host": int((~to_dev).sum()),
-        "bytes_to_device": int(moves.loc[to_dev, "nbytes"].sum()),
-        "bytes_to_host": int(moves.loc[~to_dev, "nbytes"].sum()),
-        "stall_s": float(moves["duration_s"].sum()),
-    }
+    """Totals over ``moves``: count, count and bytes by direction (``DIRECTIONS``), stall seconds."""
+    way = _directions(moves)
+    out: dict[str, float] = {"moves": int(len(moves))}
+    out.update({d: int(way[d].sum()) for d in DIRECTIONS})
+    out.update({f"bytes_{d}": int(moves.loc[way[d], "nbytes"].sum()) for d in DIRECTIONS})
+    out["stall_s"] = float(moves["duration_s"].sum())
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -340,11 +387,20 @@ def summary_figures(p: ProfileData) -> dict[str, float]:
         "peak device memory (MiB)": peak_bytes(p.memory, "device") / mib,
         "peak device chunk memory (MiB)": peak_bytes(p.memory, "device", "chunk_bytes") / mib,
         "peak device non-model memory (MiB)": peak_bytes(p.memory, "device", "non_model_bytes") / mib,
+        "peak host memory (MiB)": peak_bytes(p.memory, "host") / mib,
         "moves": float(totals["moves"]),
         "moved to device (MiB)": totals["bytes_to_device"] / mib,
         "moved to host (MiB)": totals["bytes_to_host"] / mib,
         "move time (s)": totals["stall_s"],
     }
+    if has_disk_tier(p):  # only then: a run without the disk tier shows these as n/a, not 0
+        stats = p.meta.get("disk_stats") or {}
+        figures["disk chunk files (MiB)"] = peak_bytes(p.memory, "disk") / mib
+        figures["staged in from disk (MiB)"] = totals["bytes_from_disk"] / mib
+        figures["staged out to disk (MiB)"] = totals["bytes_to_disk"] / mib
+        for key, seconds, label in (("disk_bytes_read", "disk_read_s", "read"), ("disk_bytes_written", "disk_write_s", "write")):
+            secs = stats.get(seconds, 0)
+            figures[f"disk {label} bandwidth (MiB/s)"] = stats.get(key, 0) / secs / mib if secs else np.nan
     counts = p.moves["reason"].value_counts()
     for reason in list(MOVE_REASONS) + sorted(set(counts.index) - set(MOVE_REASONS)):
         figures[f"moves: {reason}"] = float(counts.get(reason, 0))

@@ -32,7 +32,14 @@ grid = placement_grid(selected, order, n_bins=n_bins, t_end=p.duration_s)
 st.plotly_chart(charts.chunk_map(grid), key="chunk_map")
 if n_bins < bins:
     st.caption(f"{n_rows:,} chunks: time bins reduced to {n_bins} to keep the map under {MAX_CELLS:,} cells.")
-st.caption(
-    f"Each cell is a {grid.bin_s * 1e3:,.3g} ms time bin. Colour: share of the bin the payload spent on the device "
-    "(red) versus the host (blue); pale cells moved during the bin; blank cells had no payload (not yet allocated or freed)."
-)
+if grid.has_disk:
+    st.caption(
+        f"Each cell is a {grid.bin_s * 1e3:,.3g} ms time bin. Colour: where the payload spent the bin, on the device "
+        "(red), the host (blue) or only on disk (brown: a state chunk in its file, not staged in); cells between "
+        "two colours moved during the bin; blank cells had no payload (not yet allocated or freed)."
+    )
+else:
+    st.caption(
+        f"Each cell is a {grid.bin_s * 1e3:,.3g} ms time bin. Colour: share of the bin the payload spent on the device "
+        "(red) versus the host (blue); pale cells moved during the bin; blank cells had no payload (not yet allocated or freed)."
+    )

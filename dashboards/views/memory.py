@@ -5,19 +5,25 @@ from __future__ import annotations
 import streamlit as st
 
 from chunkstar_dashboard import charts, loading
-from chunkstar_dashboard.data import MAX_POINTS_PER_TRACE, TIERS, format_bytes, peak_bytes
+from chunkstar_dashboard.data import MAX_POINTS_PER_TRACE, format_bytes, peak_bytes, tiers_present
 
 st.title("Memory timeline")
 p = loading.current_profile()
 
+present = tiers_present(p.memory)
 budget = int(p.meta.get("budget_bytes") or 0)
-cols = st.columns(4)
+cols = st.columns(5 if "disk" in present else 4)
 cols[0].metric("Peak device memory", format_bytes(peak_bytes(p.memory, "device")), help="Chunks + non-model, as sampled.")
 cols[1].metric("Peak device chunks", format_bytes(peak_bytes(p.memory, "device", "chunk_bytes")))
 cols[2].metric("Device budget", format_bytes(budget) if budget else "unbounded")
 cols[3].metric("Peak host memory", format_bytes(peak_bytes(p.memory, "host")))
+if "disk" in present:
+    cols[4].metric(
+        "Disk (chunk files)", format_bytes(peak_bytes(p.memory, "disk")),
+        help="The disk tier's chunk files: the optimizer state kept on disk, staged through host buffers.",
+    )  # fmt: skip
 
-tiers = st.multiselect("Tiers", TIERS, default=list(TIERS), key="memory_tiers")
+tiers = st.multiselect("Tiers", present, default=present, key="memory_tiers")
 if not tiers:
     st.warning("Pick at least one tier.")
     st.stop()
@@ -35,4 +41,10 @@ else:
 st.caption(
     "Shaded bands: forward (blue), backward (orange), optimizer (green). Hover a line for the module (operator) "
     "whose moment boundary the sample was taken at. Non-model memory is what the tier's probe measured minus chunk payloads."
+    + (
+        " Disk: the chunk files of the state on disk (their size is fixed for the run); host memory includes the "
+        "staging buffers that state chunks pass through."
+        if "disk" in present
+        else ""
+    )
 )

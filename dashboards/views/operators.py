@@ -11,6 +11,7 @@ from chunkstar_dashboard.data import (
     MoveFilter,
     filter_moves,
     format_bytes,
+    has_disk_tier,
     move_totals,
     moves_by_operator,
 )
@@ -45,33 +46,40 @@ iterations = c4.slider("Iterations", lo, hi, (lo, hi), key="ops_iters") if hi > 
 
 selected = filter_moves(moves, MoveFilter(tuple(stages), tuple(reasons), tuple(lists), (int(iterations[0]), int(iterations[1]))))
 totals = move_totals(selected)
-m = st.columns(5)
+disk = has_disk_tier(p)
+m = st.columns(7 if disk else 5)
 m[0].metric("Moves", f"{totals['moves']:,}")
 m[1].metric("To device", format_bytes(totals["bytes_to_device"]), help=f"{totals['to_device']:,} moves")
-m[2].metric("To host", format_bytes(totals["bytes_to_host"]), help=f"{totals['to_host']:,} moves")
+m[2].metric("To host", format_bytes(totals["bytes_to_host"]), help=f"{totals['to_host']:,} moves from the device")
 m[3].metric("Move time", _duration(totals["stall_s"]), help="Sum of the moves' durations: time spent copying chunks (a stall unless the copy overlapped compute).")
 m[4].metric("Operators", f"{selected['module'].nunique():,}")
+if disk:
+    m[5].metric("Staged in", format_bytes(totals["bytes_from_disk"]), help=f"{totals['from_disk']:,} stage-ins, disk -> host")
+    m[6].metric("Staged out", format_bytes(totals["bytes_to_disk"]),
+                help=f"{totals['to_disk']:,} stage-outs, host -> disk (0 bytes: dropped unchanged)")  # fmt: skip
 
 table = moves_by_operator(selected)
-shown = table.assign(
-    bytes_to_device=table["bytes_to_device"] / MIB, bytes_to_host=table["bytes_to_host"] / MIB, stall_s=table["stall_s"] * 1e3
-).rename(
-    columns={
-        "to_device": "moves to device", "to_host": "moves to host", "bytes_to_device": "MiB to device",
-        "bytes_to_host": "MiB to host", "stall_s": "move time (ms)",
-    }
-)  # fmt: skip
+names = {
+    "to_device": "moves to device", "to_host": "moves to host", "from_disk": "stage-ins", "to_disk": "stage-outs",
+    "bytes_to_device": "MiB to device", "bytes_to_host": "MiB to host", "bytes_from_disk": "MiB staged in",
+    "bytes_to_disk": "MiB staged out", "stall_s": "move time (ms)",
+}  # fmt: skip
+shown = table.assign(**{c: table[c] / MIB for c in names if c.startswith("bytes_")}, stall_s=table["stall_s"] * 1e3)
+if not disk:  # a run without the disk tier: no empty disk columns
+    shown = shown.drop(columns=["from_disk", "to_disk", "bytes_from_disk", "bytes_to_disk"])
+shown = shown.rename(columns=names)
 st.dataframe(
     shown, hide_index=True, key="ops_table",
     column_config={
-        "MiB to device": st.column_config.NumberColumn(format="%.2f"),
-        "MiB to host": st.column_config.NumberColumn(format="%.2f"),
+        **{names[c]: st.column_config.NumberColumn(format="%.2f") for c in names if c.startswith("bytes_") and names[c] in shown},
         "move time (ms)": st.column_config.NumberColumn(format="%.3f"),
     },
 )  # fmt: skip
 st.caption(
     f"{len(selected):,} of {len(moves):,} moves after the filters. Reason columns count moves; "
     "moves outside any module's moment are listed as (outside moments)."
+    + (" Stage-ins and stage-outs are the disk tier's: their I/O runs on I/O threads, so they take no move time here."
+       if disk else "")  # fmt: skip
 )
 if not table.empty:
     st.subheader("Bytes moved by operator (top 20)")

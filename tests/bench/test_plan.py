@@ -191,3 +191,104 @@ def test_measured_maxima_from_a_results_db(tmp_path, capsys: pytest.CaptureFixtu
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("chunkstar "))
     assert "GPT2_4B (4.20B)" in line and "18B (patrickstar, published)" in line
+
+
+# ---------------------------------------------------------------------------------------------- the disk tier
+
+TB = 10**12
+
+
+def test_chunkstar_disk_keeps_12_bytes_per_chunk_element_on_disk() -> None:
+    spec = zoo.get("GPT2_1B")
+    for gpus in (1, 4):
+        layout = plan.chunk_layout(spec, gpus)
+        chunk = max(layout.chunk_sizes)
+        hw = replace(_exact_fit("chunkstar", spec, gpus), disk_bytes=TB)
+        fp = plan.footprint("chunkstar-disk", spec, hw)
+        plain = plan.footprint("chunkstar", spec, hw)
+        assert fp.fits and fp.binding is None
+        assert fp.device_need == plain.device_need  # the same activations and working set
+        assert fp.disk_need == 12 * layout.total_elements and fp.disk_usable == TB
+        # the engine's auto staging budget: two chunks of each of the three fp32 state lists, per process
+        assert fp.staging == 2 * 3 * 4 * chunk and fp.staging_min == 3 * 4 * chunk
+        spare = (hw.device_usable - fp.device_need) * gpus
+        assert 0 <= spare < 2 * gpus
+        assert fp.host_need == 2 * layout.total_elements - spare + gpus * fp.staging
+        assert plain.host_need == fp.host_need + fp.disk_need - gpus * fp.staging  # 12 of chunkstar's 14 went to disk
+        # spare device memory holds param chunks, never the state (no device Adam with the disk tier)
+        huge = replace(hw, gpu_mem_bytes=hw.gpu_mem_bytes + 64 * GIB)
+        roomy = plan.footprint("chunkstar-disk", spec, huge)
+        assert roomy.host_need == gpus * fp.staging and roomy.disk_need == fp.disk_need
+        assert plan.footprint("chunkstar", spec, huge).host_need == 0
+
+
+def test_chunkstar_disk_is_bound_by_its_disk_and_its_staging() -> None:
+    spec = zoo.get("GPT2_1B")
+    hw = replace(HARDWARE["v100x8_240gb"], disk_bytes=TB)
+    need = plan.footprint("chunkstar-disk", spec, hw).disk_need
+    assert plan.footprint("chunkstar-disk", spec, replace(hw, disk_bytes=need)).fits
+    short = plan.footprint("chunkstar-disk", spec, replace(hw, disk_bytes=need - 1))
+    assert not short.fits and short.binding == "disk" and short.device_fits and short.host_fits
+    no_disk = plan.predict_max("chunkstar-disk", HARDWARE["v100x8_240gb"])
+    assert no_disk.best is None and no_disk.binding == "disk"
+    # a staging budget below one chunk's state is refused by the engine; more costs host memory
+    fp = plan.footprint("chunkstar-disk", spec, hw)
+    low = plan.footprint("chunkstar-disk", spec, hw, Workload(staging_budget=fp.staging_min - 1))
+    assert not low.fits and low.binding == "staging"
+    least = plan.footprint("chunkstar-disk", spec, hw, Workload(staging_budget=fp.staging_min))
+    assert least.fits and least.host_need == fp.host_need - hw.gpus * (fp.staging - fp.staging_min)
+
+
+def test_the_disk_tier_lifts_a_host_bound_node() -> None:
+    hw = replace(HARDWARE["v100x8_240gb"], disk_bytes=2 * TB)
+    with_disk = plan.predict_max("chunkstar-disk", hw)
+    without = plan.predict_max("chunkstar", hw)
+    assert without.binding == "host"
+    assert with_disk.best is not None and without.best is not None
+    assert with_disk.best.n_params > without.best.n_params
+    assert with_disk.best.host_need < without.best.host_need
+
+
+def test_more_disk_never_predicts_a_smaller_model() -> None:
+    base = HARDWARE["a100x8_1tb"]
+    sizes = [_max_params("chunkstar-disk", replace(base, disk_bytes=tb * TB)) for tb in (0, 0.25, 0.5, 1, 2, 4, 8, 16)]
+    assert sizes == sorted(sizes) and sizes[0] == 0 < sizes[-1]
+    by_host = [_max_params("chunkstar-disk", replace(base, disk_bytes=4 * TB, host_mem_bytes=g * GIB)) for g in (64, 128, 256, 1024)]
+    assert by_host == sorted(by_host)
+
+
+def test_cli_disk_row(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan.main(["plan", "--hardware", "v100x8_240gb", "--checkpointing", "on"]) == 0
+    plain = capsys.readouterr().out
+    assert "chunkstar-disk" not in plain and "disk GiB" not in plain
+    assert plan.main(["plan", "--hardware", "v100x8_240gb", "--checkpointing", "on", "--disk", "2TB"]) == 0
+    out = capsys.readouterr().out
+    header = next(ln for ln in out.splitlines() if ln.startswith("system "))
+    assert "disk GiB" in header
+    assert "disk 1,862.6 GiB free for chunk files" in out  # 2 TB, decimal
+    row = next(ln for ln in out.splitlines() if ln.startswith("chunkstar-disk "))
+    best = plan.predict_max("chunkstar-disk", replace(HARDWARE["v100x8_240gb"], disk_bytes=2 * TB)).best
+    assert best is not None and best.model in row and f"{best.disk_need / GIB:,.1f}/1,862.6" in row
+    # the other rows are what they were without the disk, plus a "-" disk column
+    chunkstar_row = next(ln for ln in out.splitlines() if ln.startswith("chunkstar "))
+    assert chunkstar_row.split()[:5] == next(ln for ln in plain.splitlines() if ln.startswith("chunkstar ")).split()[:5]
+    assert plan.main(["plan", "--hardware", "custom", "--gpus", "1", "--gpu-mem", "2", "--host-mem", "8", "--disk", "64GiB",
+                      "--models", "cpu", "--systems", "chunkstar-disk", "--staging", "256MiB"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "staging per process: 256 MiB" in out and next(ln for ln in out.splitlines() if ln.startswith("chunkstar-disk "))
+    with pytest.raises(SystemExit, match="--disk SIZE"):
+        plan.main(["plan", "--systems", "chunkstar,chunkstar-disk"])
+    with pytest.raises(SystemExit):
+        plan.main(["plan", "--disk", "lots"])
+
+
+def test_measured_chunkstar_disk_from_a_results_db(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    from chunkstar_bench.results import ResultsDB
+
+    db = ResultsDB(tmp_path / "runs.sqlite")
+    _append(db, "chunkstar-disk", "GPT3_6B", "ok")
+    _append(db, "chunkstar", "GPT2_1B", "ok")
+    assert plan.measured_max(str(db.path), "v100x8_240gb", 8)["chunkstar-disk"]["model"] == "GPT3_6B"
+    assert plan.main(["plan", "--checkpointing", "on", "--disk", "2TB", "--db", str(db.path)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("chunkstar-disk "))
+    assert "GPT3_6B (" in line

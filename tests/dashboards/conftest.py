@@ -22,7 +22,8 @@ for _path in (DASHBOARDS, BENCH):
         sys.path.insert(0, str(_path))
 
 
-def _record(path: Path, *, chunk_size: int, steps: int = 3) -> Path:
+def _record(path: Path, *, chunk_size: int, steps: int = 3, disk_dir: Path | None = None) -> Path:
+    """With ``disk_dir``, the optimizer state lives in chunk files there (the disk tier)."""
     import chunkstar
     import chunkstar_profiler
     import torch
@@ -31,16 +32,20 @@ def _record(path: Path, *, chunk_size: int, steps: int = 3) -> Path:
 
     case = CASES["gpt2"]
     budget = eviction_budget(case.build(), torch.float32)
+    extra = {} if disk_dir is None else {"disk": {"path": str(disk_dir)}}
     engine, optimizer = chunkstar.initialize_engine(
-        model_func=case.build, local_rank=0, config=engine_config(budget=budget, chunk_size=chunk_size)
+        model_func=case.build, local_rank=0, config=engine_config(budget=budget, chunk_size=chunk_size, **extra)
     )
-    with chunkstar_profiler.Profiler(engine) as prof:
-        for step in range(steps):
-            loss = case.loss(engine, case.batch(step), torch.float32)
-            engine.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-    prof.save(str(path))
+    try:
+        with chunkstar_profiler.Profiler(engine) as prof:
+            for step in range(steps):
+                loss = case.loss(engine, case.batch(step), torch.float32)
+                engine.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+        prof.save(str(path))
+    finally:
+        engine.close()
     return path
 
 
@@ -54,6 +59,14 @@ def profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def other_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same run with 8192-element chunks, to compare against."""
     return _record(tmp_path_factory.mktemp("profiles") / "chunk8192.csprof", chunk_size=8192)
+
+
+@pytest.fixture(scope="session")
+def disk_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 4096-element run with the disk tier: master and Adam state in chunk files, staged through host buffers."""
+    return _record(
+        tmp_path_factory.mktemp("profiles") / "disk4096.csprof", chunk_size=4096, disk_dir=tmp_path_factory.mktemp("disk")
+    )
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -132,3 +133,57 @@ def test_upload(profile_path: Path) -> None:
     at.file_uploader(key="profile_upload").upload(profile_path.name, profile_path.read_bytes()).run()
     _assert_clean(at)
     assert len(_plotly_charts(at)) == 1
+
+
+def test_pages_show_the_disk_tier(disk_profile_path: Path, profile_path: Path) -> None:
+    import chunkstar_profiler
+
+    prof = chunkstar_profiler.load(str(disk_profile_path))
+    staged_in = prof.moves[prof.moves["reason"] == "stage_in"]
+    assert len(staged_in) > 0
+    at = _app(disk_profile_path)
+    _assert_clean(at)
+    labels = {m.label: m.value for m in at.metric}
+    assert labels["Disk (chunk files)"].endswith("MiB")
+    assert at.multiselect(key="memory_tiers").options == ["device", "host", "disk"]
+    assert at.multiselect(key="memory_tiers").value == ["device", "host", "disk"]
+    assert any("chunk files" in c.value for c in at.caption) and any("disk tier" in c.value for c in at.sidebar.caption)
+    at.multiselect(key="memory_tiers").set_value(["disk"]).run()
+    _assert_clean(at)
+    assert len(_plotly_charts(at)) == 1
+
+    at.switch_page("views/chunks.py").run()
+    _assert_clean(at)
+    assert any("only on disk (brown" in c.value for c in at.caption)
+
+    at.switch_page("views/operators.py").run()
+    _assert_clean(at)
+    assert "stage_in" in at.multiselect(key="ops_reasons").options
+    labels = {m.label: m.value for m in at.metric}
+    assert {"Staged in", "Staged out"} <= set(labels)
+    table = at.dataframe[0].value
+    assert table["MiB staged in"].sum() * 2**20 == pytest.approx(staged_in["nbytes"].sum())
+    assert table["stage-ins"].sum() == table["stage_in"].sum() == len(staged_in)
+    to_host = prof.moves[(prof.moves["dst"] == "host") & (prof.moves["src"] == "device")]
+    assert table["moves to host"].sum() == len(to_host)
+    at.multiselect(key="ops_reasons").set_value(["stage_out"]).run()
+    _assert_clean(at)
+    assert at.metric[0].value == f"{(prof.moves['reason'] == 'stage_out').sum():,}"
+
+    # beside a run without the disk tier
+    at.switch_page("views/compare.py").run()
+    at.text_input(key="compare_path").input(str(profile_path)).run()
+    _assert_clean(at)
+    figures = at.dataframe[0].value.set_index("figure")
+    assert figures.loc["staged in from disk (MiB)"].iloc[0] * 2**20 == pytest.approx(staged_in["nbytes"].sum())
+    assert pd.isna(figures.loc["staged in from disk (MiB)"].iloc[1])
+
+
+def test_a_profile_without_the_disk_tier_shows_no_disk(profile_path: Path) -> None:
+    at = _app(profile_path)
+    assert at.multiselect(key="memory_tiers").options == ["device", "host"]
+    assert "Disk (chunk files)" not in {m.label for m in at.metric}
+    at.switch_page("views/operators.py").run()
+    _assert_clean(at)
+    assert not {"Staged in", "Staged out"} & {m.label for m in at.metric}
+    assert not {"stage-ins", "MiB staged in"} & set(at.dataframe[0].value.columns)

@@ -48,8 +48,10 @@ def _wait_healthy(url: str, server: subprocess.Popen[bytes], timeout: float = 45
     raise TimeoutError(f"streamlit did not answer at {url} within {timeout:.0f} s")
 
 
-@pytest.fixture
-def server(profile_path: Path, other_profile_path: Path, bench_db_path: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+@pytest.fixture(params=["profile_path", "disk_profile_path"], ids=["device+host", "disk tier"])
+def server(request: pytest.FixtureRequest, other_profile_path: Path, bench_db_path: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The app on a profile of a run without the disk tier, then on one with it."""
+    profile_path: Path = request.getfixturevalue(request.param)
     port = _free_port()
     log = open(tmp_path / "streamlit.log", "wb")
     # the Benchmarks page imports chunkstar_bench (found there even before it is pip-installed)

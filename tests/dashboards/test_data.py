@@ -15,12 +15,14 @@ from chunkstar_dashboard.data import (
     downsample_minmax,
     filter_moves,
     format_bytes,
+    has_disk_tier,
     memory_series,
     move_totals,
     moves_by_operator,
     placement_grid,
     step_time_comparison,
     step_times,
+    tiers_present,
 )
 
 MIB = 2**20
@@ -260,3 +262,124 @@ def test_memory_timeline_budget_line(budget_mib: int, on_scale: bool | None) -> 
     y_top = fig.layout.yaxis.range[1]
     assert (y_top >= budget_mib) == on_scale and y_top >= 100
     assert ("off scale" in budget[0].name) != on_scale
+
+
+# --- the disk tier ------------------------------------------------------------------
+
+
+def _disk_moves() -> pd.DataFrame:
+    """Two stage-ins, a stage-out written and one dropped unchanged, an eviction: the optimizer's and a module's."""
+    rows = [
+        ("disk", "host", "stage_in", 4096, "optimizer"), ("disk", "host", "stage_in", 4096, "optimizer"),
+        ("host", "disk", "stage_out", 4096, "optimizer"), ("host", "disk", "stage_out", 0, "optimizer"),
+        ("device", "host", "eviction", 100, "h.0.attn"), ("host", "device", "access", 10, "h.0.attn"),
+    ]  # fmt: skip
+    n = len(rows)
+    return pd.DataFrame(
+        {
+            "t_start_s": np.arange(n) * 0.1, "t_end_s": np.arange(n) * 0.1, "duration_s": 0.0, "chunk_id": 0,
+            "chunk_list": "master", "nbytes": [r[3] for r in rows], "src": [r[0] for r in rows], "dst": [r[1] for r in rows],
+            "reason": [r[2] for r in rows], "moment_row": 0, "module": [r[4] for r in rows], "stage": "optim", "iteration": 0,
+        }
+    )  # fmt: skip
+
+
+def _disk_profile() -> ProfileData:
+    memory = pd.concat([_memory(30, "device"), _memory(30, "host", seed=1), _memory(30, "disk", seed=2)], ignore_index=True)
+    disk = memory["tier"] == "disk"
+    memory.loc[disk, ["total_bytes", "chunk_bytes", "budget_bytes"]] = 300 * MIB
+    memory.loc[disk, "non_model_bytes"] = 0
+    meta = {"chunk_size": 4096, "n_chunks": 8, "budget_bytes": 128 * MIB, "chunk_lists": ["param", "master"],
+            "disk_stats": {"disk_bytes_read": 8 * MIB, "disk_read_s": 2.0, "disk_bytes_written": 4 * MIB, "disk_write_s": 0.0}}  # fmt: skip
+    placements = pd.DataFrame(columns=["chunk_id", "chunk_list", "tier", "t_start_s", "t_end_s"])
+    return ProfileData("d", meta, pd.DataFrame(), _disk_moves(), memory, _stages([0.01]), placements)
+
+
+def test_tiers_present_in_order() -> None:
+    mem = pd.concat([_memory(3, "disk"), _memory(3, "moon"), _memory(3, "device")])
+    assert tiers_present(mem) == ["device", "disk", "moon"]
+    assert tiers_present(_memory(3, "host")) == ["host"]
+
+
+def test_moves_by_operator_counts_stage_moves_apart() -> None:
+    moves = _disk_moves()
+    table = moves_by_operator(moves).set_index("module")
+    opt, attn = table.loc["optimizer"], table.loc["h.0.attn"]
+    assert (opt["from_disk"], opt["to_disk"], opt["to_host"], opt["to_device"]) == (2, 2, 0, 0)
+    assert (opt["bytes_from_disk"], opt["bytes_to_disk"], opt["bytes_to_host"]) == (8192, 4096, 0)
+    assert (opt["stage_in"], opt["stage_out"]) == (2, 2)
+    assert (attn["to_host"], attn["bytes_to_host"], attn["to_device"], attn["from_disk"]) == (1, 100, 1, 0)
+    totals = move_totals(moves)
+    assert totals == {
+        "moves": 6, "to_device": 1, "to_host": 1, "from_disk": 2, "to_disk": 2, "bytes_to_device": 10,
+        "bytes_to_host": 100, "bytes_from_disk": 8192, "bytes_to_disk": 4096, "stall_s": 0.0,
+    }  # fmt: skip
+    empty = moves_by_operator(moves.iloc[:0])
+    assert {"from_disk", "bytes_to_disk", "stage_in", "stage_out", "offload"} <= set(empty.columns)
+
+
+def test_operator_bars_show_the_disk_only_when_it_moved_bytes() -> None:
+    fig = charts.operator_bytes(moves_by_operator(_disk_moves()))
+    bars = {t.name: t for t in fig.data}
+    assert set(bars) == {"to device", "to host", "disk -> host (stage-in)", "host -> disk (stage-out)"}
+    assert bars["host -> disk (stage-out)"].marker.color == charts.TIER_COLOURS["disk"]
+    assert bars["disk -> host (stage-in)"].marker.color == charts.TIER_COLOURS["host"]
+    assert bars["disk -> host (stage-in)"].marker.pattern.shape == "/"
+    plain = charts.operator_bytes(moves_by_operator(_moves()))
+    assert [t.name for t in plain.data] == ["to device", "to host"]
+
+
+def test_placement_grid_with_disk_stays() -> None:
+    placements = pd.DataFrame(
+        [
+            # master 0: only in its file for [0, 1), staged in [1, 2), in its file again [2, 4)
+            (0, "master", "disk", 0.0, 1.0), (0, "master", "host", 1.0, 2.0), (0, "master", "disk", 2.0, 4.0),
+            # param 0: host [0, 2), device [2, 4)
+            (0, "param", "host", 0.0, 2.0), (0, "param", "device", 2.0, 4.0),
+        ],
+        columns=["chunk_id", "chunk_list", "tier", "t_start_s", "t_end_s"],
+    )  # fmt: skip
+    grid = placement_grid(placements, ["param", "master"], n_bins=4)
+    assert grid.has_disk and grid.chunk_lists == ["param", "master"]
+    np.testing.assert_allclose(grid.disk, [[0, 0, 0, 0], [1, 0, 1, 1]])
+    np.testing.assert_allclose(grid.host, [[1, 1, 0, 0], [0, 1, 0, 0]])
+    np.testing.assert_allclose(grid.tier_level(), [[0.5, 0.5, 1, 1], [0, 0.5, 0, 0]])
+    np.testing.assert_allclose(grid.device_share(), [[0, 0, 1, 1], [0, 0, 0, 0]])
+    coarse = placement_grid(placements, ["param", "master"], n_bins=2)
+    np.testing.assert_allclose(coarse.tier_level()[1], [0.25, 0.0])  # half on disk, half on the host
+    fig = charts.chunk_map(grid)
+    heat = fig.data[0]
+    assert [c[1] for c in heat.colorscale] == [charts.TIER_COLOURS[t] for t in ("disk", "host", "device")]
+    assert list(heat.colorbar.ticktext) == ["disk", "host", "device"] and "disk %{customdata[2]}%" in heat.hovertemplate
+    np.testing.assert_allclose(fig.data[1].z, grid.tier_level()[1:])
+    # without a disk stay the map is the two-tier one it always was
+    plain = charts.chunk_map(placement_grid(placements[placements["tier"] != "disk"], ["param", "master"], n_bins=4))
+    assert list(plain.data[0].colorbar.ticktext) == ["host", "mixed", "device"]
+
+
+def test_memory_timeline_draws_the_disk_tier() -> None:
+    p = _disk_profile()
+    fig, _ = charts.memory_timeline(p)
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles == ["device memory", "host memory", "disk (chunk files) memory"]
+    assert [a.font.color for a in fig.layout.annotations] == [charts.TIER_COLOURS[t] for t in ("device", "host", "disk")]
+    assert fig.layout.yaxis3.title.text == "disk MiB" and fig.layout.yaxis3.title.font.color == charts.TIER_COLOURS["disk"]
+    disk_total = [t for t in fig.data if t.name == "total" and t.yaxis == "y3"]
+    assert len(disk_total) == 1 and max(disk_total[0].y) == 300
+    # a profile without disk samples gets no disk panel, even though TIERS names it
+    plain, _ = charts.memory_timeline(_profile("a", peak_mib=100, moves=_moves(), step_s=[0.01]))
+    assert not any(t.yaxis == "y3" for t in plain.data)
+
+
+def test_summary_figures_of_the_disk_tier() -> None:
+    d = _disk_profile()
+    plain = _profile("a", peak_mib=100, moves=_moves(), step_s=[0.01])
+    assert has_disk_tier(d) and not has_disk_tier(plain)
+    table = compare_table(plain, d).set_index("figure")
+    assert table.loc["disk chunk files (MiB)", "B"] == 300 and np.isnan(table.loc["disk chunk files (MiB)", "A"])
+    assert table.loc["staged in from disk (MiB)", "B"] == pytest.approx(8192 / MIB)
+    assert table.loc["staged out to disk (MiB)", "B"] == pytest.approx(4096 / MIB)
+    assert table.loc["disk read bandwidth (MiB/s)", "B"] == pytest.approx(4.0)
+    assert np.isnan(table.loc["disk write bandwidth (MiB/s)", "B"])  # no write time recorded
+    assert table.loc["moves: stage_in", "B"] == 2 and table.loc["moves: stage_in", "A"] == 0
+    assert table.loc["moved to host (MiB)", "B"] == pytest.approx(100 / MIB)  # device -> host only

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -32,3 +32,28 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     after = engine.stats()
     path = Path(prof.save(tmp_path_factory.mktemp("prof") / "run.csprof"))
     return {"engine": engine, "optimizer": optimizer, "prof": prof, "path": path, "before": before, "after": after}
+
+
+@pytest.fixture(scope="session")
+def recorded_disk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The same GPT-2 run with the disk tier (optimizer state in chunk files, Note [disk tier]).
+
+    The disk tier's reads and writes are drained before each stats snapshot, so the
+    engine's disk counters over the recording cover exactly the recorded stage moves."""
+    case = CASES["gpt2"]
+    budget = 2 * eviction_budget(case.build(), DTYPES["bf16"])
+    disk_dir = tmp_path_factory.mktemp("disk")
+    engine, optimizer = chunkstar.initialize_engine(case.build, 0, engine_config("bf16", budget=budget, disk={"path": str(disk_dir)}))
+    try:
+        _step(engine, optimizer, 0)  # warm-up outside the recording
+        engine.mgr.disk.drain()
+        before = engine.stats()
+        with chunkstar_profiler.Profiler(engine) as prof:
+            for i in range(1, 4):
+                _step(engine, optimizer, i)
+            engine.mgr.disk.drain()
+        after = engine.stats()
+        path = Path(prof.save(tmp_path_factory.mktemp("prof") / "disk.csprof"))
+        yield {"engine": engine, "prof": prof, "path": path, "before": before, "after": after}
+    finally:
+        engine.close()

@@ -129,6 +129,21 @@ def test_flipped_bytes_inside_a_member_are_caught(recorded: dict[str, Any], tmp_
         chunkstar_profiler.load(str(bad))
 
 
+def test_version_1_files_still_load(tmp_path: Path) -> None:
+    """Version 2 added values (the disk tier), not layout: a version 1 file reads as one without a disk tier."""
+    from tests.profiler._hostile import small_profile, with_manifest
+
+    assert FORMAT_VERSION == 2
+    v1 = with_manifest(small_profile(tmp_path / "now.csprof"), tmp_path / "v1.csprof", lambda m: m.update(version=1))
+    p = chunkstar_profiler.load(str(v1))
+    assert p.meta["version"] == 1 and len(p.moves) == 4 and set(p.memory["tier"]) == {"device", "host"}
+    assert "disk tier" not in chunkstar_profiler.summarize(p)
+    chunkstar_profiler.export_chrome_trace(p, tmp_path / "v1.json")
+    for bad in (0, -1):
+        with pytest.raises(ProfileFormatError, match="no valid format version"):
+            chunkstar_profiler.load(str(with_manifest(v1, tmp_path / "bad.csprof", lambda m, b=bad: m.update(version=b))))
+
+
 def test_missing_file_is_file_not_found(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         chunkstar_profiler.load(str(tmp_path / "nope.csprof"))

@@ -19,7 +19,7 @@ import pytest
 
 import chunkstar_profiler
 from chunkstar_profiler import ProfileFormatError
-from chunkstar_profiler.fileformat import _MANIFEST_MAX
+from chunkstar_profiler.fileformat import _MANIFEST_MAX, FORMAT_VERSION
 from tests.profiler._hostile import FLAGS, METHOD, UNCOMPRESSED_SIZE, members, patch_header, rebuild, small_profile, with_manifest, zeros
 
 ROWS = 3
@@ -49,7 +49,7 @@ def _load_traced(path: Path) -> tuple[BaseException | None, int]:
 
 def test_files_written_today_still_load(good: Path) -> None:
     p = chunkstar_profiler.load(str(good))
-    assert len(p.moves) == ROWS and p.meta["model_name"] == "tiny" and p.meta["version"] == 1
+    assert len(p.moves) == ROWS and p.meta["model_name"] == "tiny" and p.meta["version"] == FORMAT_VERSION
     assert list(p.moves["chunk_id"]) == [0, 1, 0] and list(p.moments["t_start_s"]) == [0.0, 0.001, 0.002]
     assert list(p.memory["tier"]) == ["device", "host", "device"]
     assert chunkstar_profiler.load(good.read_bytes(), name="up.csprof").meta["n_params"] == 2048
@@ -121,6 +121,11 @@ WRONG_TYPES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "meta null": (lambda m: m.update(meta=None), "'meta' is NoneType None, expected an object"),
     "meta key of the wrong type": (lambda m: m["meta"].update(n_params="lots"), "meta 'n_params' is str 'lots', expected an integer"),
     "chunk_lists not strings": (lambda m: m["meta"].update(chunk_lists=[1]), "meta 'chunk_lists' is list \\[1\\], expected a list of strings"),
+    "disk_stats a list": (lambda m: m["meta"].update(disk_stats=[1]), "meta 'disk_stats' is list \\[1\\], expected an object of finite numbers"),
+    "disk_stats not numbers": (
+        lambda m: m["meta"].update(disk_stats={"disk_bytes_read": "lots"}), "meta 'disk_stats' is dict .*expected an object of finite numbers"
+    ),
+    "disk_stats a bool": (lambda m: m["meta"].update(disk_stats={"disk_direct_io": True}), "expected an object of finite numbers"),
     "version a bool": (lambda m: m.update(version=True), "no valid format version \\(True\\)"),
     "writer a number": (lambda m: m.update(writer=3), "'writer' is int 3, expected a string"),
     "tables a list": (lambda m: m.update(tables=[]), "'tables' is list \\[\\], expected an object"),

@@ -2,7 +2,8 @@
 
 ``chunkstar-bench plan --hardware v100x8_240gb`` answers "how big a model can
 chunkstar, DeepSpeed ZeRO-3 offload and plain PyTorch (DDP, FSDP) train on this
-node?" from bytes-per-parameter accounting, without running anything, and
+node?" (and, given ``--disk 2TB``, chunkstar with its optimizer state on disk)
+from bytes-per-parameter accounting, without running anything, and
 prints it beside the paper's published maximum scales and, given a results
 database, the largest model each system actually trained. It is arithmetic on
 parameter shapes, not a measurement; every figure it prints says so.
@@ -26,6 +27,17 @@ of ``n`` GPUs with ``C`` usable bytes each and ``H`` usable host bytes:
   param chunks: the current one and the prefetched one); whatever device memory
   is left holds model data (resident param chunks, then hybrid-Adam state
   chunks, ``chunkstar.placement.optimizer``); the host holds the rest.
+* **chunkstar-disk** (chunkstar with the disk tier, Note [disk tier] in
+  ``chunkstar.runtime.disk_tier``; only on a node with a disk, ``D`` bytes free
+  for the chunk files): the state lists (``chunkstar.config.DISK_LISTS``: fp32
+  master, exp_avg, exp_avg_sq, 12 bytes per chunk element) live in files on the
+  disk, which must hold them all; the host holds the bf16 param chunks (2 per
+  element) the GPUs cannot, plus each process's staging buffers (the
+  ``staging_budget``; the engine's auto, ``default_staging_budget``, is two
+  chunks of every disk list). Device Adam is off with the disk tier, so spare
+  device memory holds param chunks only. The device need is chunkstar's. A
+  staging budget below one chunk's state (of every disk list) is refused by the
+  engine: the model does not fit (binding ``staging``).
 * **deepspeed** (ZeRO-3, ``offload_param`` + ``offload_optimizer`` to CPU): 18
   bytes per parameter on the host: the fp16/bf16 parameter partition (2, since
   the parameters are offloaded), the fp32 gradient partition that DeepSpeedCPUAdam
@@ -46,8 +58,9 @@ of ``n`` GPUs with ``C`` usable bytes each and ``H`` usable host bytes:
 
 Fixed overheads (``DEVICE_RESERVED_BYTES``, ``DEVICE_FRAGMENTATION``,
 ``HOST_RESERVED_BYTES``, ``HOST_PER_PROCESS_BYTES``) are taken off the
-capacities first. A model fits a system when both its device need and its host
-need fit; the predicted maximum is the largest zoo model that fits, and the
+capacities first (the disk's ``D`` is taken as it is: the engine checks the free
+space against the files' exact size). A model fits a system when its device
+need, its host need and (chunkstar-disk) its disk need fit; the predicted maximum is the largest zoo model that fits, and the
 *binding* constraint is the one the next larger zoo model breaks.
 
 What this is not: a throughput model, or a check that a run will succeed (a
@@ -68,11 +81,15 @@ from importlib import resources
 from typing import Any, Iterable, Sequence
 
 from chunkstar.chunk.layout import ChunkLayout, build_layout, search_chunk_size
+from chunkstar.config import DISK_LISTS
+from chunkstar.runtime.disk_tier import default_staging_budget
 
 from . import zoo
+from .cli import parse_size
 from .zoo import ModelSpec
 
 __all__ = [
+    "DISK_SYSTEMS",
     "HARDWARE",
     "MEASURED_SYSTEM",
     "SYSTEMS",
@@ -84,6 +101,7 @@ __all__ = [
     "activation_bytes",
     "add_plan_command",
     "chunk_layout",
+    "default_systems",
     "footprint",
     "format_plan",
     "gpt2_param_shapes",
@@ -97,13 +115,22 @@ __all__ = [
 ]
 
 GIB = 2**30
-SYSTEMS = ("chunkstar", "deepspeed", "fsdp2-offload", "pytorch-ddp", "pytorch-fsdp")
+SYSTEMS = ("chunkstar", "chunkstar-disk", "deepspeed", "fsdp2-offload", "pytorch-ddp", "pytorch-fsdp")
 """Systems the planner predicts for (Note [the memory model])."""
-MEASURED_SYSTEM = {"chunkstar": "chunkstar", "deepspeed": "deepspeed", "fsdp2": "fsdp2-offload", "pytorch": "pytorch-ddp"}
+DISK_SYSTEMS = ("chunkstar-disk",)
+"""Systems that need a disk (``Hardware.disk_bytes``): planned only for a node that has one."""
+MEASURED_SYSTEM = {
+    "chunkstar": "chunkstar", "chunkstar-disk": "chunkstar-disk", "deepspeed": "deepspeed", "fsdp2": "fsdp2-offload",
+    "pytorch": "pytorch-ddp",
+}  # fmt: skip
 """The runner's system names (``chunkstar_bench.runner.SYSTEMS``) -> the planner's."""
 
 CHUNKSTAR_BYTES_PER_ELEMENT = 2 + 4 + 4 + 4
 """bf16 param (its gradient overwrites it) + fp32 master + exp_avg + exp_avg_sq (DESIGN §3)."""
+CHUNKSTAR_PARAM_BYTES_PER_ELEMENT = 2
+"""The bf16 param chunk's share of those (its gradient overwrites it)."""
+DISK_BYTES_PER_ELEMENT = 4 * len(DISK_LISTS)
+"""The fp32 state lists the disk tier keeps in files (master, exp_avg, exp_avg_sq): 12 of the 14."""
 DEEPSPEED_OFFLOAD_BYTES_PER_PARAM = 2 + 4 + 4 + 4 + 4
 """Host bytes of ZeRO-3 with params and optimizer offloaded: 16-bit param partition,
 fp32 grad partition, fp32 master, exp_avg, exp_avg_sq (Note [the memory model])."""
@@ -126,13 +153,16 @@ HOST_PER_PROCESS_BYTES = 3 * GIB
 
 @dataclass(frozen=True)
 class Hardware:
-    """One node: ``gpus`` GPUs of ``gpu_mem_bytes`` each and ``host_mem_bytes`` of CPU memory."""
+    """One node: ``gpus`` GPUs of ``gpu_mem_bytes`` each, ``host_mem_bytes`` of CPU memory and
+    ``disk_bytes`` free on a disk for chunk files (0: none, so no chunkstar-disk)."""
 
     name: str
     gpus: int
     gpu_mem_bytes: int
     host_mem_bytes: int
     note: str = ""
+    disk_bytes: int = 0
+    """Free bytes on the node's disk for the disk tier's chunk files (all processes' together)."""
 
     @property
     def device_usable(self) -> int:
@@ -155,12 +185,14 @@ HARDWARE: dict[str, Hardware] = {
 @dataclass(frozen=True)
 class Workload:
     """What is trained and how: per-GPU micro-batch, sequence length (None: the model's own),
-    activation checkpointing, and chunkstar's chunk size in elements (None: the engine's ``"auto"``)."""
+    activation checkpointing, chunkstar's chunk size in elements (None: the engine's ``"auto"``)
+    and chunkstar-disk's staging budget per process in bytes (None: the engine's ``"auto"``)."""
 
     batch: int = 8
     seq_len: int | None = None
     checkpointing: bool = True
     chunk_size: int | None = None
+    staging_budget: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------- shapes
@@ -216,6 +248,7 @@ def model_data_bytes_per_param(system: str, n_gpus: int = 1) -> float:
     """
     return {
         "chunkstar": float(CHUNKSTAR_BYTES_PER_ELEMENT),
+        "chunkstar-disk": float(CHUNKSTAR_BYTES_PER_ELEMENT),  # 12 of them on disk
         "deepspeed": float(DEEPSPEED_OFFLOAD_BYTES_PER_PARAM),
         "fsdp2-offload": float(TORCH_BYTES_PER_PARAM),
         "pytorch-ddp": float(TORCH_BYTES_PER_PARAM * n_gpus),
@@ -254,6 +287,13 @@ class Footprint:
     """The ``device_need`` share that is activations."""
     chunk_elements: int = 0
     """chunkstar only: the layout's largest chunk, in elements."""
+    disk_need: int = 0
+    """chunkstar-disk only: bytes of the chunk files (every process's state chunks)."""
+    disk_usable: int = 0
+    staging: int = 0
+    """chunkstar-disk only: host bytes of staging buffers per process (part of ``host_need``)."""
+    staging_min: int = 0
+    """chunkstar-disk only: the least staging budget the engine accepts (one chunk's state)."""
 
     @property
     def device_fits(self) -> bool:
@@ -264,16 +304,29 @@ class Footprint:
         return self.host_need <= self.host_usable
 
     @property
+    def disk_fits(self) -> bool:
+        return self.disk_need <= self.disk_usable
+
+    @property
+    def staging_fits(self) -> bool:
+        return self.staging >= self.staging_min
+
+    @property
     def fits(self) -> bool:
-        return self.device_fits and self.host_fits
+        return self.device_fits and self.host_fits and self.disk_fits and self.staging_fits
 
     @property
     def binding(self) -> str | None:
-        """``"device"`` or ``"host"`` when the model does not fit (device first), else None."""
+        """``"device"``, ``"host"``, ``"disk"`` or ``"staging"`` when the model does not fit
+        (in that order), else None."""
         if not self.device_fits:
             return "device"
         if not self.host_fits:
             return "host"
+        if not self.disk_fits:
+            return "disk"
+        if not self.staging_fits:
+            return "staging"
         return None
 
 
@@ -285,15 +338,25 @@ def footprint(system: str, spec: ModelSpec, hw: Hardware, workload: Workload = W
     dev_cap, host_cap = hw.device_usable, hw.host_usable(n)
     layer16 = 2 * 2 * _layer_params(spec)  # one layer's 16-bit params + grads
     chunk_elements = 0
-    if system == "chunkstar":
+    disk: dict[str, int] = {}
+    if system in ("chunkstar", "chunkstar-disk"):
         layout = chunk_layout(spec, n, workload.chunk_size)
         chunk_elements = max(layout.chunk_sizes)
-        param_chunk = 2 * chunk_elements
+        param_chunk = CHUNKSTAR_PARAM_BYTES_PER_ELEMENT * chunk_elements
         working = 2 * n * param_chunk  # two gathered groups: the current one and the prefetched one
         device_need = act + working
-        total = CHUNKSTAR_BYTES_PER_ELEMENT * layout.total_elements
         spare = max(0, dev_cap - device_need) * n  # resident param chunks, then hybrid-Adam state
-        host_need = max(0, total - spare)
+        if system == "chunkstar":
+            host_need = max(0, CHUNKSTAR_BYTES_PER_ELEMENT * layout.total_elements - spare)
+        else:  # the state in files; no device Adam, so the spare device memory holds param chunks only
+            state_chunk = 4 * chunk_elements  # bytes of one fp32 state chunk
+            staging = workload.staging_budget or default_staging_budget({0: state_chunk}, len(DISK_LISTS))
+            params_on_host = max(0, CHUNKSTAR_PARAM_BYTES_PER_ELEMENT * layout.total_elements - spare)
+            host_need = params_on_host + n * staging
+            disk = {
+                "disk_need": DISK_BYTES_PER_ELEMENT * layout.total_elements, "disk_usable": hw.disk_bytes,
+                "staging": staging, "staging_min": len(DISK_LISTS) * state_chunk,
+            }  # fmt: skip
     elif system == "deepspeed":
         device_need = act + 2 * layer16 + 2 * DEEPSPEED_REDUCE_BUCKET_ELEMENTS
         host_need = DEEPSPEED_OFFLOAD_BYTES_PER_PARAM * params
@@ -308,7 +371,7 @@ def footprint(system: str, spec: ModelSpec, hw: Hardware, workload: Workload = W
         host_need = 0
     else:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
-    return Footprint(system, spec.name, params, device_need, host_need, dev_cap, host_cap, act, chunk_elements)
+    return Footprint(system, spec.name, params, device_need, host_need, dev_cap, host_cap, act, chunk_elements, **disk)
 
 
 @dataclass(frozen=True)
@@ -432,15 +495,23 @@ class PlanRow:
     measured: dict[str, Any] | None
 
 
+def default_systems(hw: Hardware) -> tuple[str, ...]:
+    """The systems planned for ``hw`` unless asked otherwise: all, the disk ones only with a disk."""
+    return tuple(s for s in SYSTEMS if hw.disk_bytes > 0 or s not in DISK_SYSTEMS)
+
+
 def plan(
     hw: Hardware,
     workloads: Sequence[Workload] = (Workload(checkpointing=True), Workload(checkpointing=False)),
-    systems: Sequence[str] = SYSTEMS,
+    systems: Sequence[str] | None = None,
     db_path: str | None = None,
     measured_hardware: str | None = None,
     models: Sequence[ModelSpec] | None = None,
 ) -> list[PlanRow]:
-    """One row per system and workload: the prediction, the published maximum and, with a DB, the measured one."""
+    """One row per system and workload: the prediction, the published maximum and, with a DB, the
+    measured one. ``systems`` None: :func:`default_systems`."""
+    if systems is None:
+        systems = default_systems(hw)
     published = {
         _PUBLISHED_SYSTEM[k]: {**v, "system": k} for k, v in published_max(hw.name, hw.gpus).items() if k in _PUBLISHED_SYSTEM
     }
@@ -463,7 +534,10 @@ def _fmt_gib(n: int) -> str:
 
 
 def format_plan(hw: Hardware, rows: Sequence[PlanRow], workload: Workload) -> str:
-    """The plan as a plain-text table, headed by what it is (a prediction) and what it assumed."""
+    """The plan as a plain-text table, headed by what it is (a prediction) and what it assumed.
+
+    A row of a disk system (``DISK_SYSTEMS``) adds a ``disk GiB`` column and a line on the disk."""
+    with_disk = any(r.system in DISK_SYSTEMS for r in rows)
     head = [
         f"PREDICTION (bytes-per-parameter accounting, not a measurement) for {hw.name}: {hw.note or 'custom node'}",
         f"  {hw.gpus} GPU(s) x {_fmt_gib(hw.gpu_mem_bytes)} GiB ({_fmt_gib(hw.device_usable)} usable each), "
@@ -471,17 +545,28 @@ def format_plan(hw: Hardware, rows: Sequence[PlanRow], workload: Workload) -> st
         f"micro-batch {workload.batch} per GPU, seq {workload.seq_len or 'model default'}, bf16",
         "  bytes/param: chunkstar 14 per chunk element (2 param/grad + 4 master + 4 + 4 Adam), sharded over ranks; "
         "deepspeed ZeRO-3 offload 18 on host; fsdp2-offload 16 on host; pytorch-ddp 16 per GPU; pytorch-fsdp 16/n per GPU",
-        "",
     ]
+    if with_disk:
+        budget = workload.staging_budget
+        staging = (
+            "auto (2 chunks of every disk list)" if budget is None
+            else f"{_fmt_gib(budget)} GiB" if budget >= GIB else f"{budget / 2**20:,.0f} MiB"
+        )  # fmt: skip
+        head.append(
+            f"  disk {_fmt_gib(hw.disk_bytes)} GiB free for chunk files; chunkstar-disk: {DISK_BYTES_PER_ELEMENT} per chunk "
+            f"element on disk ({' + '.join(DISK_LISTS)}), 2 (param/grad) on device or host, plus staging per process: {staging}"
+        )
+    head.append("")
     cols = (
-        "system", "act.ckpt", "predicted max", "params", "binding", "device GiB/GPU", "host GiB", "chunk elems",
-        "published max", "measured max",
+        "system", "act.ckpt", "predicted max", "params", "binding", "device GiB/GPU", "host GiB",
+        *(("disk GiB",) if with_disk else ()), "chunk elems", "published max", "measured max",
     )  # fmt: skip
     table: list[tuple[str, ...]] = []
     for r in rows:
         best = r.prediction.best
         pub = f"{r.published['label']} ({r.published['system']}, published)" if r.published else "-"
         meas = f"{r.measured['model']} ({_fmt_params(r.measured['n_params'])})" if r.measured else "-"
+        disk_col = f"{_fmt_gib(best.disk_need)}/{_fmt_gib(best.disk_usable)}" if best and r.system in DISK_SYSTEMS else "-"
         table.append(
             (
                 r.system,
@@ -491,6 +576,7 @@ def format_plan(hw: Hardware, rows: Sequence[PlanRow], workload: Workload) -> st
                 r.prediction.binding,
                 f"{_fmt_gib(best.device_need)}/{_fmt_gib(best.device_usable)}" if best else "-",
                 f"{_fmt_gib(best.host_need)}/{_fmt_gib(best.host_usable)}" if best else "-",
+                *((disk_col,) if with_disk else ()),
                 f"{best.chunk_elements / 1e6:,.0f}M" if best and best.chunk_elements else "-",
                 pub,
                 meas,
@@ -502,7 +588,8 @@ def format_plan(hw: Hardware, rows: Sequence[PlanRow], workload: Workload) -> st
     lines += [
         "",
         "binding: the constraint the next larger zoo model breaks (device: activations + working set [+ model data] "
-        "per GPU; host: model data the GPUs cannot hold).",
+        "per GPU; host: model data the GPUs cannot hold"
+        + ("; disk: the chunk files; staging: a staging budget below one chunk's state, which the engine refuses)." if with_disk else ")."),
         "published: the largest model the paper reports per system on this node at this GPU count (read off its figures).",
     ]
     return "\n".join(lines)
@@ -522,10 +609,15 @@ def add_plan_command(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=None, help="GPUs (default: the preset's; required for custom)")
     p.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU (custom, or override the preset)")
     p.add_argument("--host-mem", type=float, default=None, help="host GiB (custom, or override the preset)")
+    p.add_argument("--disk", type=parse_size, default=None,
+                   help="free disk for chunkstar-disk's chunk files, e.g. 2TB or 1800GiB (default: none, so no chunkstar-disk row)")
+    p.add_argument("--staging", type=parse_size, default=None,
+                   help="chunkstar-disk: host staging budget per process, e.g. 4GiB (default: the engine's auto)")
     p.add_argument("--batch", type=int, default=Workload.batch, help="micro-batch per GPU (default %(default)s)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: each model's own)")
     p.add_argument("--checkpointing", choices=("on", "off", "both"), default="both", help="activation checkpointing")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of %(default)s")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all; {', '.join(DISK_SYSTEMS)} only with --disk)")
     p.add_argument("--models", default="paper", help="paper (default), cpu, all, or comma-separated zoo names")
     p.add_argument("--chunk-size", type=int, default=None, help="chunkstar elements per chunk (default: the engine's auto)")
     p.add_argument("--db", default=None, help="results SQLite: add the largest model measured ok per system")
@@ -538,9 +630,11 @@ def _hardware_from_args(args: argparse.Namespace) -> Hardware:
         missing = [f"--{k}" for k in ("gpus", "gpu-mem", "host-mem") if getattr(args, k.replace("-", "_")) is None]
         if missing:
             raise SystemExit(f"chunkstar-bench plan --hardware custom needs {', '.join(missing)}")
-        return Hardware("custom", args.gpus, int(args.gpu_mem * GIB), int(args.host_mem * GIB), "custom node")
+        return Hardware("custom", args.gpus, int(args.gpu_mem * GIB), int(args.host_mem * GIB), "custom node", args.disk or 0)
     hw = HARDWARE[args.hardware]
     changes: dict[str, Any] = {}
+    if args.disk is not None:
+        changes["disk_bytes"] = args.disk
     if args.gpus is not None:
         changes["gpus"] = args.gpus
     if args.gpu_mem is not None:
@@ -555,12 +649,15 @@ def run_plan(args: argparse.Namespace) -> int:
     hw = _hardware_from_args(args)
     if hw.gpus < 1:
         raise SystemExit("--gpus must be at least 1")
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = default_systems(hw) if args.systems is None else tuple(s.strip() for s in args.systems.split(",") if s.strip())
     unknown = sorted(set(systems) - set(SYSTEMS))
     if unknown:
         raise SystemExit(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+    diskless = [s for s in systems if s in DISK_SYSTEMS] if hw.disk_bytes <= 0 else []
+    if diskless:
+        raise SystemExit(f"{', '.join(diskless)} keeps the optimizer state on disk: say how much is free with --disk SIZE (e.g. 2TB)")
     ckpt = {"on": (True,), "off": (False,), "both": (True, False)}[args.checkpointing]
-    workloads = [Workload(args.batch, args.seq, c, args.chunk_size) for c in ckpt]
+    workloads = [Workload(args.batch, args.seq, c, args.chunk_size, args.staging) for c in ckpt]
     try:
         models = models_named(args.models)
     except KeyError as err:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from chunkstar_profiler.chrome import export_chrome_trace
 from chunkstar_profiler.fileformat import FORMAT_VERSION, ProfileFormatError, read_profile
-from chunkstar_profiler.profile import Profile
+from chunkstar_profiler.profile import MOVE_REASONS, TIERS, Profile
 from chunkstar_profiler.summary import summarize
 
 if TYPE_CHECKING:
@@ -28,9 +28,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT_VERSION",
+    "MOVE_REASONS",
     "Profile",
     "ProfileFormatError",
     "Profiler",
+    "TIERS",
     "export_chrome_trace",
     "load",
     "summarize",

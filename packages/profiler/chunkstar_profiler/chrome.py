@@ -6,8 +6,15 @@ Tracks (all in one process "chunkstar"):
 * ``moments``           one ``X`` event per moment (module pre-hook to its end);
 * ``moves to device`` / ``moves to host``  one ``X`` event per chunk move, one
   track per direction (on CUDA, prefetches run on the copy stream);
+* ``disk stage in/out`` the disk tier's moves (stage-in disk -> host, stage-out
+  host -> disk), present only when the profile has them. Their I/O runs on the
+  disk tier's threads, so each is a zero-length ``X`` event at the time it was
+  issued;
+* ``moves (other)``     moves to a tier this exporter does not know (a newer
+  core's), present only when there are some;
 * counters (``C``)      ``device memory`` and ``host memory`` with series
-  chunk / non-model, plus ``device budget``;
+  chunk / non-model, plus ``device budget``; with the disk tier, ``disk memory``
+  with one series, chunk files;
 * flows (``s``/``f``)   from each moment to every move it caused.
 
 Times are microseconds, as the format wants.
@@ -24,8 +31,19 @@ from chunkstar_profiler.profile import Profile
 __all__ = ["export_chrome_trace", "chrome_trace_events"]
 
 _PID = 1
-_TID = {"stages": 1, "moments": 2, "device": 3, "host": 4}
-_TRACK_NAMES = {"stages": "stages", "moments": "moments (modules)", "device": "moves to device", "host": "moves to host"}
+_TID = {"stages": 1, "moments": 2, "device": 3, "host": 4, "disk": 5, "other": 6}
+_TRACK_NAMES = {
+    "stages": "stages", "moments": "moments (modules)", "device": "moves to device", "host": "moves to host",
+    "disk": "disk stage in/out", "other": "moves (other)",
+}  # fmt: skip
+_OPTIONAL_TRACKS = ("disk", "other")
+"""Tracks named only when some move is on them."""
+
+
+def _move_track(src: str, dst: str) -> str:
+    if src == "disk" or dst == "disk":
+        return "disk"
+    return dst if dst in ("device", "host") else "other"
 
 
 def _us(seconds: float) -> float:
@@ -36,7 +54,10 @@ def chrome_trace_events(profile: Profile) -> list[dict[str, Any]]:
     ev: list[dict[str, Any]] = [
         {"ph": "M", "pid": _PID, "tid": 0, "name": "process_name", "args": {"name": f"chunkstar: {profile.meta.get('model_name', '')}"}}
     ]
+    tracks = [_move_track(src, dst) for src, dst in zip(profile.moves["src"], profile.moves["dst"])]
     for key, tid in _TID.items():
+        if key in _OPTIONAL_TRACKS and key not in tracks:
+            continue
         ev.append({"ph": "M", "pid": _PID, "tid": tid, "name": "thread_name", "args": {"name": _TRACK_NAMES[key]}})
         ev.append({"ph": "M", "pid": _PID, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
 
@@ -51,9 +72,9 @@ def chrome_trace_events(profile: Profile) -> list[dict[str, Any]]:
                    "ts": _us(r.t_start_s), "dur": _us(max(r.t_end_s - r.t_start_s, 0.0)),
                    "args": {"iteration": int(r.iteration), "index": int(r.index), "stage": r.stage}})  # fmt: skip
 
-    for i, r in enumerate(profile.moves.itertuples(index=False)):
-        tid = _TID[r.dst]
-        name = f"{r.chunk_list}[{r.chunk_id}] -> {r.dst}"
+    for i, (r, track) in enumerate(zip(profile.moves.itertuples(index=False), tracks)):
+        tid = _TID[track]
+        name = f"{r.chunk_list}[{r.chunk_id}] " + (r.reason.replace("_", "-") if track == "disk" else f"-> {r.dst}")
         ts = _us(r.t_start_s)
         ev.append({"ph": "X", "pid": _PID, "tid": tid, "name": name, "cat": r.reason, "ts": ts,
                    "dur": _us(max(r.duration_s, 0.0)),
@@ -69,8 +90,11 @@ def chrome_trace_events(profile: Profile) -> list[dict[str, Any]]:
 
     for r in profile.memory.itertuples(index=False):
         ts = _us(r.t_s)
-        ev.append({"ph": "C", "pid": _PID, "name": f"{r.tier} memory", "ts": ts,
-                   "args": {"chunk": int(r.chunk_bytes), "non-model": int(r.non_model_bytes)}})  # fmt: skip
+        if r.tier == "disk":  # the chunk files: nothing else is measured there
+            args = {"chunk files": int(r.chunk_bytes)}
+        else:
+            args = {"chunk": int(r.chunk_bytes), "non-model": int(r.non_model_bytes)}
+        ev.append({"ph": "C", "pid": _PID, "name": f"{r.tier} memory", "ts": ts, "args": args})
         if r.tier == "device" and r.budget_bytes > 0:
             ev.append({"ph": "C", "pid": _PID, "name": "device budget", "ts": ts, "args": {"budget": int(r.budget_bytes)}})
     return ev

@@ -2,7 +2,7 @@
 
 Layout: a ZIP archive (DEFLATE) holding
 
-* ``manifest.json`` — ``{"format": "chunkstar-profile", "version": 1, "writer": ...,
+* ``manifest.json`` — ``{"format": "chunkstar-profile", "version": 2, "writer": ...,
   "meta": {...}, "tables": {table: {"rows": n, "columns": {col: {"kind", "dtype",
   "unit", "member"}}}}}``; it names every member, its dtype and unit, so the
   file can be read without this package (any ZIP + NPY reader will do);
@@ -17,6 +17,16 @@ foreign, newer-version or hostile file (a member that inflates past what the
 manifest declares, an encrypted member, a field of the wrong type) raises
 :class:`ProfileFormatError` with a sentence saying which, never a parser's
 traceback; see the Note on hostile files below.
+
+Versions (a reader reads its own and every older one; a newer one is refused,
+so an old reader never misreads values it does not know):
+
+* 1 — the device and host tiers.
+* 2 — the disk tier: ``"disk"`` as a tier (``memory.tier``, ``placements.tier``,
+  ``moves.src`` / ``moves.dst``), the move reasons ``"stage_in"`` and
+  ``"stage_out"``, and ``meta["disk_stats"]`` (an object of numbers). The
+  layout is version 1's, so a version 1 file reads as a version 2 file without
+  a disk tier.
 """
 
 from __future__ import annotations
@@ -41,7 +51,8 @@ from chunkstar_profiler.profile import META, TABLES, Profile, build_profile
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "ProfileFormatError", "ProfileNotFoundError", "write_profile", "read_profile"]
 
 FORMAT_NAME = "chunkstar-profile"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The version written; see the module docstring for what each one added."""
 _MANIFEST = "manifest.json"
 _DTYPES: dict[str, np.dtype[Any]] = {"i4": np.dtype("<i4"), "i8": np.dtype("<i8"), "time": np.dtype("<i8"), "str": np.dtype("<i4")}
 _UNITS = {"time": "us since profiler start", "i8": "", "i4": "", "str": "dictionary code"}
@@ -191,6 +202,9 @@ _JSON_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), "a finite number"),
     "dict": (lambda v: isinstance(v, dict), "an object"),
     "list[str]": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "dict[number]": (
+        lambda v: isinstance(v, dict) and all(_JSON_CHECKS["number"][0](x) for x in v.values()), "an object of finite numbers"
+    ),
 }
 
 

@@ -10,6 +10,17 @@ Tables (times are seconds since the profiler started):
 ``stages``      stage, iteration, t_start_s, t_end_s
 ``placements``  chunk_id, chunk_list, tier, t_start_s, t_end_s  (a chunk payload's stay in a tier)
 
+Tiers are ``TIERS`` (device, host, disk: the values of ``chunkstar.events.Tier``);
+move reasons are ``MOVE_REASONS`` (``chunkstar.events.MoveReason``). With the
+disk tier (Note [disk tier] in ``chunkstar.runtime.disk_tier``) a state chunk's
+moves are ``stage_in`` (disk -> host: read into a host staging buffer) and
+``stage_out`` (host -> disk: written back, ``nbytes`` 0 when dropped unchanged);
+their I/O runs on I/O threads, so ``t_start_s == t_end_s`` is when it was
+issued and the duration is 0. A disk stay in ``placements`` is the time the
+chunk's bytes were only in its file (not staged in); its host stays are the
+staging buffer's. ``meta["disk_stats"]`` holds the engine's ``disk_*`` stats
+over the recording (see :mod:`chunkstar_profiler.recorder`).
+
 ``moment_row`` is the ``row`` of the moment during which a move was issued or a
 sample taken (the "operator" that caused it), -1 when none was open (module "").
 ``iteration`` counts micro-steps (forward passes), so with gradient accumulation
@@ -24,7 +35,12 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-__all__ = ["META", "Profile", "build_profile", "TABLES"]
+__all__ = ["META", "MOVE_REASONS", "Profile", "TIERS", "build_profile", "TABLES"]
+
+TIERS = ("device", "host", "disk")
+"""The tiers a profile knows, fastest first (the values of ``chunkstar.events.Tier``)."""
+MOVE_REASONS = ("access", "eviction", "prefetch", "optimizer", "offload", "stage_in", "stage_out")
+"""The move reasons a profile knows (the values of ``chunkstar.events.MoveReason``)."""
 
 # name -> column -> storage kind ("i8" int64, "i4" int32, "str" dictionary-encoded, "time" int64 ns)
 TABLES: dict[str, dict[str, str]] = {
@@ -47,6 +63,7 @@ META: dict[str, str] = {
     "model_name": "str", "n_params": "int", "config": "dict", "versions": "dict", "device": "str",
     "precision": "str", "budget_bytes": "int", "chunk_size": "int", "n_chunks": "int", "chunk_lists": "list[str]",
     "model_data_bytes": "int", "iterations": "int", "host": "str", "platform": "str", "pid": "int", "tiers": "list[str]",
+    "disk_stats": "dict[number]",
 }  # fmt: skip
 
 

@@ -12,6 +12,13 @@ What it keeps (see :mod:`chunkstar_profiler.profile` for the tables):
 moments (one per module pre-hook, plus one per optimizer step), chunk moves
 with the moment that caused them, stage bands, memory samples per tier, and
 placement intervals (which tier held each chunk payload, from when to when).
+With the disk tier, also its stage-in/stage-out moves, its memory samples
+(the chunk files' bytes), disk stays in the placements (a chunk's bytes only in
+its file) and ``meta["disk_stats"]``: the engine's ``disk_*`` stats over the
+recording, the counters (bytes and seconds of reads and writes, staging waits)
+as their growth from start to stop, the sizes (chunk files, staging budget and
+peak) as at the stop. Reads and writes still in flight at the stop count when
+they finish, so not here.
 """
 
 from __future__ import annotations
@@ -43,6 +50,17 @@ __all__ = ["Profiler"]
 
 _PROBE_HOLDER = "chunkstar_profiler"
 _TIME_COLUMNS = frozenset({"t", "t_start", "t_end"})  # perf_counter ns; stored relative to the start
+_DISK_COUNTERS = frozenset({"disk_bytes_read", "disk_bytes_written", "disk_read_s", "disk_write_s", "disk_staging_wait_s"})
+"""``engine.stats()`` disk keys that only grow: ``meta["disk_stats"]`` holds their growth over the recording."""
+
+
+def _disk_stats(stats: dict[str, Any]) -> dict[str, float | int]:
+    """The numeric ``disk_*`` entries of ``engine.stats()`` (none without the disk tier)."""
+    return {
+        k: int(v) if isinstance(v, bool) else v
+        for k, v in stats.items()
+        if k.startswith("disk_") and isinstance(v, (int, float))
+    }
 
 
 def _versions() -> dict[str, str]:
@@ -80,6 +98,8 @@ class Profiler:
         self.stages: dict[str, list[Any]] = {k: [] for k in ("stage", "iteration", "t_start", "t_end")}
         self.placements: dict[str, list[Any]] = {k: [] for k in ("chunk_id", "chunk_list", "tier", "t_start", "t_end")}
         self._placement_open: dict[tuple[str, int, str], int] = {}  # (list, id, tier) -> t_start
+        self._disk_at_start: dict[str, float | int] = {}
+        self._disk_at_stop: dict[str, float | int] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Profiler:
@@ -99,6 +119,7 @@ class Profiler:
             for c in self.engine.mgr.chunks_of(which):
                 if c.tier is not None:
                     self._placement_open[(which.value, c.chunk_id, c.tier.value)] = self._t0
+        self._disk_at_start = _disk_stats(self.engine.stats())
         self.engine.memory_probe.acquire(_PROBE_HOLDER)
         self._unsubscribe = self.engine.events.subscribe(self._on_event)
 
@@ -109,6 +130,7 @@ class Profiler:
         self._unsubscribe = None
         self.engine.memory_probe.release(_PROBE_HOLDER)
         self._t_end = time.perf_counter_ns()
+        self._disk_at_stop = _disk_stats(self.engine.stats())
         self._close_stage(self._t_end)
         for (list_name, cid, tier), t_start in self._placement_open.items():
             self._add_placement(cid, list_name, tier, t_start, self._t_end)
@@ -127,6 +149,12 @@ class Profiler:
             m["dst"].append(e.dst.value)
             m["reason"].append(e.reason.value)
             m["moment_row"].append(self._open_moment)
+            # a disk stay is the time the chunk's bytes are only in its file: it ends at a
+            # stage-in (the host stay of its staging buffer begins) and begins at a stage-out
+            if e.src is Tier.DISK:
+                self._close_placement(e.chunk_list, e.chunk_id, Tier.DISK.value, e.t_start_ns)
+            elif e.dst is Tier.DISK:
+                self._placement_open[(e.chunk_list, e.chunk_id, Tier.DISK.value)] = e.t_start_ns
         elif isinstance(e, MomentBegin):
             self._begin_moment(e.index, e.module, e.stage.value, e.t_ns)
         elif isinstance(e, MomentEnd):
@@ -144,9 +172,7 @@ class Profiler:
         elif isinstance(e, ChunkAllocated):
             self._placement_open[(e.chunk_list, e.chunk_id, e.tier.value)] = e.t_ns
         elif isinstance(e, ChunkFreed):
-            t_start = self._placement_open.pop((e.chunk_list, e.chunk_id, e.tier.value), None)
-            if t_start is not None:
-                self._add_placement(e.chunk_id, e.chunk_list, e.tier.value, t_start, e.t_ns)
+            self._close_placement(e.chunk_list, e.chunk_id, e.tier.value, e.t_ns)
         elif isinstance(e, StageChanged):
             self._close_stage(e.t_ns)
             if e.stage is Stage.FWD:
@@ -187,6 +213,11 @@ class Profiler:
             self.stages["t_end"].append(t)
             self._stage_open = None
 
+    def _close_placement(self, list_name: str, cid: int, tier: str, t: int) -> None:
+        t_start = self._placement_open.pop((list_name, cid, tier), None)
+        if t_start is not None:
+            self._add_placement(cid, list_name, tier, t_start, t)
+
     def _add_placement(self, cid: int, list_name: str, tier: str, t_start: int, t_end: int) -> None:
         p = self.placements
         p["chunk_id"].append(cid)
@@ -196,9 +227,16 @@ class Profiler:
         p["t_end"].append(t_end)
 
     # ------------------------------------------------------------------ results
+    def disk_stats(self) -> dict[str, float | int]:
+        """The engine's ``disk_*`` stats over the recording (so far, while recording); empty
+        without the disk tier. Counters as their growth since the start, sizes as now."""
+        now = self._disk_at_stop if self._disk_at_stop is not None else _disk_stats(self.engine.stats())
+        return {k: v - self._disk_at_start.get(k, 0) if k in _DISK_COUNTERS else v for k, v in now.items()}
+
     def meta(self) -> dict[str, Any]:
         eng = self.engine
         stats = eng.stats()
+        disk = self.disk_stats()
         return {
             "model_name": self.model_name,
             "n_params": stats["n_params"],
@@ -215,7 +253,8 @@ class Profiler:
             "host": platform.node(),
             "platform": platform.platform(),
             "pid": os.getpid(),
-            "tiers": [t.value for t in Tier],
+            "tiers": [t.value for t in Tier if t is not Tier.DISK or disk],  # the tiers this run has
+            **({"disk_stats": disk} if disk else {}),
         }
 
     def profile(self) -> Profile:

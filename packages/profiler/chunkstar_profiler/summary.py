@@ -1,10 +1,12 @@
-"""A text summary of a profile: where bytes moved, where time stalled, peaks."""
+"""A text summary of a profile: where bytes moved, where time stalled, peaks per tier, the disk tier's I/O."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 
-from chunkstar_profiler.profile import Profile
+from chunkstar_profiler.profile import MOVE_REASONS, TIERS, Profile
 
 __all__ = ["summarize", "operator_table"]
 
@@ -13,20 +15,30 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _directions(mv: pd.DataFrame) -> dict[str, pd.Series]:
+    """Masks over ``mv`` by direction: to the device, device -> host, disk -> host (stage-in), host -> disk (stage-out)."""
+    from_disk = mv["src"] == "disk"
+    to_disk = mv["dst"] == "disk"
+    return {
+        "to_device": mv["dst"] == "device",
+        "to_host": (mv["dst"] == "host") & ~from_disk,
+        "from_disk": from_disk,
+        "to_disk": to_disk,
+    }
+
+
 def operator_table(profile: Profile) -> pd.DataFrame:
     """Per module: moves and bytes each way, stall time (time spent in moves), by reason."""
     mv = profile.moves
+    cols = ["module", "moves", "bytes_to_device", "bytes_to_host", "bytes_from_disk", "bytes_to_disk", "bytes", "stall_s"]
     if mv.empty:
-        return pd.DataFrame(columns=["module", "moves", "bytes_to_device", "bytes_to_host", "bytes", "stall_s"])
-    to_dev = mv["dst"] == "device"
-    g = mv.assign(
-        bytes_to_device=mv["nbytes"].where(to_dev, 0), bytes_to_host=mv["nbytes"].where(~to_dev, 0)
-    ).groupby("module", sort=False)
+        return pd.DataFrame(columns=cols)
+    way = _directions(mv)
+    g = mv.assign(**{f"bytes_{k}": mv["nbytes"].where(m, 0) for k, m in way.items()}).groupby("module", sort=False)
     table = pd.DataFrame(
         {
             "moves": g.size(),
-            "bytes_to_device": g["bytes_to_device"].sum(),
-            "bytes_to_host": g["bytes_to_host"].sum(),
+            **{f"bytes_{k}": g[f"bytes_{k}"].sum() for k in way},
             "bytes": g["nbytes"].sum(),
             "stall_s": g["duration_s"].sum(),
         }
@@ -34,6 +46,44 @@ def operator_table(profile: Profile) -> pd.DataFrame:
     reasons = mv.pivot_table(index="module", columns="reason", values="nbytes", aggfunc="size", fill_value=0)
     table = table.join(reasons.add_prefix("n_"), how="left").fillna(0)
     return table.reset_index()
+
+
+def _ordered(values: Any, known: tuple[str, ...]) -> list[str]:
+    seen = {str(v) for v in values}
+    return [v for v in known if v in seen] + sorted(seen - set(known))
+
+
+def _rate(nbytes: float, seconds: float) -> str:
+    return f"{nbytes / seconds / 2**20:,.1f} MiB/s" if seconds > 0 else "n/a"
+
+
+def _disk_lines(profile: Profile) -> list[str]:
+    """The disk tier's section: its chunk files, reads and writes with their bandwidth, staging."""
+    stats = profile.meta.get("disk_stats")
+    stats = stats if isinstance(stats, dict) else {}
+    mv = profile.moves
+    staged = (mv["src"] == "disk") | (mv["dst"] == "disk")
+    if not stats and not staged.any() and not (profile.memory["tier"] == "disk").any():
+        return []
+    lines = ["", "disk tier (optimizer state in chunk files, staged through host buffers)"]
+    files = stats.get("disk_file_bytes")
+    if files is None and (profile.memory["tier"] == "disk").any():
+        files = profile.memory.loc[profile.memory["tier"] == "disk", "total_bytes"].max()
+    if files is not None:
+        lines.append(f"  chunk files          {_mib(files):>14}")
+    if stats:
+        read, read_s = stats.get("disk_bytes_read", 0), stats.get("disk_read_s", 0.0)
+        written, write_s = stats.get("disk_bytes_written", 0), stats.get("disk_write_s", 0.0)
+        lines.append(f"  read                 {_mib(read):>14}  in {read_s:8.3f} s of I/O  {_rate(read, read_s):>14}")
+        lines.append(f"  written              {_mib(written):>14}  in {write_s:8.3f} s of I/O  {_rate(written, write_s):>14}")
+        if "disk_staging_budget_bytes" in stats:
+            lines.append(
+                f"  staging budget       {_mib(stats['disk_staging_budget_bytes']):>14}  "
+                f"peak {_mib(stats.get('disk_staging_peak_bytes', 0))}, "
+                f"main thread waited {stats.get('disk_staging_wait_s', 0.0):.3f} s for a buffer"
+            )
+        lines.append("  (engine stats over the recording; bandwidth: bytes over the time inside reads or writes, all I/O threads)")
+    return lines
 
 
 def summarize(profile: Profile, top: int = 10) -> str:
@@ -46,12 +96,20 @@ def summarize(profile: Profile, top: int = 10) -> str:
         "",
     ]
     mv = profile.moves
-    to_dev = mv[mv["dst"] == "device"]
-    to_host = mv[mv["dst"] == "host"]
+    way = _directions(mv)
     lines.append("totals")
-    lines.append(f"  moves to device      {len(to_dev):>8}  {_mib(to_dev['nbytes'].sum()):>14}  {to_dev['duration_s'].sum():8.3f} s")
-    lines.append(f"  moves to host        {len(to_host):>8}  {_mib(to_host['nbytes'].sum()):>14}  {to_host['duration_s'].sum():8.3f} s")
-    for reason, grp in mv.groupby("reason"):
+    for key, label in (("to_device", "moves to device"), ("to_host", "moves to host")):
+        sel = mv[way[key]]
+        lines.append(f"  {label:<20} {len(sel):>8}  {_mib(sel['nbytes'].sum()):>14}  {sel['duration_s'].sum():8.3f} s")
+    for key, label in (("from_disk", "stage-in disk->host"), ("to_disk", "stage-out host->disk")):
+        sel = mv[way[key]]
+        if len(sel):  # I/O threads do the copies: no time here
+            dropped = int((sel["nbytes"] == 0).sum()) if key == "to_disk" else 0
+            extra = f"  ({dropped} dropped unchanged, 0 bytes)" if dropped else ""
+            lines.append(f"  {label:<20} {len(sel):>8}  {_mib(sel['nbytes'].sum()):>14}{extra}")
+    by_reason = mv.groupby("reason")
+    for reason in _ordered(mv["reason"], MOVE_REASONS):
+        grp = by_reason.get_group(reason)
         lines.append(f"  {reason:<20} {len(grp):>8}  {_mib(grp['nbytes'].sum()):>14}")
     if not profile.stages.empty:
         st = profile.stages.assign(d=profile.stages["t_end_s"] - profile.stages["t_start_s"])
@@ -59,11 +117,15 @@ def summarize(profile: Profile, top: int = 10) -> str:
         lines.append("  time by stage        " + ", ".join(f"{k} {v:.3f} s" for k, v in per.items()))
     lines.append("")
     lines.append("peak memory per tier")
-    for tier, grp in profile.memory.groupby("tier"):
+    mem = profile.memory
+    for tier in _ordered(mem["tier"], TIERS):
+        grp = mem[mem["tier"] == tier]
+        budget = int(grp["budget_bytes"].max())
         lines.append(
             f"  {tier:<8} total {_mib(grp['total_bytes'].max()):>12}  chunks {_mib(grp['chunk_bytes'].max()):>12}  "
-            f"non-model {_mib(grp['non_model_bytes'].max()):>12}"
+            f"non-model {_mib(grp['non_model_bytes'].max()):>12}  budget {_mib(budget) if budget > 0 else 'unbounded':>12}"
         )
+    lines += _disk_lines(profile)
     ops = operator_table(profile)
     if not ops.empty:
         lines.append("")
