@@ -2,7 +2,8 @@
 memory from a meta-device model_func (and, with --pretrained, from a checkpoint of it), with
 the optimizer state on disk, and report the peak host memory of the process.
 
-    python benchmarks/construct_scale.py --model cpu-3b --disk /work/diskbench --chunk-size 33554432 --staging 1.6GB
+    python benchmarks/construct_scale.py --model cpu-3b --disk /work/diskbench --chunk-size 26227968 --staging 1.55GB
+    python benchmarks/construct_scale.py --model cpu-3b --disk /work/diskbench --write-checkpoint DIR   # then:
     python benchmarks/construct_scale.py ... --pretrained DIR
 
 The peak is the process's maximum resident set (ru_maxrss). Construction only: no
@@ -29,6 +30,8 @@ def main() -> None:
     ap.add_argument("--staging", default=None, help='disk staging budget, e.g. "1.6GB" (default: the engine\'s least that works)')
     ap.add_argument("--chunk-size", default="auto", help='elements per chunk or "auto" (default %(default)s)')
     ap.add_argument("--pretrained", default=None, help="a safetensors checkpoint of the model to stream in (default: initialise)")
+    ap.add_argument("--write-checkpoint", default=None, metavar="DIR",
+                    help="only write a bf16 checkpoint of the model (seeded random values, tensor by tensor) to DIR/model.safetensors")
     args = ap.parse_args()
     spec = get(args.model)
 
@@ -37,6 +40,21 @@ def main() -> None:
             return build_hf(spec)
 
     # one fixed folder: a run that was killed leaves its files there, and the next one wipes them
+    if args.write_checkpoint:
+        from chunkstar.construction.pretrained import write_safetensors
+
+        os.makedirs(args.write_checkpoint, exist_ok=True)
+        model = build()
+        spec_list = [(n, tuple(p.shape), torch.bfloat16) for n, p in model.named_parameters()]  # tied: once
+        gen = torch.Generator().manual_seed(0)
+        t0 = time.perf_counter()
+        size = write_safetensors(
+            os.path.join(args.write_checkpoint, "model.safetensors"), spec_list,
+            lambda name, out: out.copy_(torch.randn(out.numel(), generator=gen) * 0.02),
+        )  # fmt: skip
+        print(f"wrote {size / 2**30:.2f} GiB ({len(spec_list)} tensors, bf16) in {time.perf_counter() - t0:.0f} s; "
+              f"peak so far {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30:.2f} GiB")
+        return  # construct from it in a process of its own: python ... --pretrained DIR
     disk: dict[str, object] = {"path": os.path.join(args.disk, "chunkstar-construct"), "on_stale": "wipe"}
     disk["staging_budget"] = args.staging or "auto"
     chunk = args.chunk_size if args.chunk_size == "auto" else int(args.chunk_size)

@@ -227,3 +227,19 @@ def test_pretrained_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
     save_file({k: v.contiguous() for k, v in sd.items() if k != "lm_head.weight"}, str(tmp_path / "shape.safetensors"))
     with pytest.raises(chunkstar.PretrainedError, match="transformer.wte.weight"):
         _engine(_on_meta(_gpt2), pretrained=tmp_path / "shape.safetensors")
+
+
+def test_write_safetensors_streams_a_file_safetensors_reads(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from chunkstar.construction.pretrained import PretrainedSource, write_safetensors
+
+    values = {"w": torch.randn(3, 5), "b": torch.randn(7).bfloat16(), "h": torch.randn(2, 2).half()}
+    spec = [(k, tuple(v.shape), v.dtype) for k, v in values.items()]
+    size = write_safetensors(tmp_path / "x.safetensors", spec, lambda n, out: out.copy_(values[n].reshape(-1)), {"k": "v"})
+    assert size == (tmp_path / "x.safetensors").stat().st_size
+    got = load_file(str(tmp_path / "x.safetensors"))  # the reference reader
+    assert all(torch.equal(got[k], v) for k, v in values.items())
+    with PretrainedSource(tmp_path / "x.safetensors") as src:  # and ours
+        assert all(torch.equal(src.read(k), v) for k, v in values.items())
+    assert not list(tmp_path.glob(".*partial"))

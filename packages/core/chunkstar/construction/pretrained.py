@@ -29,11 +29,11 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-__all__ = ["PretrainedError", "PretrainedSource", "match_names"]
+__all__ = ["PretrainedError", "PretrainedSource", "match_names", "write_safetensors"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -217,6 +217,44 @@ class PretrainedSource:
         out = torch.empty(e.shape, dtype=e.dtype)
         self.read_into(key, out.reshape(-1))
         return out
+
+
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+    fill: Callable[[str, torch.Tensor], None],
+    metadata: Mapping[str, str] | None = None,
+) -> int:
+    """Write a safetensors file one tensor at a time, never holding more than one: the header
+    comes from ``tensors`` (name, shape, dtype; written in that order), then each tensor's
+    bytes from ``fill(name, out)``, which writes the values into ``out`` (a 1-D CPU tensor of
+    that many elements and that dtype). Written to a temporary name and renamed at the end.
+    Returns the file's size in bytes."""
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, shape, dtype in tensors:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-aligned
+    final = Path(path)
+    tmp = final.with_name(f".{final.name}.partial")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, dtype in tensors:
+            out = torch.empty(math.prod(shape), dtype=dtype)
+            fill(name, out)
+            f.write(_writable_bytes(out))
+            del out
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    return final.stat().st_size
 
 
 def match_names(names: Sequence[str], keys: Iterable[str], prefixes: Sequence[str] = ()) -> dict[str, str]:
