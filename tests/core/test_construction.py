@@ -243,3 +243,33 @@ def test_write_safetensors_streams_a_file_safetensors_reads(tmp_path: Path) -> N
     with PretrainedSource(tmp_path / "x.safetensors") as src:  # and ours
         assert all(torch.equal(src.read(k), v) for k, v in values.items())
     assert not list(tmp_path.glob(".*partial"))
+
+
+def test_lora_on_a_meta_base_loads_the_base_checkpoint_and_initialises_the_adapters(tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    base = _llama()
+    base.save_pretrained(tmp_path / "base")  # type: ignore[operator]
+
+    def lora() -> nn.Module:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(base.config)
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    engine, optimizer = _engine(lora, pretrained=tmp_path / "base")
+    report = engine.construction
+    assert report.initialised and not report.unused_keys
+    assert report.not_in_checkpoint and all("lora_" in n for n in report.not_in_checkpoint)
+    sd = engine.state_dict()
+    want = base.state_dict()
+    for k, v in sd.items():  # PEFT's names: base_model.model.<name>, .base_layer. inside wrapped layers
+        plain = k.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if "lora_" not in k:
+            assert torch.equal(v, want[plain]), k
+    assert all(not v.any() for k, v in sd.items() if "lora_B" in k)  # the adapted model starts as the base
+    assert all(v.abs().sum() > 0 for k, v in sd.items() if "lora_A" in k)
+    ids = gpt2_batch(0)
+    engine.backward(engine(**ids).loss)
+    optimizer.step()

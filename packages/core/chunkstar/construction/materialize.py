@@ -89,7 +89,8 @@ def _set_buffer(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _prefixes(model: nn.Module) -> list[str]:
-    out: list[str] = []
+    # a PEFT model names its base model's tensors "base_model.model.<base name>"
+    out: list[str] = ["base_model.model"] if type(model).__name__.startswith("Peft") else []
     for m in model.modules():
         p = getattr(m, "base_model_prefix", None)
         if isinstance(p, str) and p and p not in out:

@@ -262,8 +262,10 @@ def match_names(names: Sequence[str], keys: Iterable[str], prefixes: Sequence[st
 
     Names match exactly, or after adding or removing one of ``prefixes`` (a Hugging
     Face ``base_model_prefix`` such as ``transformer``: a base model's checkpoint
-    loaded into its LM-head model, or the other way round); the rule that matches
-    most names wins, so one checkpoint is never read under two conventions."""
+    loaded into its LM-head model, or the other way round; PEFT's ``base_model.model``),
+    and a PEFT layer's ``.base_layer.`` dropped (LoRA on a base model's checkpoint);
+    the rule that matches most names wins, so one checkpoint is never read under two
+    conventions."""
     keyset = set(keys)
     rules: list[tuple[str, str]] = [("", "")]  # (strip from the name, add to the name)
     for p in prefixes:
@@ -276,6 +278,8 @@ def match_names(names: Sequence[str], keys: Iterable[str], prefixes: Sequence[st
             if strip and not n.startswith(strip):
                 continue
             k = add + n[len(strip) :]
+            if k not in keyset and ".base_layer." in k:
+                k = k.replace(".base_layer.", ".")  # a PEFT-wrapped layer's base weight, as the base model names it
             if k in keyset:
                 got[n] = k
         if len(got) > len(best):
