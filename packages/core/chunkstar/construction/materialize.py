@@ -305,6 +305,7 @@ def _fill_in_waves(
     waves[0] = frozen_own + waves[0]  # frozen chunks are in memory (param list only): the first wave
     base_seed = draw_base_seed() if needs_init else 0  # one draw from the user's RNG, as one pass makes
     slot_of = {id(p): s for s, p in zip(slots, params)}
+    placeholder = torch.zeros(1)
     for wave in waves:
         members = set(wave)
         # the modules whose initialisers run in this wave, and the parameters they may touch:
@@ -323,7 +324,8 @@ def _fill_in_waves(
                             touched.append(slot_of[id(q)])
         scratch = _scratch([s for s in touched if s.chunk_id not in members])  # written, never read
         with store.staged([(ChunkList.MASTER, c) for c in wave if not store.frozen(c)], write=True), torch.no_grad():
-            for s in [*(s for s in slots if s.chunk_id in members), *(s for s in touched if s.chunk_id not in members)]:
+            placed = [*(s for s in slots if s.chunk_id in members), *(s for s in touched if s.chunk_id not in members)]
+            for s in placed:
                 p = params[s.index]
                 here = s.chunk_id in members
                 place = store.value_view(s).view(s.shape) if here else scratch[: s.numel].view(s.shape)
@@ -339,11 +341,14 @@ def _fill_in_waves(
             for cid in wave:
                 if not store.frozen(cid):
                     store.chunk(ChunkList.PARAM, cid).payload.copy_(store.chunk(ChunkList.MASTER, cid).payload)
+            # nothing may keep viewing this wave's staging buffers once they go back to the pool:
+            # a view would keep a buffer alive after the pool dropped it (host memory past the budget)
+            for s in placed:
+                params[s.index] = _rehome(model, params[s.index], placeholder.expand(s.shape))
         # leaving the block writes the wave's masters behind; their buffers go to the next wave
         del scratch
-    # nothing may keep viewing a staging buffer or stay on the meta device (another rank's
-    # parameters, say): a one-element placeholder each, until the caller points them at the
-    # param chunks' device views
-    placeholder = torch.zeros(1)
+    # nor stay on the meta device (another rank's parameters, say): a one-element placeholder
+    # each, until the caller points them at the param chunks' device views
     for s in slots:
-        params[s.index] = _rehome(model, params[s.index], placeholder.expand(s.shape))
+        if params[s.index].is_meta:
+            params[s.index] = _rehome(model, params[s.index], placeholder.expand(s.shape))
