@@ -17,7 +17,8 @@ from chunkstar.checkpoint import CheckpointError
 from chunkstar.distributed.comm import DistributedError
 from tests.core._models import CASES, build_gpt2, engine_config
 
-from ._worker import CHUNK, GLOBAL_BATCH, full_batch
+from ._loop import train_slices
+from ._worker import CHUNK, full_batch
 
 SAVE_AFTER = 3
 STEPS = 5
@@ -33,19 +34,7 @@ def _init(rank: int, world: int, port: int) -> None:
 
 def _train(engine: chunkstar.ChunkEngine, optimizer: chunkstar.ChunkAdam, steps: range) -> list[float]:
     """Each rank its slice of the global batch; returns the mean loss over ranks per step."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    per_rank = GLOBAL_BATCH // world
-    losses = []
-    for step in steps:
-        batch = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in full_batch("gpt2", step).items()}
-        loss = engine(**batch).loss
-        engine.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-    return losses
+    return train_slices(engine, optimizer, lambda step: full_batch("gpt2", step), steps)
 
 
 def _finish(out: str, rank: int, result: dict[str, Any]) -> None:

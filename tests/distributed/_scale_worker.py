@@ -15,20 +15,9 @@ import torch.distributed as dist
 import chunkstar
 from tests.core._models import engine_config, eviction_budget, gpt2_batch
 
+from ._loop import train_slices
+
 STEPS = 3
-
-
-def _train(engine: Any, optimizer: Any, rank: int, world: int) -> list[float]:
-    losses = []
-    for step in range(STEPS):
-        loss = engine(**{k: v[rank : rank + 1] for k, v in gpt2_batch(step).items()}).loss  # one sequence per rank
-        engine.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-    return losses
 
 
 def scale(rank: int, world: int, port: int, out: str, case: str, pretrained: str | None = None) -> None:
@@ -54,7 +43,7 @@ def scale(rank: int, world: int, port: int, out: str, case: str, pretrained: str
         result["bytes_read"] = engine.construction.bytes_read
         result["host_chunk_bytes"] = engine.mgr.host_chunk_bytes
         result["initial"] = {k: v.sum().item() for k, v in engine.state_dict().items()}
-        result["losses"] = _train(engine, optimizer, rank, world)
+        result["losses"] = train_slices(engine, optimizer, gpt2_batch, range(STEPS))  # one sequence per rank
         stats = engine.stats()
         result["state_bytes"] = stats["master_and_adam_bytes"]
         result["trainable_elements"] = engine.mgr.layout.trainable_elements

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -196,26 +196,43 @@ def fill_chunks(
         report.loaded = [slots[i].name for i in sorted(key_of)]
         report.not_in_checkpoint = [s.name for s in slots if s.index not in key_of]
         report.unused_keys = sorted(source.keys - set(key_of.values()) - set(buffer_keys.values()))
+    job = _Fill(model, params, layout, store, allocate, key_of, source, needs_init)
     if store.on_disk(ChunkList.MASTER):
-        _fill_in_waves(model, params, layout, store, allocate, key_of, source, needs_init, wave_bytes)
+        _fill_in_waves(job, wave_bytes)
     else:
-        _fill_at_once(model, params, layout, store, allocate, key_of, source, needs_init)
+        _fill_at_once(job)
     report.initialised = needs_init
     report.bytes_read = source.bytes_read if source is not None else 0
     return report
 
 
-def _fill_at_once(
-    model: nn.Module,
-    params: list[nn.Parameter],
-    layout: ChunkLayout,
-    store: ChunkStore,
-    allocate: Callable[[int], None],
-    key_of: dict[int, str],
-    source: PretrainedSource | None,
-    needs_init: bool,
-) -> None:
+@dataclass
+class _Fill:
+    """What both ways of filling the chunks work on: the model, its parameters in layout order
+    (entries are replaced as parameters are rehomed), the store and its allocator, the
+    checkpoint's key for each parameter index it holds, and whether initialisers run."""
+
+    model: nn.Module
+    params: list[nn.Parameter]
+    layout: ChunkLayout
+    store: ChunkStore
+    allocate: Callable[[int], None]
+    key_of: dict[int, str]
+    source: PretrainedSource | None
+    needs_init: bool
+
+
+def _cast_params(store: ChunkStore, chunk_ids: Iterable[int]) -> None:
+    """Each trainable param chunk from its master (a frozen chunk's param slots are its values already)."""
+    for cid in chunk_ids:
+        if store.own(cid) and not store.frozen(cid):
+            store.chunk(ChunkList.PARAM, cid).payload.copy_(store.chunk(ChunkList.MASTER, cid).payload)
+
+
+def _fill_at_once(job: _Fill) -> None:
     """Every value in memory: one pass (Note [construction])."""
+    model, params, layout, store, allocate = job.model, job.params, job.layout, job.store, job.allocate
+    key_of, source, needs_init = job.key_of, job.source, job.needs_init
     slots = layout.slots
     # chunk by chunk: allocate the chunks this rank owns, then point each parameter at its
     # value's place; a real parameter's own storage is freed as it goes, so host memory
@@ -249,10 +266,7 @@ def _fill_at_once(
             for i, key in key_of.items():
                 if store.own(slots[i].chunk_id):
                     source.read_into(key, store.value_view(slots[i]))
-        # the param chunks from the masters (a frozen chunk's param slots are its values already)
-        for cid in range(layout.n_chunks):
-            if store.own(cid) and not store.frozen(cid):
-                store.chunk(ChunkList.PARAM, cid).payload.copy_(store.chunk(ChunkList.MASTER, cid).payload)
+        _cast_params(store, range(layout.n_chunks))
 
 
 def _scratch(slots: list[TensorSlot]) -> torch.Tensor:
@@ -260,17 +274,7 @@ def _scratch(slots: list[TensorSlot]) -> torch.Tensor:
     return torch.empty(max((s.numel for s in slots), default=0), dtype=torch.float32)
 
 
-def _fill_in_waves(
-    model: nn.Module,
-    params: list[nn.Parameter],
-    layout: ChunkLayout,
-    store: ChunkStore,
-    allocate: Callable[[int], None],
-    key_of: dict[int, str],
-    source: PretrainedSource | None,
-    needs_init: bool,
-    wave_bytes: int,
-) -> None:
+def _fill_in_waves(job: _Fill, wave_bytes: int) -> None:
     """Note [construction in waves]: with the masters on disk, they are never all in host
     memory, so the chunks are filled a wave at a time: the masters of a few chunks (at most
     ``wave_bytes``) are staged in, their parameters point into them and every other
@@ -281,6 +285,8 @@ def _fill_in_waves(
     apart from one base seed (Note [meta initialisation]), so every value is the one a
     single pass gives, whatever the waves, and the initialisers cost about one pass in all
     (the ancestors' own calls repeat, and they are small)."""
+    model, params, layout, store, allocate = job.model, job.params, job.layout, job.store, job.allocate
+    key_of, source, needs_init = job.key_of, job.source, job.needs_init
     slots = layout.slots
     if needs_init and any(not p.is_meta for p in params):
         raise ValueError(
@@ -338,9 +344,7 @@ def _fill_in_waves(
                 for i, key in key_of.items():
                     if slots[i].chunk_id in members:
                         source.read_into(key, store.value_view(slots[i]))
-            for cid in wave:
-                if not store.frozen(cid):
-                    store.chunk(ChunkList.PARAM, cid).payload.copy_(store.chunk(ChunkList.MASTER, cid).payload)
+            _cast_params(store, wave)
             # nothing may keep viewing this wave's staging buffers once they go back to the pool:
             # a view would keep a buffer alive after the pool dropped it (host memory past the budget)
             for s in placed:
