@@ -14,8 +14,10 @@ import torch.distributed as dist
 import chunkstar
 from tests.core._models import CASES, engine_config, eviction_budget, gpt2_batch
 from tests.core.test_param_access import _encoder_loss, _seq_batch, build_encoder
+from tests.distributed._loop import train_slices
 
 STEPS = 3
+COMPILED_STEPS = 4
 
 
 def habits(rank: int, world: int, port: int, out: str) -> None:
@@ -72,6 +74,20 @@ def habits(rank: int, world: int, port: int, out: str) -> None:
         )
         if rank == 0:
             torch.save(sd, Path(out) / "module_sd.pt")
+
+        # 3. GPT-2 with its blocks compiled (block.compile(), Note [compiled units]) on two ranks
+        def compiled() -> torch.nn.Module:
+            model = case.build()
+            for block in model.transformer.h:
+                block.compile(backend="aot_eager")
+            return model
+
+        # a block's moment holds all its chunks' gathered groups (two ranks' chunks each): more room
+        budget = eviction_budget(case.build(), torch.float32, 0.9)
+        engine, optimizer = chunkstar.initialize_engine(compiled, rank, engine_config("fp32", budget=budget))
+        result["compiled_losses"] = train_slices(engine, optimizer, gpt2_batch, range(COMPILED_STEPS))
+        result["compiled_calls"] = engine.stats()["compiled_calls"]
+        result["compiled_moves"] = engine.stats()["chunk_moves_to_host"]
     except Exception as e:  # noqa: BLE001 - the test reads the message
         result["error"] = f"{type(e).__name__}: {e}"
     Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.core._models import ModelCase, assert_losses_close, train_reference
+from tests.core._models import CASES, ModelCase, assert_losses_close, train_reference
 from tests.core.test_param_access import _encoder_loss, _seq_batch, build_encoder
 
-from ._habits_worker import STEPS, habits
+from ._habits_worker import COMPILED_STEPS, STEPS, habits
 from ._spawn import run_ranks
 
 
@@ -48,3 +48,11 @@ def test_reads_of_another_ranks_parameter_name_gathered_parameters(results: tupl
 def test_gathered_parameters_gathers_and_writes_back_on_every_rank(results: tuple[list[dict[str, Any]], Path]) -> None:
     for r in results[0]:
         assert r["gathered_equal"] and r["written_back"], r
+
+
+def test_compiled_blocks_on_two_ranks_match_one_process(results: tuple[list[dict[str, Any]], Path]) -> None:
+    want = train_reference(CASES["gpt2"], COMPILED_STEPS)
+    for r in results[0]:
+        assert_losses_close(r["compiled_losses"], want, 1e-5, f"compiled GPT-2, rank {r['rank']}")
+        assert r["compiled_calls"] == 4 * (COMPILED_STEPS - 2), r  # four blocks, compiled after the warm-up
+        assert r["compiled_moves"] > 0, r

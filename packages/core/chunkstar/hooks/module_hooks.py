@@ -15,7 +15,10 @@ The target is the runtime's internal :class:`chunkstar.runtime.hook_targets.Hook
 (``on_grad`` is the bound method of :class:`chunkstar.runtime.gradients.Gradients`).
 
 Hooks go only on modules that own parameters directly, so nesting works and
-each parameter is accessed by the module that registered it. A module is
+each parameter is accessed by the module that registered it. A compiled module
+(``block.compile()``, ``torch.compile(block)``) is the exception: it is hooked
+as one unit, around its compiled call (Note [compiled units] in
+:mod:`chunkstar.hooks.compiled`). A module is
 named to the runtime by its position in ``modules`` (``module_key``); the
 runtime keeps the set of parameters each module touches, which starts as
 the module's own and grows when a module is seen reading another module's
@@ -38,6 +41,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from chunkstar.hooks.compiled import CompiledUnit, UnitHandle, compiled_modules
+
 __all__ = ["AfterBackward", "EngineHook", "HookTarget", "HookedModule", "install_hooks", "output_tensors", "substitute"]
 
 
@@ -55,6 +60,7 @@ class HookTarget(Protocol):
     def on_pre_forward(self, module_key: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None: ...
     def on_post_forward(self, module_key: int, output: Any) -> None: ...
     def on_grad(self, index: int, param: torch.Tensor) -> None: ...
+    def run_compiled(self) -> bool: ...
 
 
 def output_tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -123,14 +129,29 @@ class AfterBackward(torch.autograd.Function):
 
 def install_hooks(
     model: nn.Module, index_of: Mapping[int, int], target: HookTarget
-) -> tuple[list[HookedModule], list[RemovableHandle]]:
-    """Hook every module owning parameters and every parameter needing grad.
+) -> tuple[list[HookedModule], list[RemovableHandle | UnitHandle], list[CompiledUnit]]:
+    """Hook every module owning parameters and every parameter needing grad; a
+    compiled module is hooked as one unit (Note [compiled units]).
 
     ``index_of`` maps ``id(param)`` to the parameter's slot index.
     """
-    handles: list[RemovableHandle] = []
+    handles: list[RemovableHandle | UnitHandle] = []
     modules: list[HookedModule] = []
+    units: list[CompiledUnit] = []
+    compiled = dict(compiled_modules(model))
+    inside = tuple(f"{name}." if name else "" for name in compiled)
     for name, mod in model.named_modules():
+        if name in compiled:
+            own = tuple(sorted({index_of[id(p)] for p in mod.parameters()}))
+            if own:
+                key = len(modules)
+                modules.append(HookedModule(key, name or type(mod).__name__, own))
+                unit, handle = CompiledUnit.install(key, mod, target)
+                units.append(unit)
+                handles.append(handle)
+            continue
+        if any(name.startswith(p) for p in inside):
+            continue  # inside a unit: its parameters are the unit's
         own = tuple(sorted({index_of[id(p)] for p in mod.parameters(recurse=False)}))
         if not own:
             continue
@@ -156,4 +177,4 @@ def install_hooks(
         seen.add(id(p))
         idx = index_of[id(p)]
         handles.append(p.register_post_accumulate_grad_hook(lambda param, idx=idx: target.on_grad(idx, param)))
-    return modules, handles
+    return modules, handles, units

@@ -45,6 +45,13 @@ def _shares_input_storage(key: int, args: Any, kwargs: Any) -> bool:
 class LiveTensorTracker(TorchDispatchMode):
     """Counts live bytes of storages allocated by ops run under the mode."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Dynamo would otherwise refuse to compile under the mode and mark the frame to skip
+        # for good: a compiled function the user calls during the warm-up would stay eager
+        # (compiled modules run eager while measured: Note [compiled units])
+        return True
+
     def __init__(self) -> None:
         super().__init__()
         self.live_bytes = 0

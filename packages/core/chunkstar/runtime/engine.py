@@ -50,7 +50,7 @@ from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.distributed.startup import agree_on_startup
 from chunkstar.errors import ChunkStateError, ConfigError
 from chunkstar.events import EventBus, Stage
-from chunkstar.hooks.module_hooks import EngineHook, install_hooks
+from chunkstar.hooks.module_hooks import EngineHook, HookedModule, install_hooks
 from chunkstar.hooks.param_guard import guarded_class
 from chunkstar.memory.budget import device_capacity
 from chunkstar.memory.host_heap import HostHeap
@@ -100,6 +100,25 @@ def _check_inputs(model: nn.Module, cfg: EngineConfig, n_elements: int) -> None:
             f"{cfg.device_memory_budget} on {cfg.device}, less device_memory_slack {cfg.device_memory_slack}). "
             "Lower default_chunk_size, use \"auto\", or raise device_memory_budget",
         )
+
+
+def _check_units_fit(modules: list[HookedModule], unit_keys: list[int], mgr: ChunkManager) -> None:
+    """Refuse a compiled module whose chunks the device cannot hold at once: it is one
+    moment (Note [compiled units]), so all of them must be resident while it runs."""
+    for key in unit_keys:
+        mod = modules[key]
+        chunk_ids = sorted({mgr.slots[i].chunk_id for i in mod.own})
+        need = sum(mgr.chunk(ChunkList.PARAM, c).nbytes for c in chunk_ids)
+        if need > mgr.capacity:
+            whole = len(mod.own) == len(mgr.slots)  # the model itself is compiled
+            raise ConfigError(
+                "device_memory_budget",
+                f"the compiled module '{mod.label}' runs as one unit, so its {len(chunk_ids)} param chunks "
+                f"({need} bytes) must be on the device at once, and the device holds {mgr.capacity} bytes. "
+                + ("Compile the model's blocks instead of the whole model (for block in model.transformer.h: "
+                   "block.compile()), " if whole else "Compile smaller modules, ")
+                + "lower default_chunk_size, or raise device_memory_budget",
+            )
 
 
 class ChunkEngine:
@@ -207,8 +226,9 @@ class ChunkEngine:
             self.mgr, cursor, self.comm, self.events, self._iteration, self._gradients, self.reducer, self._params
         )
         self.access.connect(self._targets, self._iteration)
-        modules, self._handles = install_hooks(model, self._index, self._targets)
+        modules, self._handles, self._units = install_hooks(model, self._index, self._targets)
         self._targets.set_modules(modules)
+        _check_units_fit(modules, [u.key for u in self._units], self.mgr)
         guarded: dict[type, type] = {}  # one guarded class per parameter class (Note [parameter guard])
         for p in self._params:
             if type(p) not in guarded:
@@ -537,6 +557,8 @@ class ChunkEngine:
             "all_gathers": mgr.gathers,
             "all_gathers_ahead": mgr.gathers_ahead,
             "bytes_gathered": mgr.bytes_gathered,
+            "compiled_units": len(self._units),
+            "compiled_calls": sum(u.compiled_calls for u in self._units),
             "n_params": sum(s.numel for s in mgr.slots),
             "n_frozen_params": sum(p.numel() for p in self._frozen_params),
             "n_chunks": mgr.layout.n_chunks,

@@ -30,6 +30,7 @@ from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.events import EventBus, MomentBegin, MomentEnd, MoveReason, Stage
 from chunkstar.hooks.module_hooks import AfterBackward, HookedModule, output_tensors, substitute
 from chunkstar.memory.host_heap import release_at_moment
+from chunkstar.memory.tracer import TracePhase
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.cursor import Cursor
 from chunkstar.runtime.gradients import Gradients
@@ -38,6 +39,8 @@ from chunkstar.runtime.iteration import Iteration
 __all__ = ["HookTargets"]
 
 _PARAM = ChunkList.PARAM  # read per moment
+# the phases in which the engine does not measure (the warm-up and an unscheduled run do)
+_COMPILED_PHASES = frozenset({TracePhase.FROZEN, TracePhase.DIVERGED})
 
 
 class HookTargets:
@@ -148,6 +151,11 @@ class HookTargets:
                 )
         if self.iteration.implicit and not self._stack:
             self.iteration.end_implicit()
+
+    def run_compiled(self) -> bool:
+        """Whether a compiled unit may run its compiled forward now: not while the engine
+        measures the run (Note [compiled units] in :mod:`chunkstar.hooks.compiled`)."""
+        return self.schedule.phase in _COMPILED_PHASES
 
     # ------------------------------------------------------------------ guarded parameter reads
     def running_module(self) -> int | None:
