@@ -193,3 +193,28 @@ def test_files_a_dead_run_left_are_refused_then_wiped(tmp_path: Path) -> None:
     opt.step()
     engine.close()
     assert (d / "notes.txt").read_text() == "not chunkstar's"  # never deletes what it did not write
+
+
+def test_auto_chunk_size_fits_two_chunks_state_in_the_staging_budget(tmp_path: Path) -> None:
+    """"auto" with the disk tier caps the chunk size so that two chunks' master and moments
+    fit the staging budget; and glibc stops keeping large freed blocks (Note [host heap])."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*(nn.Linear(64, 64) for _ in range(64)))
+
+    free, _ = chunkstar.initialize_engine(build, 0, engine_config("bf16", budget="64MB", chunk_size="auto"))
+    assert free.stats()["heap_retention_bounded"] is False
+    staging = 2 * 12 * (free.chunk_size // 3)  # two chunks' state at a third of the free choice
+    engine, opt = chunkstar.initialize_engine(
+        build, 0,
+        engine_config("bf16", budget="64MB", chunk_size="auto", disk={"path": str(tmp_path / "d"), "staging_budget": staging}),
+    )  # fmt: skip
+    assert engine.chunk_size <= staging // 24 < free.chunk_size
+    assert engine.stats()["disk_staging_budget_bytes"] == staging
+    if sys.platform.startswith("linux"):
+        assert engine.stats()["heap_retention_bounded"] is True
+    x = torch.randn(4, 64)
+    engine.backward(engine(x.bfloat16()).float().square().mean())
+    opt.step()  # and it trains: each update stages within the budget
+    engine.close()

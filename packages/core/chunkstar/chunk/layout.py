@@ -154,8 +154,10 @@ def search_chunk_size(
     align: int = 64,
     candidates: int = 256,
     frozen: Sequence[bool] | None = None,
+    max_size: int | None = None,
 ) -> int:
-    """The chunk size (elements) that wastes least, between total/256 and total/16.
+    """The chunk size (elements) that wastes least, between total/256 and total/16
+    (and at most ``max_size``: the disk tier stages whole chunks through a bounded buffer).
 
     The bounds keep 16-256 chunks (plus the chunks of parameters bigger than
     the size), so a budget can be met at a useful granularity and a module's
@@ -171,6 +173,9 @@ def search_chunk_size(
         return align
     lo = max(align, total // 256 // align * align)
     hi = max(lo, math.ceil(total / 16 / align) * align)
+    if max_size is not None:
+        hi = min(hi, max(align, max_size // align * align))
+        lo = min(lo, hi)
     best_size, best_waste = lo, None
     for i in range(candidates + 1):
         size = max(align, (lo + (hi - lo) * i // candidates) // align * align)

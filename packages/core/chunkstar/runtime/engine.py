@@ -53,7 +53,7 @@ from chunkstar.events import EventBus, Stage
 from chunkstar.hooks.module_hooks import EngineHook, HookedModule, install_hooks
 from chunkstar.hooks.param_guard import guarded_class
 from chunkstar.memory.budget import device_capacity
-from chunkstar.memory.host_heap import HostHeap
+from chunkstar.memory.host_heap import HostHeap, bound_heap_retention
 from chunkstar.memory.probes import MemoryProbe, cuda_usable_bytes, make_probe
 from chunkstar.optim.loss_scaler import LossScaler
 from chunkstar.runtime.chunk_manager import ChunkManager
@@ -100,6 +100,23 @@ def _check_inputs(model: nn.Module, cfg: EngineConfig, n_elements: int) -> None:
             f"{cfg.device_memory_budget} on {cfg.device}, less device_memory_slack {cfg.device_memory_slack}). "
             "Lower default_chunk_size, use \"auto\", or raise device_memory_budget",
         )
+
+
+DISK_AUTO_CHUNK_CAP = 16 * 2**20
+"""Elements per chunk at most when "auto" picks the size and the disk tier is on without a
+staging budget: 192 MB of fp32 master and Adam state per chunk, large sequential I/O, and a
+default staging pool (two chunks' state) of 384 MB rather than gigabytes."""
+
+
+def _disk_chunk_cap(cfg: EngineConfig) -> int | None:
+    """The largest chunk "auto" may pick with the disk tier: two chunks' state must fit the
+    staging budget (one is updated while the next is read ahead)."""
+    if cfg.disk is None:
+        return None
+    if cfg.disk.staging_budget is None:
+        return DISK_AUTO_CHUNK_CAP
+    per_element = 4 * len(cfg.disk.lists)  # fp32 master and moments
+    return max(64, cfg.disk.staging_budget // (2 * per_element))
 
 
 def _check_units_fit(modules: list[HookedModule], unit_keys: list[int], mgr: ChunkManager) -> None:
@@ -153,7 +170,9 @@ class ChunkEngine:
         # frozen parameters get chunks of their own with no optimizer state (Note [frozen chunks])
         frozen = [not p.requires_grad for p in self._params]
         self._frozen_params = [p for p, f in zip(self._params, frozen) if f]
-        chunk_size = cfg.chunk_size or search_chunk_size(numels, world_size=world, frozen=frozen)
+        chunk_size = cfg.chunk_size or search_chunk_size(
+            numels, world_size=world, frozen=frozen, max_size=_disk_chunk_cap(cfg)
+        )
         _check_inputs(model, cfg, sum(numels))
         layout = build_layout(
             [n for n, _ in named], [tuple(p.shape) for p in self._params], chunk_size, world_size=world, frozen=frozen
@@ -177,7 +196,10 @@ class ChunkEngine:
                 self.events, self.comm, make_copy_engine(cfg.device, cfg.overlap, cfg.device_link_bandwidth), cursor,
                 cfg.device_memory_slack,
             )  # fmt: skip
+            self.heap_retention_bounded = False
             if cfg.disk is not None:  # Note [disk tier]: the state lists' chunks live in files
+                # host memory is what the run is sized against: glibc keeps no large freed blocks
+                self.heap_retention_bounded = bound_heap_retention()  # (Note [host heap])
                 names = [ChunkList(n) for n in cfg.disk.lists]
                 self.mgr.attach_disk(DiskTier(
                     cfg.disk, self.mgr.disk_chunks(names), run_tag=self.run_id, rank=self.comm.rank,
@@ -557,6 +579,7 @@ class ChunkEngine:
             "all_gathers": mgr.gathers,
             "all_gathers_ahead": mgr.gathers_ahead,
             "bytes_gathered": mgr.bytes_gathered,
+            "heap_retention_bounded": self.heap_retention_bounded,
             "compiled_units": len(self._units),
             "compiled_calls": sum(u.compiled_calls for u in self._units),
             "n_params": sum(s.numel for s in mgr.slots),
