@@ -70,6 +70,7 @@ for _pkg in ("core", "bench"):
         sys.path.insert(0, str(_REPO / "packages" / _pkg))
 
 from chunkstar_bench import flops  # noqa: E402  (torch-free; after the path set-up above)
+from chunkstar_bench.systems.chunkstar import chunkstar_budget_bytes  # noqa: E402  (torch-free too)
 from chunkstar_bench.watch import watch  # noqa: E402
 from chunkstar_bench.zoo import ModelSpec, get, n_params  # noqa: E402
 
@@ -336,7 +337,6 @@ def _throughput(plan: Plan) -> dict[str, Any]:
     import torch
 
     import chunkstar
-    from chunkstar_bench.child import chunkstar_budget_bytes
 
     device = torch.device(plan.device)
     spec = plan.model
@@ -513,8 +513,6 @@ def _plans(args: argparse.Namespace) -> list[Plan]:
 def _pressure_budget(plan: Plan, resident: dict[str, Any] | None, room: float) -> tuple[int, str]:
     """Room for ``room`` x the bf16 param bytes beside the non-model peak the resident run
     measured (the bench's activation estimate when it has none), over (1 - slack)."""
-    from chunkstar_bench.child import chunkstar_budget_bytes
-
     slack = _SLACK[plan.device]
     param_bytes = 2 * n_params(plan.model)
     measured = (resident or {}).get("non_model_peak_bytes")

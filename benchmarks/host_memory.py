@@ -1,11 +1,12 @@
 """Host memory (RSS) of plain PyTorch and chunkstar, phase by phase, side by side.
 
 What it measures
-    The training step of ``benchmarks/step_time.py`` (same GPT-2 of about 50M
-    parameters, same seed, batches and AdamW settings; chunkstar on the CPU
-    virtual device with a budget far above the model data, so nothing is
-    evicted), cut into phases: imports, model build, set-up (engine or
-    optimizer), then each step's forward, backward and optimizer step
+    The training step of ``chunkstar-bench step-time`` (its zoo model
+    ``gpt2-51m``, the same seed, batches and AdamW settings from
+    :mod:`chunkstar_bench.harness`; chunkstar on the CPU virtual device with a
+    budget far above the model data, so nothing is evicted), cut into phases:
+    imports, model build, set-up (engine or optimizer), then each step's
+    forward, backward and optimizer step
     (``optimizer.step()`` and ``zero_grad``; PyTorch's includes its clipping).
     For every phase it records the RSS at its end and the *peak* RSS within it:
     the kernel's high-water mark (``VmHWM``) is reset at the start of each phase
@@ -16,8 +17,8 @@ What it measures
     (``mallinfo2().fordblks``): memory freed by torch but not returned to the
     system.
 
-    Every system runs in its own child process, like ``step_time.py``. Python's
-    tracemalloc cannot see torch's allocations, hence RSS.
+    Every system runs in its own child process, like ``chunkstar-bench
+    step-time``. Python's tracemalloc cannot see torch's allocations, hence RSS.
 
     With ``--live`` each child runs one more step (left out of the RSS table)
     under :class:`chunkstar.memory.probes.LiveTensorTracker` and reports the
@@ -29,9 +30,9 @@ What it measures
 How to read it
     ``peak`` columns compare what each system needs at the worst moment of a
     phase, ``end`` what it keeps. The last row is the peak RSS of the whole run,
-    the figure ``step_time.py`` prints. chunkstar's first two steps are its
-    warm-up (the memory tracer's dispatch mode runs); the later ones are the
-    steady state.
+    the figure ``chunkstar-bench step-time`` prints. chunkstar's first two
+    steps are its warm-up (the memory tracer's dispatch mode runs); the later
+    ones are the steady state.
 
     python benchmarks/host_memory.py                 # pytorch and chunkstar, 4 steps
     python benchmarks/host_memory.py --steps 6 --live --json runs/host_memory.json
@@ -52,9 +53,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from step_time_systems import RunSpec, adamw_params, batches, build_model, chunkstar_config, import_chunkstar
+from chunkstar_bench.harness import ADAMW, Context
+from chunkstar_bench.runner import RunSpec
+from chunkstar_bench.systems.chunkstar import chunkstar_budget_bytes, engine_config
 
 SYSTEMS = ("pytorch", "chunkstar")
+MODEL = "gpt2-51m"
+"""The zoo model: the one ``chunkstar-bench step-time`` times by default."""
 _RESULT_PREFIX = "HOST_MEMORY_RESULT "
 _MIB = 2**20
 
@@ -130,18 +135,20 @@ def _state_bytes(tensors: list[Any]) -> int:
     return sum(seen.values())
 
 
-def _child(system: str, spec: RunSpec, live: bool) -> dict[str, Any]:
+def _child(spec: RunSpec, live: bool) -> dict[str, Any]:
+    system = spec.system
+    ctx = Context(spec)
     meter = PhaseMeter()
     with meter.phase("imports"):
         import torch
         import transformers  # noqa: F401  (imported here so its RSS lands in this phase)
 
         if system == "chunkstar":
-            chunkstar = import_chunkstar()
+            import chunkstar
         if spec.threads is not None:
             torch.set_num_threads(spec.threads)
     with meter.phase("build model"):
-        model = build_model(spec)
+        model = ctx.build()
     fwd: Callable[[Any], Any]
     bwd: Callable[[Any], None]
     opt: Callable[[], None]
@@ -149,7 +156,7 @@ def _child(system: str, spec: RunSpec, live: bool) -> dict[str, Any]:
         if system == "pytorch":
             model.train()
             params = list(model.parameters())
-            optimizer = torch.optim.AdamW(params, **adamw_params(spec), fused=True)
+            optimizer = torch.optim.AdamW(params, **ADAMW, fused=True)
 
             def fwd(ids: Any) -> Any:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -168,8 +175,9 @@ def _child(system: str, spec: RunSpec, live: bool) -> dict[str, Any]:
                 return _state_bytes(params + [p.grad for p in params if p.grad is not None] + states)
 
         else:
+            budget = chunkstar_budget_bytes(ctx.model, spec.batch, ctx.seq, spec.chunkstar_budget)
             engine, optimizer = chunkstar.initialize_engine(
-                model_func=lambda: model, local_rank=0, config=chunkstar_config(spec, spec.free_budget_bytes)
+                model_func=lambda: model, local_rank=0, config=engine_config(ctx, budget)
             )
 
             def fwd(ids: Any) -> Any:
@@ -186,7 +194,7 @@ def _child(system: str, spec: RunSpec, live: bool) -> dict[str, Any]:
                 return int(engine.stats()["model_data_bytes"])  # every chunk payload, on either tier
 
     losses: list[float] = []
-    ids_list = list(batches(spec))
+    ids_list = list(ctx.batches())
     for i, ids in enumerate(ids_list, start=1):
         with meter.phase(f"step {i} forward"):
             loss = fwd(ids)
@@ -224,8 +232,8 @@ def _child(system: str, spec: RunSpec, live: bool) -> dict[str, Any]:
 # --------------------------------------------------------------------------- orchestration (parent side)
 
 
-def _run_child(system: str, spec: RunSpec, live: bool) -> dict[str, Any]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", system, "--spec", spec.to_json()]
+def _run_child(spec: RunSpec, live: bool) -> dict[str, Any]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--spec", spec.to_json()]
     if live:
         command.append("--live")
     proc = subprocess.run(command, capture_output=True, text=True)
@@ -233,7 +241,7 @@ def _run_child(system: str, spec: RunSpec, live: bool) -> dict[str, Any]:
         if line.startswith(_RESULT_PREFIX):
             return json.loads(line[len(_RESULT_PREFIX) :])
     sys.stderr.write(proc.stderr[-4000:])
-    return {"system": system, "error": f"child exited with status {proc.returncode}, no result"}
+    return {"system": spec.system, "error": f"child exited with status {proc.returncode}, no result"}
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
@@ -304,29 +312,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--free-budget-gib", type=float, default=16.0, help="chunkstar's device budget")
     parser.add_argument("--live", action="store_true", help="one more step measuring live tensor bytes (see the docstring)")
     parser.add_argument("--json", type=Path, metavar="OUT", help="also write the results here as JSON")
-    parser.add_argument("--child", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child is not None:
-        result = _child(args.child, RunSpec.from_json(args.spec), args.live)
+    if args.child:
+        result = _child(RunSpec.from_json(args.spec), args.live)
         print(_RESULT_PREFIX + json.dumps(result), flush=True)
         return 0
     systems = [s for s in SYSTEMS if s in {x.strip() for x in args.systems.split(",")}]
     if not systems:
         parser.error(f"--systems: choose from {','.join(SYSTEMS)}")
-    spec = RunSpec(
-        system="*", steps=args.steps, warmup=0, batch=args.batch, seq=args.seq, seed=args.seed, n_embd=512, n_layer=8,
-        n_head=8, vocab_size=50257, n_positions=1024, lr=1e-4, free_budget_bytes=int(args.free_budget_gib * 2**30),
-        pressure_fraction=0.6, threads=args.threads,
-    )  # fmt: skip
+    specs = {
+        system: RunSpec(
+            system=system, model=MODEL, batch=args.batch, seq_len=args.seq, steps=args.steps, warmup=0,
+            seed=args.seed, threads=args.threads,
+            chunkstar_budget=int(args.free_budget_gib * 2**30) if system == "chunkstar" else None,
+        )
+        for system in systems
+    }  # fmt: skip
     results: dict[str, dict[str, Any]] = {}
-    for system in systems:
+    for system, spec in specs.items():
         print(f"running {system} ...", file=sys.stderr, flush=True)
-        results[system] = _run_child(system, dataclasses.replace(spec, system=system), args.live)
+        results[system] = _run_child(spec, args.live)
     print(_report(results))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"benchmark": "host_memory", "spec": dataclasses.asdict(spec), "results": results}, indent=2) + "\n")
+        specs_json = {s: dataclasses.asdict(spec) for s, spec in specs.items()}
+        record = {"benchmark": "host_memory", "specs": specs_json, "results": results}
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 

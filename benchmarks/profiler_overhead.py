@@ -1,7 +1,7 @@
 """Cost of recording with chunkstar_profiler, measured side by side in one process.
 
 One chunkstar engine trains the benchmark model (the ~50M-parameter GPT-2 of
-``step_time.py``, bf16, a device budget that forces chunk moves) and
+``chunkstar-bench step-time``, bf16, a device budget that forces chunk moves) and
 alternates blocks of steps with and without a ``Profiler`` attached, so both
 see the same machine state. Prints the median step time of each and their
 ratio; the target is at most 1.05x.

@@ -10,7 +10,7 @@ def record(
     hardware: str = "cpu", step: float = 0.5, cap: int | None = None, peak_host: int = 2**30,
 ) -> RunRecord:
     spec = RunSpec(
-        system=system, model=model, batch=2, steps=2, warmup=1, nprocs=nprocs,  # type: ignore[arg-type]
+        system=system, model=model, batch=2, steps=2, warmup=1, nprocs=nprocs,
         device="cpu" if hardware == "cpu" else "cuda", hardware=hardware, host_mem_cap_bytes=cap,
     )
     from chunkstar_bench.zoo import get, n_params

@@ -9,23 +9,23 @@ from typing import Any
 
 import pytest
 
-from chunkstar_bench.child import (
-    _ADAMW,
-    _NVME_SUB_GROUP_ELEMENTS,
-    _require_async_io,
-    deepspeed_zero3_offload_config,
-    largest_param_numel,
-)
 from chunkstar_bench.cli import main
+from chunkstar_bench.harness import ADAMW
 from chunkstar_bench.report import maxscale_table
 from chunkstar_bench.results import ResultsDB
 from chunkstar_bench.runner import RunRecord, RunSpec, run
+from chunkstar_bench.systems.deepspeed import (
+    _NVME_SUB_GROUP_ELEMENTS,
+    largest_param_numel,
+    require_async_io,
+    zero3_offload_config,
+)
 from chunkstar_bench.zoo import build_hf, get, n_params
 from tests.bench._records import record
 
 
 def _config(**kw: Any) -> dict[str, Any]:
-    return deepspeed_zero3_offload_config(batch=2, adamw=_ADAMW, pin_memory=False, ds_cpu_adam=True, **kw)
+    return zero3_offload_config(batch=2, adamw=ADAMW, pin_memory=False, ds_cpu_adam=True, **kw)
 
 
 def test_cpu_offload_config_has_no_disk_keys() -> None:
@@ -73,10 +73,10 @@ class _Builder:
 
 def test_missing_libaio_fails_fast_with_the_reason() -> None:
     with pytest.raises(RuntimeError, match="libaio's headers and library were not found .*apt-get install libaio-dev"):
-        _require_async_io(_Builder(compatible=False))
+        require_async_io(_Builder(compatible=False))
     with pytest.raises(RuntimeError, match="failed to build or load: OSError: libaio.so.1: cannot open"):
-        _require_async_io(_Builder(compatible=True, error=OSError("libaio.so.1: cannot open\nmore")))
-    assert _require_async_io(_Builder(compatible=True)) == os.__file__
+        require_async_io(_Builder(compatible=True, error=OSError("libaio.so.1: cannot open\nmore")))
+    assert require_async_io(_Builder(compatible=True)) == os.__file__
 
 
 def test_disk_options_belong_to_the_disk_system() -> None:

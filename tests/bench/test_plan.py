@@ -32,8 +32,9 @@ def test_layout_holds_every_parameter_once(name: str) -> None:
 def test_bytes_per_param() -> None:
     assert plan.model_data_bytes_per_param("chunkstar") == 14.0
     assert plan.model_data_bytes_per_param("deepspeed") == 18.0
-    assert plan.model_data_bytes_per_param("fsdp2-offload") == 16.0
-    assert plan.model_data_bytes_per_param("pytorch-ddp", 8) == 16.0 * 8
+    assert plan.model_data_bytes_per_param("fsdp2") == 16.0
+    assert plan.model_data_bytes_per_param("pytorch", 8) == 16.0 * 8
+    assert plan.model_data_bytes_per_param("pytorch-ddp", 8) == 16.0 * 8  # the planner's old name, read as an alias
     assert plan.model_data_bytes_per_param("pytorch-fsdp", 8) == 16.0
 
 
@@ -70,7 +71,7 @@ def test_other_systems_bytes() -> None:
     ds = plan.footprint("deepspeed", spec, hw)
     assert ds.host_need == 18 * p  # nothing of it on the GPUs
     assert ds.device_need > act
-    ddp = plan.footprint("pytorch-ddp", spec, hw)
+    ddp = plan.footprint("pytorch", spec, hw)
     assert ddp.device_need == act + 16 * p and ddp.host_need == 0
     fsdp = plan.footprint("pytorch-fsdp", spec, hw)
     assert act + 16 * p / 8 < fsdp.device_need < ddp.device_need and fsdp.host_need == 0
@@ -106,17 +107,13 @@ def test_more_memory_never_predicts_a_smaller_model(system: str) -> None:
 def test_chunkstar_fits_more_than_deepspeed_on_the_papers_nodes() -> None:
     for hw in (HARDWARE["v100x8_240gb"], HARDWARE["a100x8_1tb"]):
         assert _max_params("chunkstar", hw) >= _max_params("deepspeed", hw)
-        assert _max_params("pytorch-fsdp", hw) >= _max_params("pytorch-ddp", hw)
+        assert _max_params("pytorch-fsdp", hw) >= _max_params("pytorch", hw)
 
 
-def test_published_maxima() -> None:
-    v100 = plan.published_max("v100x8_240gb", 8)
-    assert v100["patrickstar"]["label"] == "18B" and v100["patrickstar"]["nominal_params"] == 18e9
-    assert plan.published_max("v100x8_240gb", 1)["patrickstar"]["label"] == "12B"
-    a100 = plan.published_max("a100x8_1tb", 8)
-    assert a100["patrickstar"]["label"] == "68B" and a100["deepspeed"]["label"] == "30B"
-    assert plan.published_max("a100x8_1tb")["patrickstar"]["gpus"] == 8
-    assert plan.published_max("nowhere") == {}
+def test_planned_systems_are_the_canonical_names() -> None:
+    assert set(SYSTEMS) == {"chunkstar", "chunkstar-disk", "deepspeed", "fsdp2", "pytorch", "pytorch-fsdp"}
+    with pytest.raises(ValueError, match="unknown system 'deepspeed-nvme'"):
+        plan.footprint("deepspeed-nvme", zoo.get("GPT2_1B"), HARDWARE["v100x8_240gb"])
 
 
 def test_predictions_beside_published_on_the_papers_nodes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -126,7 +123,8 @@ def test_predictions_beside_published_on_the_papers_nodes(capsys: pytest.Capture
         assert out.startswith("PREDICTION")
         assert f"{published / 1e9:.0f}B (patrickstar, published)" in out
         row = next(r for r in plan.plan(HARDWARE[name], [Workload()]) if r.system == "chunkstar")
-        assert row.published is not None and row.published["nominal_params"] == published
+        assert row.published is not None and row.published.nominal_params == published
+        assert row.published.system == "patrickstar"  # the published system standing beside chunkstar
         assert row.prediction.best is not None
         predicted = row.prediction.best.n_params
         # same order of magnitude as the paper's maximum on the same node
@@ -148,15 +146,16 @@ def test_cli_custom_node_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_tiny_node_fits_nothing() -> None:
     hw = Hardware("tiny", 1, 2 * GIB, 16 * GIB)
-    pred = plan.predict_max("pytorch-ddp", hw)
+    pred = plan.predict_max("pytorch", hw)
     assert pred.best is None and pred.binding == "device"
-    rows = plan.plan(hw, [Workload()], ["pytorch-ddp"])
+    rows = plan.plan(hw, [Workload()], ["pytorch-ddp"])  # an old name: planned under the canonical one
+    assert [r.system for r in rows] == ["pytorch"]
     assert "(none fits)" in plan.format_plan(hw, rows, Workload())
 
 
 def test_fsdp2_offload_keeps_16_bytes_on_the_host() -> None:
     spec = zoo.get("GPT3_6B")
-    fp = plan.footprint("fsdp2-offload", spec, HARDWARE["a100x8_1tb"])
+    fp = plan.footprint("fsdp2", spec, HARDWARE["a100x8_1tb"])
     assert fp.host_need == 16 * zoo.n_params(spec)
     assert fp.device_need > plan.activation_bytes(spec, Workload().batch)
 
@@ -164,7 +163,7 @@ def test_fsdp2_offload_keeps_16_bytes_on_the_host() -> None:
 def _append(db: object, system: str, model: str, status: str, hardware: str = "v100x8_240gb", nprocs: int = 8) -> None:
     from chunkstar_bench.runner import RunRecord, RunSpec
 
-    spec = RunSpec(system=system, model=model, batch=4, steps=2, warmup=1, nprocs=nprocs, hardware=hardware)  # type: ignore[arg-type]
+    spec = RunSpec(system=system, model=model, batch=4, steps=2, warmup=1, nprocs=nprocs, hardware=hardware)
     ok = status == "ok"
     record = RunRecord(
         spec=spec, status=status, message="" if ok else "CUDA out of memory", n_params=zoo.n_params(zoo.get(model)),  # type: ignore[arg-type]
@@ -185,12 +184,17 @@ def test_measured_maxima_from_a_results_db(tmp_path, capsys: pytest.CaptureFixtu
     _append(db, "chunkstar", "GPT3_8B", "ok", hardware="a100x8_1tb")  # another node
     _append(db, "chunkstar", "GPT3_10B", "ok", nprocs=4)  # another GPU count
     got = plan.measured_max(str(db.path), "v100x8_240gb", 8)
-    assert {k: v["model"] for k, v in got.items()} == {"chunkstar": "GPT2_4B", "deepspeed": "GPT2_2B", "pytorch-ddp": "GPT2_1B"}
-    assert plan.measured_max(str(db.path), "v100x8_240gb", 4)["chunkstar"]["model"] == "GPT3_10B"
+    assert {k: v.model for k, v in got.items()} == {"chunkstar": "GPT2_4B", "deepspeed": "GPT2_2B", "pytorch": "GPT2_1B"}
+    assert plan.measured_max(str(db.path), "v100x8_240gb", 4)["chunkstar"].model == "GPT3_10B"
     assert plan.main(["plan", "--hardware", "v100x8_240gb", "--checkpointing", "on", "--db", str(db.path)]) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("chunkstar "))
     assert "GPT2_4B (4.20B)" in line and "18B (patrickstar, published)" in line
+    line = next(ln for ln in out.splitlines() if ln.startswith("pytorch "))
+    assert "GPT2_1B (1.11B)" in line and "1B (pytorch, published)" in line  # measured beside published, one name
+    with pytest.raises(SystemExit, match="no such file"):  # a plan opens the DB read-only: never creates it
+        plan.main(["plan", "--db", str(tmp_path / "missing.sqlite")])
+    assert not (tmp_path / "missing.sqlite").exists()
 
 
 # ---------------------------------------------------------------------------------------------- the disk tier
@@ -288,7 +292,7 @@ def test_measured_chunkstar_disk_from_a_results_db(tmp_path, capsys: pytest.Capt
     db = ResultsDB(tmp_path / "runs.sqlite")
     _append(db, "chunkstar-disk", "GPT3_6B", "ok")
     _append(db, "chunkstar", "GPT2_1B", "ok")
-    assert plan.measured_max(str(db.path), "v100x8_240gb", 8)["chunkstar-disk"]["model"] == "GPT3_6B"
+    assert plan.measured_max(str(db.path), "v100x8_240gb", 8)["chunkstar-disk"].model == "GPT3_6B"
     assert plan.main(["plan", "--checkpointing", "on", "--disk", "2TB", "--db", str(db.path)]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("chunkstar-disk "))
     assert "GPT3_6B (" in line

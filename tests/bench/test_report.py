@@ -65,5 +65,6 @@ def test_parse_size() -> None:
     assert parse_size("8GiB") == 8 * 2**30
     assert parse_size("1.5 GB") == 1_500_000_000
     assert parse_size("4096") == 4096
+    assert parse_size("2G") == 2 * 10**9  # chunkstar.parse_bytes' units, the engine's own
     with pytest.raises(Exception, match="not a size"):
         parse_size("lots")

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from chunkstar_bench.child import _is_oom, chunkstar_budget_bytes
+from chunkstar_bench.child import _is_oom
 from chunkstar_bench.runner import RunSpec, run
+from chunkstar_bench.systems.chunkstar import chunkstar_budget_bytes
 from chunkstar_bench.zoo import get, n_params
 
 
@@ -53,13 +54,19 @@ def test_a_bad_config_is_an_error_with_its_message() -> None:
 
 def test_spec_is_checked_at_the_edge() -> None:
     with pytest.raises(ValueError, match="system"):
-        RunSpec(system="megatron", model="cpu-tiny", batch=1, steps=1, warmup=0)  # type: ignore[arg-type]
+        RunSpec(system="megatron", model="cpu-tiny", batch=1, steps=1, warmup=0)
     with pytest.raises(KeyError, match="unknown model"):
         RunSpec(system="pytorch", model="nope", batch=1, steps=1, warmup=0)
     with pytest.raises(ValueError, match="seq_len"):
         RunSpec(system="pytorch", model="cpu-tiny", batch=1, steps=1, warmup=0, seq_len=4096)
+    with pytest.raises(ValueError, match="chunkstar_overlap is only used by chunkstar"):
+        _tiny("pytorch", chunkstar_overlap=False)
+    with pytest.raises(ValueError, match="CPU virtual device"):
+        _tiny("chunkstar", chunkstar_link="1GB/s", device="cuda")
     spec = _tiny("fsdp2", host_mem_cap_bytes=123)
     assert RunSpec.from_json(spec.to_json()) == spec
+    linked = _tiny("chunkstar", chunkstar_link="8GB/s", chunkstar_overlap=False)
+    assert RunSpec.from_json(linked.to_json()) == linked
 
 
 def test_oom_classification() -> None:

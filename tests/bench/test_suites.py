@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from chunkstar_bench.suites import SUITES, get_suite, published_results, with_hardware
-from chunkstar_bench.zoo import paper_label, get
+from chunkstar_bench.published import load_published
+from chunkstar_bench.suites import SUITES, get_suite, with_hardware
+from chunkstar_bench.zoo import get, paper_label
 
 
 def test_cpu_suite_has_all_four_systems_on_two_models() -> None:
@@ -28,7 +29,7 @@ def test_paper_suites_cover_the_published_matrix(suite: str, hardware: str) -> N
     assert {s.system for s in specs} == {"chunkstar", "deepspeed"}
     assert all(s.device == "cuda" and s.hardware == hardware for s in specs)
     ours = {paper_label(get(s.model)) for s in specs}
-    published = {r["model"] for r in published_results() if r["hardware"] == hardware}
+    published = {r.label for r in load_published() if r.hardware == hardware}
     assert ours <= published
     assert published - ours <= {"30B"}  # the A100 figure's 30B has no config in paper_models.csv
 

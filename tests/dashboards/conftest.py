@@ -1,4 +1,4 @@
-"""Fixtures of the dashboard tests: the app's import path and real profiles.
+"""Fixtures of the dashboard tests: the source roots and real profiles.
 
 The profiles come from real chunkstar training runs of the tiny GPT-2 the core
 tests use, under a device budget that forces evictions, recorded by
@@ -7,19 +7,30 @@ tests use, under a device budget that forces evictions, recorded by
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-DASHBOARDS = REPO / "dashboards"
-APP = DASHBOARDS / "app.py"
+DASHBOARD = REPO / "packages" / "dashboard"
+"""``chunkstar_dashboard``'s source root (found here even where the checkout was installed before it existed)."""
+APP = DASHBOARD / "chunkstar_dashboard" / "app.py"
+"""The Streamlit script; its pages are ``views/*.py`` beside it."""
+ENTRY = REPO / "dashboards" / "app.py"
+"""The checkout's thin entry, for ``streamlit run dashboards/app.py``."""
 BENCH = REPO / "packages" / "bench"
 """``chunkstar_bench``'s source root: the Benchmarks page reads results through it."""
-for _path in (DASHBOARDS, BENCH):
+SOURCE_ROOTS = (DASHBOARD, BENCH, REPO / "packages" / "profiler", REPO / "packages" / "core")
+for _path in SOURCE_ROOTS[:2]:
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
+
+
+def source_pythonpath() -> str:
+    """``PYTHONPATH`` for a child process that runs the checkout's code (the app served by a real Streamlit)."""
+    return os.pathsep.join([*(str(p) for p in SOURCE_ROOTS), *filter(None, [os.environ.get("PYTHONPATH", "")])])
 
 
 def _record(path: Path, *, chunk_size: int, steps: int = 3, disk_dir: Path | None = None) -> Path:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from chunkstar_dashboard.data import round_significant
 from chunkstar_dashboard.text import escape_markdown
 
 from .conftest import APP
@@ -50,7 +52,19 @@ def test_memory_page(profile_path: Path) -> None:
     assert {"Peak device memory", "Peak device chunks", "Device budget", "Peak host memory"} <= set(labels)
     assert labels["Device budget"].endswith("MiB")
     assert len(_plotly_charts(at)) == 1
-    assert any("samples shown" in c.value for c in at.caption)
+    assert any("samples shown: the whole recording" in c.value for c in at.caption)
+    # zoom to iterations 1-2: the samples inside their stages, the chart's x-axis over them
+    at.slider(key="memory_iters").set_value((1, 2)).run()
+    _assert_clean(at)
+    import chunkstar_profiler
+
+    from chunkstar_dashboard.data import iteration_span
+
+    prof = chunkstar_profiler.load(str(profile_path))
+    t0, t1 = iteration_span(prof.stages, 1, 2)
+    n = int(prof.memory["t_s"].between(t0, t1).sum())
+    assert any(f"All {n:,} samples shown: iterations 1-2" in c.value for c in at.caption)
+    at.slider(key="memory_iters").set_value((0, 2)).run()
     assert any(escape_markdown(profile_path.name) in c.value for c in at.sidebar.caption)  # escaped: names are untrusted
     # one tier only
     at.multiselect(key="memory_tiers").set_value(["device"]).run()
@@ -105,7 +119,20 @@ def test_compare_page(profile_path: Path, other_profile_path: Path) -> None:
     _assert_clean(at)
     table = at.dataframe[0].value.set_index("figure")
     assert table.loc["chunk size (elements)"].tolist()[:3] == [4096, 8192, 4096]
-    assert {"peak device memory (MiB)", "moved to device (MiB)", "moved to host (MiB)", "moves: eviction", "mean step time (ms)"} <= set(table.index)
+    assert {
+        "iterations", "peak device memory (MiB)", "moved to device per iteration (MiB)", "moved to host per iteration (MiB)",
+        "move time per iteration (ms)", "eviction moves per iteration", "mean step time (ms)",
+    } <= set(table.index)  # fmt: skip
+    # traffic per iteration: the recording's totals over its 3 iterations, three significant figures shown
+    import chunkstar_profiler
+
+    moves = chunkstar_profiler.load(str(profile_path)).moves
+    assert table.loc["iterations"].iloc[0] == 3
+    assert table.loc["moves per iteration"].iloc[0] == round_significant([len(moves) / 3])[0]
+    mib_to_device = moves.loc[moves["dst"] == "device", "nbytes"].sum() / 2**20 / 3
+    assert table.loc["moved to device per iteration (MiB)"].iloc[0] == pytest.approx(mib_to_device, rel=5e-3)
+    numbers = table.iloc[:, :3].to_numpy(dtype=float)
+    np.testing.assert_array_equal(numbers, round_significant(numbers.ravel()).reshape(numbers.shape))
     assert len(_plotly_charts(at)) == 3  # step times + both memory timelines
 
 
@@ -175,8 +202,10 @@ def test_pages_show_the_disk_tier(disk_profile_path: Path, profile_path: Path) -
     at.text_input(key="compare_path").input(str(profile_path)).run()
     _assert_clean(at)
     figures = at.dataframe[0].value.set_index("figure")
-    assert figures.loc["staged in from disk (MiB)"].iloc[0] * 2**20 == pytest.approx(staged_in["nbytes"].sum())
-    assert pd.isna(figures.loc["staged in from disk (MiB)"].iloc[1])
+    iterations = figures.loc["iterations"].iloc[0]
+    staged = figures.loc["staged in from disk per iteration (MiB)"]
+    assert staged.iloc[0] * 2**20 * iterations == pytest.approx(staged_in["nbytes"].sum(), rel=5e-3)  # shown to 3 figures
+    assert pd.isna(staged.iloc[1])
 
 
 def test_a_profile_without_the_disk_tier_shows_no_disk(profile_path: Path) -> None:

@@ -1,33 +1,40 @@
-"""The Benchmarks page's pure functions and figures, on hand-made run frames and the packaged published CSV."""
+"""The Benchmarks page's pure functions and figures, on hand-made run frames and the packaged published figures."""
 
 from __future__ import annotations
 
-from importlib import resources
+import json
 
 import numpy as np
 import pandas as pd
 import pytest
+from chunkstar_bench import published
+from chunkstar_bench.results import COLUMNS
 
 from chunkstar_dashboard import bench_charts, bench_data
 
 
+def _config(device: str) -> str:
+    return json.dumps({"spec": {"device": device}})
+
+
 def _runs(rows: list[dict]) -> pd.DataFrame:
     base = {c: None for c in bench_data.RUN_COLUMNS}
-    base.update(suite="nightly", hardware="cpu-2core", nprocs=1, batch=4, seq_len=128, status="ok", git_commit="c")
+    base.update(suite="nightly", hardware="cpu-2core", nprocs=1, batch=4, seq_len=128, status="ok", git_commit="c",
+                config_json=_config("cpu"))  # fmt: skip
     frame = pd.DataFrame([{**base, "id": i + 1, **r} for i, r in enumerate(rows)])
     return frame[list(bench_data.RUN_COLUMNS)]
 
 
+def _gpu(**row: object) -> dict:
+    return {"hardware": "a100x8_1tb", "config_json": _config("cuda"), **row}
+
+
 def _published() -> pd.DataFrame:
-    text = resources.files("chunkstar_bench.data").joinpath("paper_results.csv").read_text()
-    return bench_data.published_frame(text, {"18B": 18_330_000_000})
+    return bench_data.published_frame(published.load_published())
 
 
-def test_label_params() -> None:
-    assert bench_data.label_params("18B") == 18e9
-    assert bench_data.label_params("1.5b") == 1.5e9
-    assert bench_data.label_params("350M") == 350e6
-    assert np.isnan(bench_data.label_params("big"))
+def test_run_columns_are_the_results_schema() -> None:
+    assert bench_data.RUN_COLUMNS == tuple(name for name, _ in COLUMNS)
 
 
 def test_published_frame() -> None:
@@ -35,23 +42,52 @@ def test_published_frame() -> None:
     assert (pub["source"] == "published").all()
     row = pub[(pub["hardware"] == "v100x8_240gb") & (pub["system"] == "patrickstar") & (pub["gpus"] == 8) & (pub["model"] == "18B")]
     assert len(row) == 1
-    assert row["n_params"].iloc[0] == 18_330_000_000  # the zoo's exact size where given
+    exact = next(r for r in published.load_published() if r.label == "18B" and r.zoo_model is not None)
+    assert row["n_params"].iloc[0] == exact.n_params != 18e9  # the zoo's exact size where there is one
     assert row["tflops_per_gpu"].iloc[0] == pytest.approx(419 / 8)
     assert pub.loc[pub["model"] == "30B", "n_params"].iloc[0] == 30e9  # nominal otherwise
-    assert not pub["model"].str.startswith("#").any()
+    assert len(pub) == len(published.load_published())
+
+
+def test_run_devices_from_the_spec_then_the_hardware_label() -> None:
+    runs = _runs([dict(system="chunkstar", model="m"), _gpu(system="chunkstar", model="m"),
+                  dict(system="chunkstar", model="m", config_json="{}", hardware="h200x1_128gb"),
+                  dict(system="chunkstar", model="m", config_json="not json", hardware="cpu-16core")])  # fmt: skip
+    assert bench_data.run_devices(runs).tolist() == ["cpu", "cuda", "cuda", "cpu"]
+
+
+def test_measured_throughput_of_a_cpu_node() -> None:
+    runs = _runs([
+        dict(system="chunkstar", model="m1", n_params=1e8, tokens_per_s=900.0, step_time_s=0.57),
+        dict(system="chunkstar", model="m1", n_params=1e8, tokens_per_s=1000.0, step_time_s=0.51),
+        dict(system="deepspeed", model="m1", n_params=1e8, tokens_per_s=500.0, step_time_s=1.02),
+        dict(system="deepspeed", model="m2", n_params=3e8, status="oom"),
+        _gpu(system="chunkstar", model="m1", n_params=1e8, tokens_per_s=9e4),
+    ])  # fmt: skip
+    pts = bench_data.measured_throughput(runs, "cpu-2core")
+    assert pts[["system", "model", "tokens_per_s", "step_time_s"]].values.tolist() == [
+        ["chunkstar", "m1", 1000.0, 0.51], ["deepspeed", "m1", 500.0, 1.02],
+    ]  # fmt: skip
+    assert set(pts["device"]) == {"cpu"} and pts["label"].tolist() == ["chunkstar", "DeepSpeed"]
+    fig = bench_charts.tokens_vs_size(pts, "cpu-2core")
+    assert fig.layout.title.text == "Measured on cpu-2core (CPU)"
+    assert fig.layout.yaxis.title.text == "tokens/s" and "TFLOPS" not in fig.to_json()  # 2x apart: a linear axis
+    assert [t.name for t in fig.data] == ["chunkstar", "DeepSpeed"]
+    assert fig.data[0].customdata[0][1] == "510 ms"  # time per step in hover, in a readable unit
 
 
 def test_throughput_points_best_run_per_point_and_published_overlay() -> None:
     runs = _runs([
-        dict(system="chunkstar", model="m1", n_params=1e8, tflops_per_gpu_patrickstar=0.4),
-        dict(system="chunkstar", model="m1", n_params=1e8, tflops_per_gpu_patrickstar=0.5),
-        dict(system="chunkstar", model="m2", n_params=2e8, tflops_per_gpu_patrickstar=0.45),
-        dict(system="chunkstar", model="m3", n_params=3e8, status="oom"),
-        dict(system="deepspeed", model="m1", n_params=1e8, tflops_per_gpu_patrickstar=0.3, nprocs=2),
+        _gpu(system="chunkstar", model="m1", n_params=1e8, tflops_per_gpu_patrickstar=0.4),
+        _gpu(system="chunkstar", model="m1", n_params=1e8, tflops_per_gpu_patrickstar=0.5),
+        _gpu(system="chunkstar", model="m2", n_params=2e8, tflops_per_gpu_patrickstar=0.45),
+        _gpu(system="chunkstar", model="m3", n_params=3e8, status="oom"),
+        _gpu(system="deepspeed", model="m1", n_params=1e8, tflops_per_gpu_patrickstar=0.3, nprocs=2),
+        dict(system="chunkstar", model="m1", n_params=1e8, tflops_per_gpu_patrickstar=0.9),  # a CPU run: no TFLOPS per GPU
     ])  # fmt: skip
     pts = bench_data.throughput_points(runs, _published(), "v100x8_240gb")
     ours = pts[pts["source"] == "measured"]
-    assert len(ours) == 3
+    assert len(ours) == 3 and set(ours["hardware"]) == {"a100x8_1tb"}
     assert ours.loc[(ours["system"] == "chunkstar") & (ours["model"] == "m1"), "tflops_per_gpu"].item() == 0.5
     assert set(ours["gpus"]) == {1, 2}
     pub = pts[pts["source"] == "published"]
@@ -130,12 +166,12 @@ def test_trends_keep_series_apart_and_skip_failed_runs() -> None:
 
 def test_figures() -> None:
     runs = _runs([
-        dict(system="chunkstar", model="m1", n_params=1e8, tflops_per_gpu_patrickstar=0.5),
-        dict(system="deepspeed", model="m1", n_params=1e8, tflops_per_gpu_patrickstar=0.3),
+        _gpu(system="chunkstar", model="m1", n_params=1e8, tflops_per_gpu_patrickstar=0.5),
+        _gpu(system="deepspeed", model="m1", n_params=1e8, tflops_per_gpu_patrickstar=0.3),
     ])  # fmt: skip
     fig = bench_charts.tflops_vs_size(bench_data.throughput_points(runs, _published(), "a100x8_1tb"))
     names = {t.name for t in fig.data}
-    assert {"chunkstar", "deepspeed", "PatrickStar (published)", "DeepSpeed (published)"} <= names
+    assert {"chunkstar", "DeepSpeed", "PatrickStar (published)", "DeepSpeed (published)"} <= names
     assert all(t.line.dash == "dash" for t in fig.data if "published" in t.name)
     assert all(t.line.dash == "solid" for t in fig.data if "published" not in t.name)
     assert len(fig.layout.annotations) == 4  # panels for 1, 2, 4, 8 GPUs
@@ -148,3 +184,29 @@ def test_figures() -> None:
     tf = bench_charts.trend_chart(trend)
     assert [t.name for t in tf.data].count("regression") == 1  # only the throughput drop
     assert len(tf.layout.annotations) == 3  # tokens/s, device, host panels
+
+
+def test_trend_series_keep_their_legend_colour_in_every_panel() -> None:
+    # six series, three panels: plotly's default colour cycle would give one series a new colour per panel
+    runs = pd.concat([
+        _nightly([1.0, 1.1, 1.0]).assign(system=system, model=model, id=lambda f, k=k: f["id"] + 10 * k)
+        for k, (system, model) in enumerate((s, m) for s in ("chunkstar", "deepspeed", "pytorch") for m in ("m1", "m2"))
+    ])  # fmt: skip
+    fig = bench_charts.trend_chart(bench_data.trends(runs))
+    lines = [t for t in fig.data if t.name != "regression"]
+    looks: dict[str, set] = {}
+    for t in lines:
+        looks.setdefault(t.name, set()).add((t.line.color, t.line.dash, t.marker.symbol, t.marker.color))
+    assert len(looks) == 6 and all(len(v) == 1 for v in looks.values())  # one look per series, in all panels
+    assert len({next(iter(v)) for v in looks.values()}) == 6  # and no two series alike
+    shown = {t.name: t.line.color for t in lines if t.showlegend}
+    assert shown == {name: next(iter(v))[0] for name, v in looks.items()}
+    assert shown["chunkstar m1 x1 b4 (cpu-2core)"] == bench_charts.SYSTEM_COLOURS["chunkstar"]
+
+
+def test_format_metric() -> None:
+    assert bench_data.format_metric("peak_host_bytes", 629145600) == "600 MiB"
+    assert bench_data.format_metric("step_time_s", 0.0512) == "51.2 ms"
+    assert bench_data.format_metric("tokens_per_s", 4123.4) == "4,123 tokens/s"
+    assert bench_data.format_metric("tflops_per_gpu_patrickstar", 0.45678) == "0.457 TFLOPS"
+    assert bench_data.format_metric("tokens_per_s", float("nan")) == "n/a"

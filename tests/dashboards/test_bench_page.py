@@ -30,9 +30,14 @@ def test_without_a_database_shows_published_and_planned(tmp_path: Path) -> None:
     _assert_clean(at)
     assert at.title[0].value == "Benchmarks"
     assert any("No results database loaded" in i.value for i in at.info)
-    charts = at.get("plotly_chart")
-    assert len(charts) == 2  # throughput (published overlay) + max scale (published, planned); no trends
+    assert len(at.get("plotly_chart")) == 1  # max scale (published, planned); the published throughput is opt-in
     assert any("No successful runs" in i.value for i in at.info)
+    assert at.checkbox(key="bench_show_published").value is False
+    at.checkbox(key="bench_show_published").check().run()
+    _assert_clean(at)
+    assert len(at.get("plotly_chart")) == 2
+    assert at.selectbox(key="bench_overlay").value == "a100x8_1tb"
+    assert any("**Published** figures of the paper on a100x8_1tb" in c.value for c in at.caption)
     table = at.dataframe[0].value
     assert set(table["source"]) == {"published", "planned"}
     v100 = table[(table["hardware"] == "v100x8_240gb") & (table["system"] == "chunkstar")].set_index("source")
@@ -46,8 +51,15 @@ def test_with_a_results_database(bench_db_path: Path) -> None:
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Runs"] == "63" and metrics["Out of memory / error"] == "2 / 0"
     assert metrics["Regressions flagged"] == "1"
-    assert len(at.get("plotly_chart")) == 3
+    assert len(at.get("plotly_chart")) == 3  # throughput in tokens/s, max scale, trends
     assert at.selectbox(key="bench_hardware").value == "cpu-2core"
+    # a CPU node: tokens/s, never TFLOPS per GPU beside the paper's A100 figures unless asked for
+    assert any("a CPU machine: throughput in tokens/s" in c.value for c in at.caption)
+    assert not any("TFLOPS" in h.value for h in at.subheader)
+    at.checkbox(key="bench_show_published").check().run()
+    _assert_clean(at)
+    assert len(at.get("plotly_chart")) == 4
+    assert any("No GPU runs of ours drawn" in c.value for c in at.caption)
     # max scale: measured bars for the CPU node, published and planned beside them
     table = at.dataframe[0].value
     measured = table[table["source"] == "measured"].set_index("system")["model"].to_dict()
@@ -58,10 +70,11 @@ def test_with_a_results_database(bench_db_path: Path) -> None:
     assert any("1 run(s) flagged" in w.value for w in at.warning)
     flagged = at.dataframe[1].value
     assert set(flagged["git_commit"]) == {COMMITS[-1]}
-    assert set(flagged["metric"]) == {"tokens_per_s", "tflops_per_gpu_patrickstar", "peak_device_bytes", "peak_host_bytes"}
-    assert (flagged.loc[flagged["metric"] == "tokens_per_s", "change_pct"] < -25).all()
+    assert set(flagged["metric"]) == {"tokens/s", "peak device memory", "peak host memory"}  # CPU runs: no TFLOPS per GPU
+    assert (flagged.loc[flagged["metric"] == "tokens/s", "change_pct"] < -25).all()
+    assert flagged.loc[flagged["metric"] == "peak host memory", "value"].tolist() == ["800 MiB"]  # a unit, not 838860800
     # widgets: no overlay, one node, one series
-    at.selectbox(key="bench_overlay").set_value("(none)").run()
+    at.checkbox(key="bench_show_published").uncheck().run()
     at.multiselect(key="bench_scale_nodes").set_value(["cpu-2core"]).run()
     at.multiselect(key="bench_series").set_value(["deepspeed cpu-tiny x1 b4 (cpu-2core)"]).run()
     _assert_clean(at)

@@ -5,24 +5,30 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+from chunkstar_profiler import Profile
 
 from chunkstar_dashboard import charts
 from chunkstar_dashboard.data import (
     OUTSIDE_MOMENTS,
     MoveFilter,
-    ProfileData,
     compare_table,
+    display_name,
     downsample_minmax,
+    duration_s,
     filter_moves,
     format_bytes,
+    format_duration,
     has_disk_tier,
+    iteration_span,
     memory_series,
     move_totals,
     moves_by_operator,
     placement_grid,
+    round_significant,
     step_time_comparison,
     step_times,
     tiers_present,
+    time_axis,
 )
 
 MIB = 2**20
@@ -68,12 +74,18 @@ def _stages(step_s: list[float]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _profile(name: str, *, peak_mib: int, moves: pd.DataFrame, step_s: list[float], chunk_size: int = 4096) -> ProfileData:
+def _with(p: Profile, **tables: pd.DataFrame) -> Profile:
+    """``p`` with some of its tables replaced."""
+    return Profile(**{"meta": p.meta, "moments": p.moments, "moves": p.moves, "memory": p.memory, "stages": p.stages,
+                      "placements": p.placements, "source": p.source, **tables})  # fmt: skip
+
+
+def _profile(name: str, *, peak_mib: int, moves: pd.DataFrame, step_s: list[float], chunk_size: int = 4096) -> Profile:
     memory = _memory(50)
     memory.loc[10, ["total_bytes", "chunk_bytes"]] = [peak_mib * MIB, peak_mib * MIB]
     placements = pd.DataFrame(columns=["chunk_id", "chunk_list", "tier", "t_start_s", "t_end_s"])
     meta = {"chunk_size": chunk_size, "n_chunks": 8, "budget_bytes": 128 * MIB, "chunk_lists": ["param"]}
-    return ProfileData(name, meta, pd.DataFrame(), moves, memory, _stages(step_s), placements)
+    return Profile(meta, pd.DataFrame(), moves, memory, _stages(step_s), placements, source=f"/runs/{name}.csprof")
 
 
 # --- downsampling ---------------------------------------------------------------
@@ -212,27 +224,33 @@ def test_compare_table_deltas() -> None:
     assert table.loc["peak device memory (MiB)", "A"] == 200 and table.loc["peak device memory (MiB)", "B"] == 150
     assert table.loc["peak device memory (MiB)", "delta_pct"] == pytest.approx(-25.0)
     assert table.loc["chunk size (elements)", "delta"] == 4096
-    assert table.loc["moves", "A"] == len(moves) and table.loc["moves", "B"] == 50
+    # traffic is per iteration: a has 2 iterations, b 3
+    assert list(table.loc["iterations", ["A", "B"]]) == [2, 3]
+    assert table.loc["moves per iteration", "A"] == len(moves) / 2 and table.loc["moves per iteration", "B"] == 50 / 3
     bytes_to_dev = moves.loc[moves["dst"] == "device", "nbytes"]
-    assert table.loc["moved to device (MiB)", "A"] == pytest.approx(bytes_to_dev.sum() / MIB)
+    assert table.loc["moved to device per iteration (MiB)", "A"] == pytest.approx(bytes_to_dev.sum() / MIB / 2)
+    assert table.loc["move time per iteration (ms)", "A"] == pytest.approx(moves["duration_s"].sum() * 1e3 / 2)
     for reason in ("access", "eviction", "prefetch", "optimizer"):
-        assert table.loc[f"moves: {reason}", "A"] == (moves["reason"] == reason).sum()
+        assert table.loc[f"{reason} moves per iteration", "A"] == (moves["reason"] == reason).sum() / 2
     assert table.loc["mean step time (ms)", "A"] == pytest.approx(1000.0)
     assert table.loc["mean step time (ms)", "B"] == pytest.approx(700.0)
     assert table.loc["mean step time (ms)", "delta_pct"] == pytest.approx(-30.0)
     steps = step_time_comparison(a, b)
     assert list(steps["iteration"]) == [0, 1, 2]
+    chart = charts.step_times_chart(steps, ("A: a", "B: b"))
+    assert chart.layout.xaxis.dtick == 1 and chart.layout.xaxis.tickformat == "d"  # whole iterations on the axis
+    assert chart.layout.legend.yanchor == "bottom" and chart.layout.legend.y > 1  # above the plot, in its margin
     np.testing.assert_allclose(steps["delta"].iloc[:2], [-500.0, -300.0])
     assert np.isnan(steps["A"].iloc[2]) and steps["B"].iloc[2] == pytest.approx(900.0)
 
 
 def test_memory_timeline_figure() -> None:
     p = _profile("a", peak_mib=200, moves=_moves(), step_s=[0.01, 0.02])
-    p = ProfileData(p.name, p.meta, p.moments, p.moves, pd.concat([_memory(12_000), _memory(40, "host")]), p.stages, p.placements)
+    p = _with(p, memory=pd.concat([_memory(12_000), _memory(40, "host")]))
     fig, downsampled = charts.memory_timeline(p, max_points=1000)
     assert downsampled
     names = {t.name for t in fig.data}
-    assert {"total", "chunks", "non-model", "budget", "fwd", "bwd", "optim"} <= names
+    assert {"total", "chunks", "non-model", "budget", "forward", "backward", "optimizer"} <= names
     totals = [t for t in fig.data if t.name == "total"]
     assert len(totals) == 2 and len(totals[0].x) <= 1000
     assert "module" in totals[0].hovertemplate and totals[0].customdata[0][0].startswith("m")
@@ -252,7 +270,7 @@ def test_format_bytes() -> None:
 def test_memory_timeline_budget_line(budget_mib: int, on_scale: bool | None) -> None:
     p = _profile("a", peak_mib=100, moves=_moves(), step_s=[0.01])
     memory = p.memory.assign(budget_bytes=budget_mib * MIB)
-    fig, downsampled = charts.memory_timeline(ProfileData("a", p.meta, p.moments, p.moves, memory, p.stages.iloc[:0], p.placements))
+    fig, downsampled = charts.memory_timeline(_with(p, memory=memory, stages=p.stages.iloc[:0]))
     assert not downsampled
     budget = [t for t in fig.data if t.name and t.name.startswith("budget")]
     if on_scale is None:
@@ -284,7 +302,7 @@ def _disk_moves() -> pd.DataFrame:
     )  # fmt: skip
 
 
-def _disk_profile() -> ProfileData:
+def _disk_profile() -> Profile:
     memory = pd.concat([_memory(30, "device"), _memory(30, "host", seed=1), _memory(30, "disk", seed=2)], ignore_index=True)
     disk = memory["tier"] == "disk"
     memory.loc[disk, ["total_bytes", "chunk_bytes", "budget_bytes"]] = 300 * MIB
@@ -292,7 +310,7 @@ def _disk_profile() -> ProfileData:
     meta = {"chunk_size": 4096, "n_chunks": 8, "budget_bytes": 128 * MIB, "chunk_lists": ["param", "master"],
             "disk_stats": {"disk_bytes_read": 8 * MIB, "disk_read_s": 2.0, "disk_bytes_written": 4 * MIB, "disk_write_s": 0.0}}  # fmt: skip
     placements = pd.DataFrame(columns=["chunk_id", "chunk_list", "tier", "t_start_s", "t_end_s"])
-    return ProfileData("d", meta, pd.DataFrame(), _disk_moves(), memory, _stages([0.01]), placements)
+    return Profile(meta, pd.DataFrame(), _disk_moves(), memory, _stages([0.01]), placements, source="d.csprof")
 
 
 def test_tiers_present_in_order() -> None:
@@ -360,10 +378,9 @@ def test_placement_grid_with_disk_stays() -> None:
 def test_memory_timeline_draws_the_disk_tier() -> None:
     p = _disk_profile()
     fig, _ = charts.memory_timeline(p)
-    titles = [a.text for a in fig.layout.annotations]
-    assert titles == ["device memory", "host memory", "disk (chunk files) memory"]
-    assert [a.font.color for a in fig.layout.annotations] == [charts.TIER_COLOURS[t] for t in ("device", "host", "disk")]
-    assert fig.layout.yaxis3.title.text == "disk MiB" and fig.layout.yaxis3.title.font.color == charts.TIER_COLOURS["disk"]
+    axes = [fig.layout.yaxis, fig.layout.yaxis2, fig.layout.yaxis3]
+    assert [a.title.text for a in axes] == ["device memory (MiB)", "host memory (MiB)", "disk: chunk files (MiB)"]
+    assert [a.title.font.color for a in axes] == [charts.TIER_COLOURS[t] for t in ("device", "host", "disk")]
     disk_total = [t for t in fig.data if t.name == "total" and t.yaxis == "y3"]
     assert len(disk_total) == 1 and max(disk_total[0].y) == 300
     # a profile without disk samples gets no disk panel, even though TIERS names it
@@ -377,9 +394,62 @@ def test_summary_figures_of_the_disk_tier() -> None:
     assert has_disk_tier(d) and not has_disk_tier(plain)
     table = compare_table(plain, d).set_index("figure")
     assert table.loc["disk chunk files (MiB)", "B"] == 300 and np.isnan(table.loc["disk chunk files (MiB)", "A"])
-    assert table.loc["staged in from disk (MiB)", "B"] == pytest.approx(8192 / MIB)
-    assert table.loc["staged out to disk (MiB)", "B"] == pytest.approx(4096 / MIB)
+    assert table.loc["staged in from disk per iteration (MiB)", "B"] == pytest.approx(8192 / MIB)  # one iteration
+    assert table.loc["staged out to disk per iteration (MiB)", "B"] == pytest.approx(4096 / MIB)
     assert table.loc["disk read bandwidth (MiB/s)", "B"] == pytest.approx(4.0)
     assert np.isnan(table.loc["disk write bandwidth (MiB/s)", "B"])  # no write time recorded
-    assert table.loc["moves: stage_in", "B"] == 2 and table.loc["moves: stage_in", "A"] == 0
-    assert table.loc["moved to host (MiB)", "B"] == pytest.approx(100 / MIB)  # device -> host only
+    assert table.loc["stage_in moves per iteration", "B"] == 2 and np.isnan(table.loc["stage_in moves per iteration", "A"])
+    assert table.loc["moved to host per iteration (MiB)", "B"] == pytest.approx(100 / MIB)  # device -> host only
+
+
+# --- units and rounding ---------------------------------------------------------------
+
+
+def test_format_duration_picks_a_readable_unit() -> None:
+    assert format_duration(0) == "0 s"
+    assert format_duration(850e-6) == "850 µs"
+    assert format_duration(0.1134) == "113 ms"
+    assert format_duration(0.376) == "376 ms"
+    assert format_duration(2.3456) == "2.35 s"
+    assert format_duration(59.99) == "1 min 00 s"
+    assert format_duration(245.2) == "4 min 05 s"
+    assert format_duration(3780) == "1 h 03 min"
+    assert format_duration(-0.0127) == "-12.7 ms"
+    assert format_duration(float("nan")) == "n/a"
+
+
+def test_time_axis_unit_follows_the_span() -> None:
+    assert time_axis(0.376) == ("ms", 1e-3)
+    assert time_axis(30.0) == ("s", 1.0)
+    assert time_axis(3600.0) == ("min", 60.0)
+
+
+def test_round_significant_keeps_integer_digits() -> None:
+    out = round_significant([4096, 21.6875, 1.9752, 0.11342, -0.0127, 0.0, np.nan, 123456.7])
+    np.testing.assert_array_equal(out[:6], [4096, 21.7, 1.98, 0.113, -0.0127, 0.0])
+    assert np.isnan(out[6]) and out[7] == 123457
+
+
+def test_profile_name_and_duration() -> None:
+    p = _profile("run1", peak_mib=10, moves=_moves(), step_s=[0.1, 0.2])
+    assert display_name(p) == "run1.csprof"
+    assert duration_s(p) == pytest.approx(max(p.moves["t_end_s"].max(), p.stages["t_end_s"].max(), p.memory["t_s"].max()))
+
+
+def test_memory_timeline_zooms_to_an_iteration_range() -> None:
+    p = _profile("a", peak_mib=100, moves=_moves(), step_s=[0.01, 0.02, 0.01])
+    p = _with(p, memory=_memory(60))  # one sample a millisecond over the three iterations (0.07 s)
+    full, _ = charts.memory_timeline(p)
+    assert [a.text for a in full.layout.annotations] == ["iter 0", "iter 1", "iter 2"]
+    t0, t1 = iteration_span(p.stages, 1, 1)
+    assert (t0, t1) == pytest.approx((0.02, 0.04))
+    fig, _ = charts.memory_timeline(p, iterations=(1, 1))
+    assert [a.text for a in fig.layout.annotations] == ["iter 1"]
+    assert tuple(fig.layout.xaxis.range) == pytest.approx((t0 * 1e3, t1 * 1e3))  # a 20 ms span: drawn in ms
+    assert fig.layout.xaxis.title.text == "time since profile start (ms)"
+    total = next(t for t in fig.data if t.name == "total")
+    # the samples inside the window and the one before it (the memory at the window's start)
+    inside = p.memory[p.memory["t_s"].between(t0, t1)]
+    assert len(total.x) == len(inside) + 1 and min(total.x) < t0 * 1e3
+    bands = [t for t in fig.data if t.name in ("forward", "backward", "optimizer")]
+    assert len(bands) == 3 and all(np.nanmin(b.x) >= t0 * 1e3 - 1e-9 for b in bands)

@@ -1,10 +1,22 @@
 """chunkstar-bench: reproducible throughput and max-scale benchmarks of chunkstar against DeepSpeed, FSDP2 and PyTorch.
 
-The pieces, one concept per module: :mod:`~chunkstar_bench.zoo` (model configs),
-:mod:`~chunkstar_bench.flops` (the only FLOP counting), :mod:`~chunkstar_bench.runner`
-(one run = one subprocess), :mod:`~chunkstar_bench.child` (the training loop inside it),
-:mod:`~chunkstar_bench.results` (SQLite), :mod:`~chunkstar_bench.suites`,
-:mod:`~chunkstar_bench.maxscale`, :mod:`~chunkstar_bench.report` and the CLI.
+The pieces, one concept per module:
+
+* what is run: :mod:`~chunkstar_bench.zoo` (model configs by name),
+  :mod:`~chunkstar_bench.published` (the published figures and the one table of
+  system names), :mod:`~chunkstar_bench.suites` (named lists of runs);
+* one run = one subprocess: :mod:`~chunkstar_bench.runner` (the parent side:
+  spec, record, memory watch), :mod:`~chunkstar_bench.child` (the entry inside
+  the subprocess), :mod:`~chunkstar_bench.harness` (what every training loop
+  shares: context, batches, clock) and :mod:`~chunkstar_bench.systems` (one
+  module per system under test);
+* what comes out: :mod:`~chunkstar_bench.flops` (the only FLOP counting),
+  :mod:`~chunkstar_bench.results` (SQLite), :mod:`~chunkstar_bench.report`;
+* searches, tables and plans on top: :mod:`~chunkstar_bench.maxscale`,
+  :mod:`~chunkstar_bench.comparisons` (``step-time``, ``overlap``),
+  :mod:`~chunkstar_bench.plan` (a prediction), and the CLI
+  (:mod:`~chunkstar_bench.cli`, ``chunkstar-bench``).
+
 Importing this package does not import torch.
 """
 

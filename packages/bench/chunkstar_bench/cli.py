@@ -1,8 +1,8 @@
-"""``chunkstar-bench``: run suites, search the max scale, print reports.
+"""``chunkstar-bench``: run suites and comparison tables, search the max scale, plan, print reports.
 
 Entry point only: parses arguments and calls the library. Subcommands register
 themselves through :data:`COMMANDS` (``name -> register(subparsers)``), so
-another module can add one (``plan``, say) without editing ``main``.
+another module can add one (``plan``, ``step-time``) without editing ``main``.
 """
 
 from __future__ import annotations
@@ -16,18 +16,16 @@ from pathlib import Path
 
 __all__ = ["COMMANDS", "main", "parse_size"]
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
 
 def parse_size(text: str) -> int:
-    """``"8GiB"`` -> bytes (also KB/MB/GB decimal, KiB/MiB/GiB binary, or a plain number)."""
-    import re
+    """An argparse type: ``"8GiB"`` -> bytes, by chunkstar's own :func:`chunkstar.parse_bytes`
+    (KB/MB/GB decimal, KiB/MiB/GiB binary, or a plain number)."""
+    from chunkstar import parse_bytes  # imports torch: only the commands that take a size pay for it
 
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (say 8GiB, 6000MiB or 8589934592)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    try:
+        return parse_bytes(text.strip(), "size")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (say 8GiB, 6000MiB or 8589934592)") from None
 
 
 def _progress(message: str) -> None:
@@ -110,10 +108,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _register_maxscale(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from chunkstar_bench.runner import DISK_SYSTEMS, SYSTEMS
+    from chunkstar_bench.published import DISK_SYSTEMS, RUN_SYSTEMS
 
     p = sub.add_parser("max-scale", help="largest zoo model a system trains under a host-memory cap")
-    p.add_argument("--system", required=True, choices=SYSTEMS)
+    p.add_argument("--system", required=True, choices=RUN_SYSTEMS)
     p.add_argument("--cap", required=True, type=parse_size, help="host-memory cap, e.g. 8GiB")
     p.add_argument("--db", required=True, type=Path)
     p.add_argument("--models", help="comma-separated ladder (default: the cpu-* models)")
@@ -140,8 +138,9 @@ def _register_maxscale(sub: argparse._SubParsersAction) -> None:  # type: ignore
 
 def _cmd_maxscale(args: argparse.Namespace) -> int:
     from chunkstar_bench.maxscale import peaks, search
+    from chunkstar_bench.published import DISK_SYSTEMS
     from chunkstar_bench.results import ResultsDB
-    from chunkstar_bench.runner import DISK_SYSTEMS
+    from chunkstar_bench.runner import CHUNKSTAR_SYSTEMS
     from chunkstar_bench.zoo import get, n_params
 
     disk_dir: Path | None = args.disk_dir
@@ -154,7 +153,7 @@ def _cmd_maxscale(args: argparse.Namespace) -> int:
     if args.staging is not None and args.system != "chunkstar-disk":
         print("chunkstar-bench max-scale: --staging is only for chunkstar-disk", file=sys.stderr)
         return 2
-    if args.chunkstar_budget is not None and not args.system.startswith("chunkstar"):
+    if args.chunkstar_budget is not None and args.system not in CHUNKSTAR_SYSTEMS:
         print("chunkstar-bench max-scale: --chunkstar-budget is only for the chunkstar systems", file=sys.stderr)
         return 2
     models = [m.strip() for m in args.models.split(",")] if args.models else None
@@ -173,10 +172,10 @@ def _cmd_maxscale(args: argparse.Namespace) -> int:
 
 
 def _register_plan(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    # `plan` lives in its own module (written separately); imported here only when the CLI is built.
+    # `plan` lives in its own package; imported here only when the CLI is built.
     # It needs chunkstar itself; when that import fails, `plan` says why and the other commands still work.
     try:
-        from chunkstar_bench.plan import add_plan_command
+        from chunkstar_bench.plan.command import add_plan_command
     except ImportError as exc:
         broken = f"chunkstar-bench plan is unavailable: {type(exc).__name__}: {exc}"
         p = sub.add_parser("plan", help="(unavailable here; run it to see why)")
@@ -185,8 +184,22 @@ def _register_plan(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     add_plan_command(sub)
 
 
+def _register_step_time(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from chunkstar_bench.comparisons.command import add_step_time_command
+
+    add_step_time_command(sub)
+
+
+def _register_overlap(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from chunkstar_bench.comparisons.command import add_overlap_command
+
+    add_overlap_command(sub)
+
+
 COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {  # type: ignore[type-arg]
     "run": _register_run,
+    "step-time": _register_step_time,
+    "overlap": _register_overlap,
     "report": _register_report,
     "max-scale": _register_maxscale,
     "plan": _register_plan,

@@ -20,7 +20,7 @@ import sys
 from typing import Literal
 
 from chunkstar_bench.results import ResultsDB
-from chunkstar_bench.runner import RunRecord, RunSpec, System, run
+from chunkstar_bench.runner import RunRecord, RunSpec, run
 from chunkstar_bench.zoo import cpu_ladder, get, n_params
 
 __all__ = ["SUITE", "peaks", "search"]
@@ -42,7 +42,7 @@ def peaks(record: RunRecord) -> str:
 
 
 def search(
-    system: System,
+    system: str,
     models: list[str] | None,
     host_mem_cap_bytes: int,
     *,

@@ -6,7 +6,7 @@ Three views, each a function returning text:
   under both FLOP counts, MFU, peak host/device memory;
 * :func:`paper_tables` -- per hardware and system, rows = model size, columns
   = GPU count, cells = TFLOPS per GPU by PatrickStar's count (8*N*B*s): ours,
-  and beside it the published figure from the packaged ``paper_results.csv``,
+  and beside it the published figure (:mod:`chunkstar_bench.published`),
   always under a heading that says "published (PatrickStar README, read off
   plots)" -- never as a result of this project;
 * :func:`maxscale_table` -- for each system and host-memory cap, the largest
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from chunkstar_bench.suites import published_results
+from chunkstar_bench.published import SOURCE, load_published, published_for
 from chunkstar_bench.zoo import ZOO, paper_label
 
 if TYPE_CHECKING:
@@ -28,14 +28,21 @@ if TYPE_CHECKING:
 
 __all__ = ["PUBLISHED_LABEL", "maxscale_table", "paper_tables", "published_table", "report", "runs_table"]
 
-PUBLISHED_LABEL = "published (PatrickStar README, read off plots)"
+PUBLISHED_LABEL = SOURCE
+"""The heading of every published figure (:data:`chunkstar_bench.published.SOURCE`)."""
 _GIB = 2**30
 _KEY = ["suite", "system", "model", "hardware", "nprocs", "batch", "seq_len"]
 
 
+def _row_name(config_json: str, system: str) -> str:
+    """The comparison row a run was (``chunkstar-pressure``), or its system for a suite's run."""
+    return str(json.loads(config_json).get("details", {}).get("row") or system)
+
+
 def _latest(df: pd.DataFrame) -> pd.DataFrame:
-    """The newest row of each (suite, system, model, hardware, nprocs, batch, seq_len)."""
-    return df.sort_values("id").groupby(_KEY, as_index=False, sort=False).tail(1)
+    """The newest row of each (suite, system, model, hardware, nprocs, batch, seq_len) and comparison row."""
+    df = df.assign(_row=[_row_name(c, s) for c, s in zip(df["config_json"], df["system"])])
+    return df.sort_values("id").groupby([*_KEY, "_row"], as_index=False, sort=False).tail(1)
 
 
 def _gib(value: Any) -> str:
@@ -55,7 +62,8 @@ def runs_table(df: pd.DataFrame) -> str:
     rows = []
     for _, r in _latest(df).sort_values(["suite", "hardware", "n_params", "nprocs", "system"]).iterrows():
         rows.append({
-            "suite": r["suite"], "hardware": r["hardware"], "system": r["system"], "model": r["model"],
+            "suite": r["suite"], "hardware": r["hardware"],
+            "system": r["system"] if r["_row"] == r["system"] else f"{r['system']} [{r['_row']}]", "model": r["model"],
             "params": f"{r['n_params'] / 1e6:,.1f}M" if r["n_params"] == r["n_params"] else "-",
             "procs": r["nprocs"], "batch x seq": f"{r['batch']}x{r['seq_len']}", "status": r["status"],
             "s/step": _num(r["step_time_s"], ".3f"), "tokens/s": _num(r["tokens_per_s"], ",.0f"),
@@ -66,7 +74,7 @@ def runs_table(df: pd.DataFrame) -> str:
             "other load": _num(json.loads(r["config_json"]).get("details", {}).get("other_load_cores"), ".2f"),
         })
     table = pd.DataFrame(rows).to_string(index=False)
-    errors = [f"  {r['system']} {r['model']} x{r['nprocs']}: {r['status']}: {r['message']}"
+    errors = [f"  {r['_row']} {r['model']} x{r['nprocs']}: {r['status']}: {r['message']}"
               for _, r in _latest(df).iterrows() if r["status"] != "ok"]
     notes = ("\nTFLOPS/GPU 8NBs = 8*params*batch*seq per step (PatrickStar's count); megatron = 24*3*B*s*L*h^2*(1+s/6h+V/16Lh) (no recompute).\n"
              "other load = cores kept busy by other processes during the timed steps (above ~0.25 on a small machine: step times not trustworthy).")
@@ -79,15 +87,17 @@ def _size_label(model: str) -> str:
 
 
 def published_table(hardware: str, system: str) -> pd.DataFrame | None:
-    """Published TFLOPS per GPU (8*N*B*s) for one node and system: rows = model, columns = GPUs."""
+    """Published TFLOPS per GPU (8*N*B*s) for one node and published system: rows = size label, columns = GPUs."""
     import pandas as pd
 
-    rows = [r for r in published_results() if r["hardware"] == hardware and r["system"] == system]
+    rows = [
+        {"model": r.label, "gpus": r.gpus, "per_gpu": r.tflops_per_gpu}
+        for r in load_published()
+        if r.hardware == hardware and r.system == system
+    ]
     if not rows:
         return None
     df = pd.DataFrame(rows)
-    df["gpus"] = df["gpus"].astype(int)
-    df["per_gpu"] = df["tflops_total"].astype(float) / df["gpus"]
     order = list(dict.fromkeys(df["model"]))
     table = df.pivot_table(index="model", columns="gpus", values="per_gpu", aggfunc="first")
     return table.reindex(order)
@@ -100,7 +110,7 @@ def paper_tables(df: pd.DataFrame, hardware: str | None = None) -> str:
     parts: list[str] = []
     ok = df[df["status"] == "ok"] if not df.empty else df
     hardwares = [hardware] if hardware else sorted(set(df["hardware"])) if not df.empty else []
-    published_hw = {r["hardware"] for r in published_results()}
+    published_hw = {r.hardware for r in load_published()}
     for hw in hardwares:
         sub = ok[ok["hardware"] == hw] if not ok.empty else ok
         systems = sorted(set(sub["system"])) if not sub.empty else []
@@ -118,8 +128,8 @@ def paper_tables(df: pd.DataFrame, hardware: str | None = None) -> str:
                 body = f"ours:\n{mine.to_string(float_format=lambda v: f'{v:.4g}')}"
             else:
                 body = "ours: (no successful runs)"
-            pub_system = "patrickstar" if system == "chunkstar" else system
-            pub = published_table(hw, pub_system)
+            pub_system = published_for(system)
+            pub = published_table(hw, pub_system) if pub_system is not None else None
             if pub is not None:
                 body += f"\n{PUBLISHED_LABEL}, {pub_system}:\n{pub.to_string(float_format=lambda v: f'{v:.1f}')}"
             elif hw not in published_hw:

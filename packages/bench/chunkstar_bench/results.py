@@ -206,6 +206,7 @@ class ResultsDB:
             "git_commit": record.git_commit,
             "host": record.host,
         }
+        assert set(row) == set(_NAMES) - {"id"}, "append() writes every column of COLUMNS but the id"
         names = ", ".join(row)
         marks = ", ".join("?" for _ in row)
         conn = self._connect()

@@ -51,18 +51,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 from chunkstar_bench import flops
+from chunkstar_bench.published import DISK_SYSTEMS, RUN_SYSTEMS
 from chunkstar_bench.watch import watch
 from chunkstar_bench.zoo import get, n_params
 
 __all__ = [
-    "DEVICES", "DISK_DIR_ENV", "DISK_SYSTEMS", "RESULT_PREFIX", "STATUSES", "SYSTEMS", "RunRecord", "RunSpec",
-    "git_commit", "run", "versions",
+    "CHUNKSTAR_SYSTEMS", "DEVICES", "DISK_DIR_ENV", "RESULT_PREFIX", "STATUSES", "RunRecord", "RunSpec", "git_commit",
+    "run", "versions",
 ]  # fmt: skip
 
-SYSTEMS: tuple[str, ...] = ("chunkstar", "chunkstar-disk", "deepspeed", "deepspeed-nvme", "fsdp2", "pytorch")
-"""Every system the suite knows."""
-DISK_SYSTEMS: tuple[str, ...] = ("chunkstar-disk", "deepspeed-nvme")
-"""The systems that swap to a disk folder (Note [the disk tier])."""
+CHUNKSTAR_SYSTEMS: tuple[str, ...] = tuple(s for s in RUN_SYSTEMS if s.startswith("chunkstar"))
+"""The systems whose spec may set the ``chunkstar_*`` engine options."""
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 STATUSES: tuple[str, ...] = ("ok", "oom", "error")
 
@@ -72,7 +71,6 @@ RESULT_DIR_ENV = "CHUNKSTAR_BENCH_RESULT_DIR"  # children write rank<r>.json the
 DISK_DIR_ENV = "CHUNKSTAR_BENCH_DISK_DIR"
 """The run's own swap folder, made and removed by the parent (Note [the disk tier])."""
 
-System = Literal["chunkstar", "chunkstar-disk", "deepspeed", "deepspeed-nvme", "fsdp2", "pytorch"]
 Device = Literal["cpu", "cuda"]
 Status = Literal["ok", "oom", "error"]
 
@@ -84,11 +82,12 @@ _REPO_ROOT = _PACKAGE_PARENT.parent.parent
 class RunSpec:
     """Everything that defines one run; two equal specs are the same experiment."""
 
-    system: System
-    """``chunkstar``, ``deepspeed`` (ZeRO-3, params + optimizer offloaded to CPU),
-    ``deepspeed-nvme`` (ZeRO-Infinity: optimizer state, and with ``nvme_params`` the
-    params, offloaded to files under ``disk_dir``), ``fsdp2`` (CPU offload) or ``pytorch``
-    (plain, DDP when several processes)."""
+    system: str
+    """A canonical name of :data:`chunkstar_bench.published.RUN_SYSTEMS`: ``chunkstar``,
+    ``chunkstar-disk`` (with the disk tier), ``deepspeed`` (ZeRO-3, params + optimizer
+    offloaded to CPU), ``deepspeed-nvme`` (ZeRO-Infinity: optimizer state, and with
+    ``nvme_params`` the params, offloaded to files under ``disk_dir``), ``fsdp2`` (CPU
+    offload) or ``pytorch`` (plain, DDP when several processes)."""
     model: str
     """A zoo name (:data:`chunkstar_bench.zoo.ZOO`)."""
     batch: int
@@ -108,7 +107,7 @@ class RunSpec:
     """Kill the run (status ``oom``) when its processes' resident memory passes this."""
     chunkstar_budget: str | int | None = None
     """chunkstar's device budget: bytes, ``"2GiB"``, ``"params:0.6"`` or None/``"auto"``
-    (see :func:`chunkstar_bench.child.chunkstar_budget_bytes`)."""
+    (see :func:`chunkstar_bench.systems.chunkstar.chunkstar_budget_bytes`)."""
     hardware: str = "cpu"
     """A label for the machine (``v100x8_240gb``, ``a100x8_1tb``, ``cpu-2core``); picks the MFU peak."""
     threads: int | None = None
@@ -124,10 +123,17 @@ class RunSpec:
     """Only for ``deepspeed-nvme``: swap the bf16 parameters to disk too (``offload_param``
     to ``nvme``), not only the optimizer state and gradients. Measured here: a larger
     model under the same cap, 1.2-1.4x the step time (README "Measured")."""
+    chunkstar_overlap: bool | None = None
+    """Only for the chunkstar systems: the engine's ``overlap`` (False: the serial reference
+    path); None: the engine's default (True)."""
+    chunkstar_link: str | None = None
+    """Only for the chunkstar systems on the CPU virtual device: the engine's
+    ``device_link_bandwidth`` (``"1GB/s"``), an emulated link whose copies take at least
+    bytes / bandwidth; None: no emulated link."""
 
     def __post_init__(self) -> None:
-        if self.system not in SYSTEMS:
-            raise ValueError(f"system {self.system!r} is not one of {', '.join(SYSTEMS)}")
+        if self.system not in RUN_SYSTEMS:
+            raise ValueError(f"system {self.system!r} is not one of {', '.join(RUN_SYSTEMS)}")
         if self.device not in DEVICES:
             raise ValueError(f"device {self.device!r} is not one of {', '.join(DEVICES)}")
         get(self.model)  # a KeyError listing the zoo
@@ -144,6 +150,11 @@ class RunSpec:
             raise ValueError(f"chunkstar_staging is only used by chunkstar-disk, not by {self.system}")
         if self.nvme_params and self.system != "deepspeed-nvme":
             raise ValueError(f"nvme_params is only used by deepspeed-nvme, not by {self.system}")
+        for name in ("chunkstar_overlap", "chunkstar_link"):
+            if getattr(self, name) is not None and self.system not in CHUNKSTAR_SYSTEMS:
+                raise ValueError(f"{name} is only used by {', '.join(CHUNKSTAR_SYSTEMS)}, not by {self.system}")
+        if self.chunkstar_link is not None and self.device != "cpu":
+            raise ValueError("chunkstar_link emulates a link on the CPU virtual device; a GPU has its own")
 
     @property
     def seq(self) -> int:

@@ -13,6 +13,10 @@
   machine: minutes in all.
 * ``nightly`` -- a short subset of ``cpu`` for the nightly job.
 
+The side-by-side tables (``chunkstar-bench step-time``, ``overlap``) are not
+suites but comparisons (:mod:`chunkstar_bench.comparisons`): their rows depend
+on each other's measurements and their point is the ratios.
+
 A suite is data: this module builds the lists and runs nothing. Hardware
 labels name the node the published numbers were measured on, so a report can
 set ours beside them; :func:`with_hardware` relabels a suite for another machine.
@@ -20,15 +24,13 @@ set ours beside them; :func:`with_hardware` relabels a suite for another machine
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import io
-from importlib import resources
 
+from chunkstar_bench.published import load_published
 from chunkstar_bench.runner import RunSpec
-from chunkstar_bench.zoo import ZOO, n_params, paper_label
+from chunkstar_bench.zoo import ZOO, n_params
 
-__all__ = ["GPU_COUNTS", "PAPER_HARDWARE", "SUITES", "get_suite", "published_results", "with_hardware"]
+__all__ = ["GPU_COUNTS", "PAPER_HARDWARE", "SUITES", "get_suite", "with_hardware"]
 
 GPU_COUNTS: tuple[int, ...] = (1, 2, 4, 8)
 PAPER_BATCH_PER_GPU = 8
@@ -36,22 +38,9 @@ PAPER_HARDWARE: dict[str, str] = {"paper-v100": "v100x8_240gb", "paper-a100": "a
 """Suite name -> the hardware label of its published numbers in ``data/paper_results.csv``."""
 
 
-def published_results() -> list[dict[str, str]]:
-    """Rows of the packaged ``paper_results.csv`` (comment lines dropped), as strings."""
-    text = resources.files("chunkstar_bench.data").joinpath("paper_results.csv").read_text()
-    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
-    return list(csv.DictReader(io.StringIO("\n".join(lines))))
-
-
-def _zoo_name_for_label() -> dict[str, str]:
-    """Figure label ('1B') -> zoo name ('GPT2_1B') for the paper models."""
-    return {label: name for name, spec in ZOO.items() if (label := paper_label(spec)) is not None}
-
-
 def _paper_suite(hardware: str) -> list[RunSpec]:
-    by_label = _zoo_name_for_label()
-    labels = {row["model"] for row in published_results() if row["hardware"] == hardware}
-    models = sorted((by_label[label] for label in labels if label in by_label), key=lambda n: n_params(ZOO[n]))
+    names = {r.zoo_model for r in load_published() if r.hardware == hardware and r.zoo_model is not None}
+    models = sorted(names, key=lambda n: n_params(ZOO[n]))
     return [
         RunSpec(
             system=system, model=model, nprocs=gpus, batch=PAPER_BATCH_PER_GPU, steps=5, warmup=2,
@@ -66,13 +55,14 @@ def _paper_suite(hardware: str) -> list[RunSpec]:
 def _cpu_suite(models: tuple[str, ...], systems: tuple[str, ...], steps: int) -> list[RunSpec]:
     # warmup 2: chunkstar's tracer warm-up spans two micro-steps (README, "Measured").
     return [
-        RunSpec(system=system, model=model, batch=4, seq_len=128, steps=steps, warmup=2, device="cpu", hardware="cpu")  # type: ignore[arg-type]
+        RunSpec(system=system, model=model, batch=4, seq_len=128, steps=steps, warmup=2, device="cpu", hardware="cpu")
         for model in models
         for system in systems
     ]
 
 
 _ALL_SYSTEMS = ("pytorch", "chunkstar", "deepspeed", "fsdp2")
+"""The four systems of the CPU suites (the disk systems are max-scale's)."""
 
 SUITES: dict[str, list[RunSpec]] = {
     "paper-v100": _paper_suite(PAPER_HARDWARE["paper-v100"]),

@@ -1,6 +1,6 @@
 """The benchmark model zoo: GPT configurations by name, and how to build one.
 
-Two families live here:
+Three families live here:
 
 * the PatrickStar paper's GPT models (``data/paper_models.csv``, copied from the
   project's reference data so the package needs nothing outside itself at run
@@ -9,7 +9,11 @@ Two families live here:
   parameters at sequence 128, dense enough between 100M and 800M that a
   max-scale search under a host-memory cap of a few GiB separates a system
   needing ~14 bytes per parameter (chunkstar) from one needing ~18+ (DeepSpeed
-  ZeRO-3 offload).
+  ZeRO-3 offload);
+* the models of the comparison tables (``chunkstar-bench step-time`` and
+  ``overlap``, :mod:`chunkstar_bench.comparisons`): ``gpt2-51m`` (``cpu-base``
+  with GPT-2's 1024 positions) and ``gpt2-30m-v8k`` (the same blocks, an 8192-token
+  vocabulary, 256 positions). They are not on the CPU ladder.
 
 Every model is a Hugging Face ``GPT2LMHeadModel`` built from its config (no
 downloads), with dropout off and no KV cache. This module imports torch and
@@ -94,7 +98,9 @@ def build_hf(spec: ModelSpec) -> GPT2LMHeadModel:
 
 
 def paper_label(spec: ModelSpec) -> str | None:
-    """The size label the paper's figures use (``'1B'`` ...), from the note; None for CPU models."""
+    """The size label the paper's figures use (``'1B'`` ...), from the note; None for the other families."""
+    if spec != _PAPER_MODELS.get(spec.name):
+        return None
     match = re.search(r"'([^']+)'", spec.note)
     if match:
         return match.group(1)
@@ -125,7 +131,7 @@ def _read_paper_models() -> dict[str, ModelSpec]:
 _CPU_LADDER: tuple[tuple[str, int, int, int, str], ...] = (
     ("cpu-tiny", 128, 2, 4, "fast tests: seconds per step"),
     ("cpu-small", 256, 4, 4, "cpu suite"),
-    ("cpu-base", 512, 8, 8, "cpu suite; the 51.5M model of benchmarks/step_time.py"),
+    ("cpu-base", 512, 8, 8, "cpu suite; gpt2-51m at 128 positions"),
     ("cpu-124m", 768, 12, 12, "GPT-2 small shape"),
     ("cpu-200m", 1024, 12, 16, ""),
     ("cpu-250m", 1024, 16, 16, ""),
@@ -150,8 +156,17 @@ def _cpu_models() -> dict[str, ModelSpec]:
     }
 
 
-ZOO: dict[str, ModelSpec] = {**_read_paper_models(), **_cpu_models()}
-"""Every model by name: the paper's GPT configs, then the CPU ladder (smallest first)."""
+_TABLE_MODELS: tuple[ModelSpec, ...] = (
+    ModelSpec("gpt2-51m", hidden=512, layers=8, heads=8, seq_len=1024, note="the model of the step-time table (51.5M)"),
+    ModelSpec(
+        "gpt2-30m-v8k", hidden=512, layers=8, heads=8, seq_len=256, vocab=8192,
+        note="the model of the overlap table (29.5M): a small vocabulary, so the chunks of the blocks dominate the moves",
+    ),
+)  # fmt: skip
+
+_PAPER_MODELS = _read_paper_models()
+ZOO: dict[str, ModelSpec] = {**_PAPER_MODELS, **_cpu_models(), **{m.name: m for m in _TABLE_MODELS}}
+"""Every model by name: the paper's GPT configs, the CPU ladder (smallest first), the comparison tables' models."""
 
 
 def cpu_ladder() -> list[str]:

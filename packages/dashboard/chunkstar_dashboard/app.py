@@ -1,11 +1,14 @@
-"""chunkstar profile dashboard: the Streamlit entry point.
+"""chunkstar profile dashboard: the Streamlit script.
 
-    streamlit run dashboards/app.py -- --profile run.prof [--compare other.prof] [--bench-db results.sqlite]
+    chunkstar-profile view run.csprof [--compare other.csprof] [--bench-db results.sqlite]
+    streamlit run dashboards/app.py -- --profile run.csprof [--compare other.csprof] [--bench-db results.sqlite]
 
-Without ``--profile`` the sidebar asks for a path or an upload; the Benchmarks
-page reads the results database of ``--bench-db`` (or its own sidebar box). This script
-only parses the arguments, picks the profile and builds the navigation; the
-pages in ``views/`` render, from the pure functions in ``chunkstar_dashboard``.
+The first form starts this script (``chunkstar_dashboard.launch``); the second
+runs the checkout's thin entry, which calls :func:`main`. Without
+``--profile`` the sidebar asks for a path or an upload; the Benchmarks page
+reads the results database of ``--bench-db`` (or its own sidebar box). This
+script only parses the arguments, picks the profile and builds the navigation;
+the pages in ``views/`` render, from the pure functions of the package.
 """
 
 from __future__ import annotations
@@ -13,40 +16,56 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
-_HERE = Path(__file__).resolve().parent
-if str(_HERE) not in sys.path:  # `streamlit run` adds it; AppTest and other runners may not
-    sys.path.insert(0, str(_HERE))
+import streamlit as st
+from chunkstar_profiler import Profile
 
-import streamlit as st  # noqa: E402
+from chunkstar_dashboard import loading
+from chunkstar_dashboard.data import display_name, duration_s, format_bytes, format_duration, has_disk_tier, peak_bytes
+from chunkstar_dashboard.text import escape_markdown
 
-from chunkstar_dashboard import loading  # noqa: E402
-from chunkstar_dashboard.data import ProfileData, format_bytes, has_disk_tier, peak_bytes  # noqa: E402
-from chunkstar_dashboard.text import escape_markdown  # noqa: E402
+__all__ = ["PAGES", "main", "script_args"]
+
+VIEWS = Path(__file__).resolve().with_name("views")
+PAGES = (
+    ("memory.py", "Memory timeline"),
+    ("chunks.py", "Chunk locations"),
+    ("operators.py", "Operator movements"),
+    ("compare.py", "Compare profiles"),
+    ("benchmarks.py", "Benchmarks"),
+)
+"""The page scripts in ``views/`` and their titles, in navigation order; the first is the default."""
 
 
-def _cli_args() -> argparse.Namespace:
-    """``--profile`` / ``--compare`` / ``--bench-db`` after ``--`` on the streamlit command line; none under other runners."""
-    ap = argparse.ArgumentParser(prog="dashboards/app.py", add_help=False)
+def script_args(script: str) -> list[str]:
+    """The arguments after ``--`` when ``script`` is what ``streamlit run`` runs; none under other runners
+    (``AppTest`` and pytest leave their own ``sys.argv``, which is not ours to parse)."""
+    if sys.argv and sys.argv[0] and Path(sys.argv[0]).resolve() == Path(script).resolve():
+        return sys.argv[1:]
+    return []
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="chunkstar_dashboard/app.py", add_help=False, allow_abbrev=False)
     ap.add_argument("--profile", default="")
     ap.add_argument("--compare", default="")
     ap.add_argument("--bench-db", default="")
-    own = Path(sys.argv[0]).resolve() == Path(__file__).resolve() if sys.argv and sys.argv[0] else False
-    return ap.parse_known_args(sys.argv[1:] if own else [])[0]
+    return ap.parse_known_args(list(argv))[0]
 
 
-def _sidebar_summary(p: ProfileData) -> None:
+def _sidebar_summary(p: Profile) -> None:
     # Every string from the file is escaped: a model name of `**x**` or `[x](url)` shows as typed.
     m = p.meta
     chunk_size = m.get("chunk_size")
     lines = [
-        f"**{escape_markdown(p.name)}**",
+        f"**{escape_markdown(display_name(p))}**",
         f"model {escape_markdown(m.get('model_name', '?'))}, {m.get('n_params', 0) / 1e6:,.2f}M params"
         + (f", {escape_markdown(m['precision'])}" if m.get("precision") else ""),
         f"{escape_markdown(m.get('n_chunks', '?'))} chunks" + (f" of {chunk_size:,} elements" if isinstance(chunk_size, int) else ""),
         f"device {escape_markdown(m.get('device', '?'))}, budget " + (format_bytes(m["budget_bytes"]) if m.get("budget_bytes") else "unbounded"),
-        f"{escape_markdown(m.get('iterations', '?'))} iterations, {p.duration_s:.3f} s recorded",
+        f"{escape_markdown(m.get('iterations', '?'))} iterations, {format_duration(duration_s(p))} recorded",
     ]
     if has_disk_tier(p):
         lines.insert(4, f"disk tier: {format_bytes(peak_bytes(p.memory, 'disk'))} of chunk files")
@@ -59,19 +78,14 @@ def _sidebar_summary(p: ProfileData) -> None:
     st.sidebar.caption("  \n".join(lines))
 
 
-def main() -> None:
+def main(argv: Sequence[str] = ()) -> None:
+    """One run of the app; ``argv``: ``--profile`` / ``--compare`` / ``--bench-db`` (see :func:`script_args`)."""
     st.set_page_config(page_title="chunkstar profile", layout="wide")
-    args = _cli_args()
+    args = _parse(argv)
     st.session_state.setdefault("profile_path", args.profile)
     st.session_state.setdefault("compare_path", args.compare)
     st.session_state.setdefault("bench_db_path", args.bench_db)
-    pages = [
-        st.Page("views/memory.py", title="Memory timeline", default=True),
-        st.Page("views/chunks.py", title="Chunk locations"),
-        st.Page("views/operators.py", title="Operator movements"),
-        st.Page("views/compare.py", title="Compare profiles"),
-        st.Page("views/benchmarks.py", title="Benchmarks"),
-    ]
+    pages = [st.Page(VIEWS / file, title=title, default=i == 0) for i, (file, title) in enumerate(PAGES)]
     nav = st.navigation(pages)
     with st.sidebar:
         st.header("Profile")
@@ -82,4 +96,5 @@ def main() -> None:
     nav.run()
 
 
-main()
+if __name__ == "__main__":  # `streamlit run` runs this file as __main__ (chunkstar-profile view does)
+    main(script_args(__file__))

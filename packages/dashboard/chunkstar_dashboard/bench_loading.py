@@ -1,15 +1,15 @@
 """Reading benchmark results for the app: the results SQLite, the published figures, the planner.
 
-All three go through ``chunkstar_bench`` (imported here, lazily, so the profile
-pages work without it) and are cached by ``st.cache_data``: a results file by
-(path, mtime, size), so a database a nightly job appended to is read again.
+All three go through ``chunkstar_bench`` (the same distribution; its heavier
+modules imported only when a page asks) and are cached by ``st.cache_data``:
+a results file by (path, mtime, size), so a database a nightly job appended
+to is read again.
 A file that is missing or not a results database becomes a ``BenchLoadError``
 whose text the page shows.
 """
 
 from __future__ import annotations
 
-from importlib import resources
 from pathlib import Path
 
 import pandas as pd
@@ -18,10 +18,6 @@ import streamlit as st
 from .bench_data import published_frame
 
 __all__ = ["BenchLoadError", "load_published", "load_runs", "planned_max"]
-
-PLANNER_AS = {"pytorch-ddp": "pytorch", "fsdp2-offload": "fsdp2"}
-"""The planner's system names -> the runner's, so planned bars stand beside measured ones."""
-
 
 class BenchLoadError(Exception):
     """A results database could not be read; the message is meant for the user."""
@@ -56,12 +52,10 @@ def load_runs(path: str) -> pd.DataFrame:
 
 @st.cache_data(show_spinner=False)
 def load_published() -> pd.DataFrame:
-    """The paper's published figures (``chunkstar_bench/data/paper_results.csv``), exact zoo sizes where known."""
-    from chunkstar_bench import zoo
+    """The paper's published figures (``chunkstar_bench.published``, exact zoo sizes where known), as a frame."""
+    from chunkstar_bench import published
 
-    text = resources.files("chunkstar_bench.data").joinpath("paper_results.csv").read_text()
-    sizes = {label: zoo.n_params(spec) for spec in zoo.ZOO.values() if (label := zoo.paper_label(spec))}
-    return published_frame(text, sizes)
+    return published_frame(published.load_published())
 
 
 @st.cache_data(show_spinner="Planning...")
@@ -72,6 +66,7 @@ def planned_max(hardware: tuple[str, ...]) -> pd.DataFrame:
     node's GPUs, chunkstar's auto chunk size.
     """
     from chunkstar_bench import plan
+    from chunkstar_bench.published import canonical_system
 
     rows = []
     for name in hardware:
@@ -81,5 +76,5 @@ def planned_max(hardware: tuple[str, ...]) -> pd.DataFrame:
         for system in plan.SYSTEMS:
             best = plan.predict_max(system, hw).best
             if best is not None:
-                rows.append({"hardware": name, "system": PLANNER_AS.get(system, system), "model": best.model, "n_params": best.n_params})
+                rows.append({"hardware": name, "system": canonical_system(system), "model": best.model, "n_params": best.n_params})
     return pd.DataFrame(rows, columns=["hardware", "system", "model", "n_params"])

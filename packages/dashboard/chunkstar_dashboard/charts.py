@@ -13,18 +13,24 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .data import MAX_POINTS_PER_TRACE, TIERS, PlacementGrid, ProfileData, memory_series, tiers_present
+from chunkstar_profiler import Profile
 
-__all__ = ["STAGE_COLOURS", "TIER_COLOURS", "chunk_map", "memory_timeline", "operator_bytes", "step_times_chart"]
+from .data import MAX_POINTS_PER_TRACE, TIERS, PlacementGrid, duration_s, memory_series, tiers_present, time_axis
+
+__all__ = ["STAGE_COLOURS", "STAGE_NAMES", "TIER_COLOURS", "chunk_map", "memory_timeline", "operator_bytes", "step_times_chart"]
 
 MIB = 2.0**20
 BUDGET_OFF_SCALE = 2.0
 """A budget more than this many times the peak is drawn off scale (named in the legend)."""
-STAGE_COLOURS = {"fwd": "rgba(31,119,180,0.10)", "bwd": "rgba(255,127,14,0.12)", "optim": "rgba(44,160,44,0.14)"}
+STAGE_COLOURS = {"fwd": "rgba(31,119,180,0.16)", "bwd": "rgba(255,127,14,0.20)", "optim": "rgba(44,160,44,0.26)"}
+"""Band fill per stage: light enough that the memory lines read over them, strong enough to tell apart."""
+STAGE_NAMES = {"fwd": "forward", "bwd": "backward", "optim": "optimizer"}
+MAX_ITERATION_LABELS = 40
+"""Past this many iterations in view, the bands are not numbered (the labels would overlap)."""
 TIER_COLOURS = {"device": "#e4572e", "host": "#2e86ab", "disk": "#8c564b"}
 """One colour per tier, on every page: the chunk map, the operator bars, the memory panels' titles."""
-TIER_TITLES = {"disk": "disk (chunk files)"}
-"""Panel titles where the tier's name alone would mislead: the disk tier's bytes are its chunk files."""
+TIER_TITLES = {"device": "device memory", "host": "host memory", "disk": "disk: chunk files"}
+"""Panel (y-axis) titles of the memory timeline: the disk tier's bytes are its chunk files."""
 _SERIES = (
     # column, legend name, line style
     ("total_bytes", "total", dict(color="#222222", width=1.6)),
@@ -33,8 +39,8 @@ _SERIES = (
 )
 
 
-def _stage_band_traces(stages: pd.DataFrame, y_top: float, row: int, show_legend: bool) -> list[tuple[go.Scatter, int]]:
-    """One filled trace per stage (all its iterations joined by gaps), under the memory lines."""
+def _stage_band_traces(stages: pd.DataFrame, y_top: float, scale: float, show_legend: bool) -> list[go.Scatter]:
+    """One filled trace per stage (all its iterations joined by gaps), under the memory lines; x in units of ``scale`` s."""
     out = []
     for stage, colour in STAGE_COLOURS.items():
         bands = stages[stages["stage"] == stage]
@@ -43,43 +49,52 @@ def _stage_band_traces(stages: pd.DataFrame, y_top: float, row: int, show_legend
         n = len(bands)
         xs = np.empty(n * 5)
         ys = np.empty(n * 5)
-        xs[0::5], xs[1::5] = bands["t_start_s"], bands["t_start_s"]
-        xs[2::5], xs[3::5] = bands["t_end_s"], bands["t_end_s"]
+        xs[0::5], xs[1::5] = bands["t_start_s"] / scale, bands["t_start_s"] / scale
+        xs[2::5], xs[3::5] = bands["t_end_s"] / scale, bands["t_end_s"] / scale
         xs[4::5] = np.nan
         ys[0::5], ys[1::5], ys[2::5], ys[3::5], ys[4::5] = 0.0, y_top, y_top, 0.0, np.nan
-        trace = go.Scatter(
-            x=xs, y=ys, fill="toself", fillcolor=colour, line=dict(width=0), mode="lines",
-            name=stage, legendgroup=f"stage-{stage}", showlegend=show_legend, hoverinfo="skip",
+        out.append(
+            go.Scatter(
+                x=xs, y=ys, fill="toself", fillcolor=colour, line=dict(width=0), mode="lines",
+                name=STAGE_NAMES.get(stage, stage), legendgroup=f"stage-{stage}", showlegend=show_legend, hoverinfo="skip",
+            )
         )  # fmt: skip
-        out.append((trace, row))
     return out
 
 
 def memory_timeline(
-    p: ProfileData,
+    p: Profile,
     tiers: Sequence[str] = TIERS,
     max_points: int = MAX_POINTS_PER_TRACE,
     y_max_mib: dict[str, float] | None = None,
     height_per_tier: int = 320,
+    iterations: tuple[int, int] | None = None,
 ) -> tuple[go.Figure, bool]:
-    """Memory per tier over time: total, chunks, non-model, budget, with fwd/bwd/optim bands.
+    """Memory per tier over time: total, chunks, non-model, budget, over forward/backward/optimizer bands.
 
     Returns the figure and whether any trace was downsampled. Hovering a
     sample names the module (operator) whose moment boundary it was taken at.
     Tiers without samples are left out (``TIERS`` holds the disk tier, which
     most runs do not have); one panel per tier, titled in the tier's colour.
+    ``iterations`` (inclusive) narrows the view to those iterations' stages;
+    each iteration in view is numbered above its bands. Time is in ms, s or
+    min, whichever suits the span shown (``data.time_axis``).
     """
     present = set(tiers_present(p.memory))
     tiers = [t for t in tiers if t in present] or list(tiers)[:1]
-    fig = make_subplots(
-        rows=len(tiers), cols=1, shared_xaxes=True, vertical_spacing=0.08,
-        subplot_titles=[f"{TIER_TITLES.get(t, t)} memory" for t in tiers] if len(tiers) > 1 else None,
-    )  # fmt: skip
-    for title, tier in zip(fig.layout.annotations, tiers):
-        title.font = dict(color=TIER_COLOURS.get(tier, "#222222"))
+    stages = p.stages
+    window: tuple[float, float] | None = None
+    if iterations is not None and len(stages):
+        stages = stages[stages["iteration"].between(*iterations)]
+        if len(stages):
+            window = (float(stages["t_start_s"].min()), float(stages["t_end_s"].max()))
+    span = window[1] - window[0] if window else duration_s(p)
+    unit, scale = time_axis(span)
+    # each panel is named by its y-axis title, in the tier's colour; the strip above the top panel numbers the iterations
+    fig = make_subplots(rows=len(tiers), cols=1, shared_xaxes=True, vertical_spacing=0.06)
     downsampled = False
     for row, tier in enumerate(tiers, start=1):
-        rows, dropped = memory_series(p.memory, tier, max_points)
+        rows, dropped = memory_series(p.memory, tier, max_points, window)
         downsampled |= dropped
         budget = p.memory.loc[p.memory["tier"] == tier, ["t_s", "budget_bytes"]].sort_values("t_s")
         budget_changes = budget[budget["budget_bytes"].diff().ne(0)]
@@ -93,15 +108,15 @@ def memory_timeline(
         top = max(peak, budget_max if fits else 0.0)
         top = (y_max_mib or {}).get(tier, top / MIB * 1.05) or 1.0
         budget_on_scale = has_budget and budget_max / MIB <= top
-        for trace, r in _stage_band_traces(p.stages, top, row, show_legend=row == 1):
-            fig.add_trace(trace, row=r, col=1)
+        for trace in _stage_band_traces(stages, top, scale, show_legend=row == 1):
+            fig.add_trace(trace, row=row, col=1)
         custom = np.column_stack([rows["module"].astype(str), rows["stage"].astype(str), rows["iteration"].astype(str)])
         for col, label, line in _SERIES:
             fig.add_trace(
                 go.Scatter(
-                    x=rows["t_s"], y=rows[col] / MIB, name=label, legendgroup=label, showlegend=row == 1,
+                    x=rows["t_s"] / scale, y=rows[col] / MIB, name=label, legendgroup=label, showlegend=row == 1,
                     mode="lines", line=dict(shape="hv", **line), customdata=custom,
-                    hovertemplate=f"{label} %{{y:,.2f}} MiB<br>t %{{x:.4f}} s<br>module %{{customdata[0]}}"
+                    hovertemplate=f"{label} %{{y:,.2f}} MiB<br>t %{{x:,.4~g}} {unit}<br>module %{{customdata[0]}}"
                     f"<br>%{{customdata[1]}}, iteration %{{customdata[2]}}<extra>{tier}</extra>",
                 ),
                 row=row, col=1,
@@ -109,7 +124,7 @@ def memory_timeline(
         if has_budget:
             fig.add_trace(
                 go.Scatter(
-                    x=budget_changes["t_s"], y=budget_changes["budget_bytes"] / MIB, legendgroup="budget",
+                    x=budget_changes["t_s"] / scale, y=budget_changes["budget_bytes"] / MIB, legendgroup="budget",
                     name="budget" if budget_on_scale else f"budget ({budget_max / MIB:,.0f} MiB, off scale)",
                     showlegend=row == 1, mode="lines", line=dict(shape="hv", color="#d00000", dash="dash", width=1.2),
                     hovertemplate="budget %{y:,.2f} MiB<extra>" + tier + "</extra>",
@@ -117,12 +132,22 @@ def memory_timeline(
                 row=row, col=1,
             )  # fmt: skip
         fig.update_yaxes(
-            title_text=f"{tier} MiB", title_font=dict(color=TIER_COLOURS.get(tier, "#222222")), range=[0, top], row=row, col=1
-        )
-    fig.update_xaxes(title_text="seconds since profile start", row=len(tiers), col=1)
+            title_text=f"{TIER_TITLES.get(tier, tier)} (MiB)", title_font=dict(color=TIER_COLOURS.get(tier, "#222222")),
+            range=[0, top], row=row, col=1,
+        )  # fmt: skip
+    starts = stages.groupby("iteration")["t_start_s"].min() if len(stages) else pd.Series(dtype=float)
+    if 0 < len(starts) <= MAX_ITERATION_LABELS:
+        for iteration, t in starts.items():  # numbered just above the top panel's bands
+            fig.add_annotation(
+                x=t / scale, y=1.0, xref="x", yref="paper", yanchor="bottom", xanchor="left", showarrow=False,
+                text=f"iter {int(iteration)}", font=dict(size=11, color="#555555"), name="iteration",
+            )  # fmt: skip
+    if window is not None:
+        fig.update_xaxes(range=[window[0] / scale, window[1] / scale])
+    fig.update_xaxes(title_text=f"time since profile start ({unit})", row=len(tiers), col=1)
     fig.update_layout(
-        height=height_per_tier * len(tiers) + 80, margin=dict(l=10, r=10, t=70, b=10),
-        legend=dict(orientation="h", yanchor="bottom", y=1.0 + 30 / (height_per_tier * len(tiers)), x=0),
+        height=height_per_tier * len(tiers) + 100, margin=dict(l=10, r=10, t=80, b=10),
+        legend=dict(orientation="h", yanchor="bottom", y=1.0 + 45 / (height_per_tier * len(tiers)), x=0),
         hovermode="closest",
     )  # fmt: skip
     return fig, downsampled
@@ -142,7 +167,8 @@ def chunk_map(grid: PlacementGrid) -> go.Figure:
         rows=max(1, len(lists)), cols=1, shared_xaxes=True, vertical_spacing=0.04,
         row_heights=[max(c, 1) for c in counts] or [1], subplot_titles=[f"{c} ({n} chunks)" for c, n in zip(lists, counts)],
     )  # fmt: skip
-    centres = (grid.edges[:-1] + grid.edges[1:]) / 2
+    unit, scale = time_axis(float(grid.edges[-1]) if len(grid.edges) else 0.0)
+    centres = (grid.edges[:-1] + grid.edges[1:]) / 2 / scale
     lists_arr = np.array(grid.chunk_lists, dtype=object)
     ids = np.array(grid.chunk_ids)
     # float32 and uint8 below: fewer bytes to the browser
@@ -163,12 +189,12 @@ def chunk_map(grid: PlacementGrid) -> go.Figure:
             go.Heatmap(
                 x=centres, y=[str(i) for i in ids[sel]], z=z[sel], zmin=0.0, zmax=1.0, colorscale=colourscale,
                 showscale=row == 1, customdata=custom, xgap=0, ygap=1, colorbar=colorbar,
-                hovertemplate=f"{name} chunk %{{y}}<br>t %{{x:.4f}} s<br>{hover} of the bin<extra></extra>",
+                hovertemplate=f"{name} chunk %{{y}}<br>t %{{x:,.4~g}} {unit}<br>{hover} of the bin<extra></extra>",
             ),
             row=row, col=1,
         )  # fmt: skip
         fig.update_yaxes(title_text="chunk", type="category", row=row, col=1)
-    fig.update_xaxes(title_text="seconds since profile start", row=max(1, len(lists)), col=1)
+    fig.update_xaxes(title_text=f"time since profile start ({unit})", row=max(1, len(lists)), col=1)
     fig.update_layout(height=max(300, min(1400, 120 * len(lists) + 14 * len(grid.chunk_ids))), margin=dict(l=10, r=10, t=40, b=10))
     return fig
 
@@ -197,9 +223,12 @@ def operator_bytes(table: pd.DataFrame, top: int = 20) -> go.Figure:
             if col in ("bytes_to_device", "bytes_to_host") or t[col].any()
         ]
     )
+    # The legend sits under the x-axis title, in a bottom margin of its own: above the plot it covered the top bar.
+    height, margin = max(280, 22 * len(t) + 150), dict(l=10, r=10, t=10, b=95)
+    plot_px = height - margin["t"] - margin["b"]
     fig.update_layout(
-        barmode="stack", height=max(250, 22 * len(t) + 80), margin=dict(l=10, r=10, t=30, b=10),
-        xaxis_title="MiB moved", legend=dict(orientation="h", y=1.05, x=0),
+        barmode="stack", height=height, margin=margin, xaxis_title="MiB moved",
+        legend=dict(orientation="h", yanchor="top", y=-62 / plot_px, x=0),
     )  # fmt: skip
     return fig
 
@@ -210,7 +239,8 @@ def step_times_chart(steps: pd.DataFrame, names: tuple[str, str]) -> go.Figure:
         [go.Scatter(x=steps["iteration"], y=steps[col], name=name, mode="lines+markers") for col, name in zip(("A", "B"), names)]
     )
     fig.update_layout(
-        height=300, margin=dict(l=10, r=10, t=30, b=10), xaxis_title="iteration", yaxis_title="step time (ms)",
-        legend=dict(orientation="h", y=1.08, x=0), xaxis=dict(tickformat="d", dtick=1 if len(steps) <= 30 else None),
+        height=320, margin=dict(l=10, r=10, t=50, b=10), xaxis_title="iteration", yaxis_title="step time (ms)",
+        legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0),  # in the top margin, over no point
+        xaxis=dict(tickformat="d", dtick=1 if len(steps) <= 30 else None),  # whole iterations
     )  # fmt: skip
     return fig

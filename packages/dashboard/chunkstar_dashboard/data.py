@@ -1,20 +1,25 @@
-"""Pure data shaping for the dashboard: profile tables in, plot- and table-ready frames out.
+"""Pure data shaping for the dashboard: a profile's tables in, plot- and table-ready frames out.
 
-Nothing here imports Streamlit or plotly, so every function is unit-tested on
-plain DataFrames. The pages only render what these functions return.
+The profile is the profiler's own ``chunkstar_profiler.Profile`` (tests build
+one from hand-written frames). Nothing here imports Streamlit or plotly, so
+every function is unit-tested on plain DataFrames; the pages only render what
+these functions return.
 
 Units: the profile's tables carry seconds and bytes; so do the frames returned
-here. Conversion to MiB / ms happens at the edge (charts and tables).
+here. Conversion to MiB / ms happens at the edge (charts and tables), through
+``format_bytes``, ``format_duration`` and ``time_axis``.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from chunkstar_profiler import MOVE_REASONS, TIERS
+from chunkstar_profiler import MOVE_REASONS, TIERS, Profile
 
 __all__ = [
     "DIRECTIONS",
@@ -25,21 +30,26 @@ __all__ = [
     "TIERS",
     "MoveFilter",
     "PlacementGrid",
-    "ProfileData",
     "compare_table",
+    "display_name",
     "downsample_minmax",
+    "duration_s",
     "filter_moves",
     "format_bytes",
+    "format_duration",
+    "iteration_span",
     "memory_series",
     "has_disk_tier",
     "move_totals",
     "moves_by_operator",
     "peak_bytes",
     "placement_grid",
+    "round_significant",
     "step_time_comparison",
     "step_times",
     "summary_figures",
     "tiers_present",
+    "time_axis",
 ]
 
 STAGES = ("fwd", "bwd", "optim")
@@ -50,53 +60,23 @@ OUTSIDE_MOMENTS = "(outside moments)"
 """Label for moves and samples that no module's moment caused (module == "")."""
 
 _MEMORY_SERIES = ("total_bytes", "chunk_bytes", "non_model_bytes")
+_DISK_REASONS = ("stage_in", "stage_out")
+"""Move reasons of the disk tier only."""
 
 
-@dataclass(frozen=True)
-class ProfileData:
-    """A loaded profile as plain tables: what the pages render from.
+def display_name(p: Profile) -> str:
+    """The file name a page shows for ``p``: the last part of the path or upload name it was read from."""
+    return Path(p.source).name if p.source else "(unnamed profile)"
 
-    A copy of the profiler's ``Profile`` fields (see ``chunkstar_profiler``),
-    held as a plain dataclass so Streamlit's cache can pickle it and tests can
-    build one from hand-written frames.
-    """
 
-    name: str
-    """File name shown on the pages."""
-    meta: dict[str, Any]
-    moments: pd.DataFrame
-    moves: pd.DataFrame
-    memory: pd.DataFrame
-    stages: pd.DataFrame
-    placements: pd.DataFrame
-
-    @classmethod
-    def from_profile(cls, profile: Any, name: str) -> ProfileData:
-        """Copy the public fields of a ``chunkstar_profiler.Profile``."""
-        return cls(
-            name=name,
-            meta=dict(profile.meta),
-            moments=profile.moments,
-            moves=profile.moves,
-            memory=profile.memory,
-            stages=profile.stages,
-            placements=profile.placements,
-        )
-
-    @property
-    def duration_s(self) -> float:
-        """Seconds from the profile start to the last recorded event."""
-        ends = [
-            frame[col].max()
-            for frame, col in (
-                (self.memory, "t_s"),
-                (self.moves, "t_end_s"),
-                (self.stages, "t_end_s"),
-                (self.placements, "t_end_s"),
-            )
-            if len(frame)
-        ]
-        return float(max(ends)) if ends else 0.0
+def duration_s(p: Profile) -> float:
+    """Seconds from the profile start to the last recorded event."""
+    ends = [
+        frame[col].max()
+        for frame, col in ((p.memory, "t_s"), (p.moves, "t_end_s"), (p.stages, "t_end_s"), (p.placements, "t_end_s"))
+        if len(frame)
+    ]
+    return float(max(ends)) if ends else 0.0
 
 
 def _module_labels(modules: pd.Series) -> pd.Series:
@@ -113,13 +93,55 @@ def format_bytes(n: float) -> str:
     return f"{n:,.0f} B"
 
 
+def format_duration(seconds: float) -> str:
+    """``seconds`` in the unit a person reads: ``850 µs``, ``113 ms``, ``2.35 s``, ``4 min 05 s``, ``1 h 03 min``."""
+    if not math.isfinite(seconds):
+        return "n/a"
+    s = abs(seconds)
+    sign = "-" if seconds < 0 else ""
+    if s == 0:
+        return "0 s"
+    if s < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
+    if s < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    if s < 59.95:
+        return f"{seconds:.3g} s"
+    if s < 3600:
+        minutes, rest = divmod(round(s), 60)
+        return f"{sign}{minutes} min {rest:02d} s"
+    hours, rest = divmod(round(s), 3600)
+    return f"{sign}{hours} h {rest // 60:02d} min"
+
+
+def time_axis(span_s: float) -> tuple[str, float]:
+    """The unit of a time axis spanning ``span_s`` seconds and seconds per unit: ms below 2 s, min past 5 min."""
+    if span_s < 2.0:
+        return "ms", 1e-3
+    if span_s > 300.0:
+        return "min", 60.0
+    return "s", 1.0
+
+
+def round_significant(values: Sequence[float] | np.ndarray | pd.Series, digits: int = 3) -> np.ndarray:
+    """Each value to ``digits`` significant figures, never dropping integer digits: 4096 stays 4096,
+    21.6875 -> 21.7, 0.11342 -> 0.113; NaN and inf stay as they are."""
+    v = np.asarray(values, dtype=float)
+    out = v.copy()
+    finite = np.isfinite(v) & (v != 0)
+    magnitude = np.floor(np.log10(np.abs(v[finite])))
+    decimals = np.clip(digits - 1 - magnitude, 0, None).astype(int)
+    out[finite] = [round(x, int(d)) for x, d in zip(v[finite], decimals)]
+    return out
+
+
 def tiers_present(memory: pd.DataFrame) -> list[str]:
     """The tiers ``memory`` has samples of: the known ones fastest first (``TIERS``), then any other."""
     seen = {str(t) for t in memory["tier"]}
     return [t for t in TIERS if t in seen] + sorted(seen - set(TIERS))
 
 
-def has_disk_tier(p: ProfileData) -> bool:
+def has_disk_tier(p: Profile) -> bool:
     """Whether the run had the disk tier: disk samples, stage moves or disk stats in the profile."""
     return bool(
         (p.memory["tier"] == "disk").any()
@@ -161,9 +183,28 @@ def downsample_minmax(df: pd.DataFrame, x: str, ys: list[str] | tuple[str, ...],
     return df[keep].reset_index(drop=True)
 
 
-def memory_series(memory: pd.DataFrame, tier: str, max_points: int = MAX_POINTS_PER_TRACE) -> tuple[pd.DataFrame, bool]:
-    """The samples of one tier, downsampled for plotting; second item: whether rows were dropped."""
-    rows = memory[memory["tier"] == tier]
+def iteration_span(stages: pd.DataFrame, first: int, last: int) -> tuple[float, float]:
+    """Seconds from the start of iteration ``first``'s first stage to the end of iteration ``last``'s last one
+    (inclusive); ``(0, 0)`` when no stage of those iterations was recorded."""
+    sel = stages[stages["iteration"].between(first, last)]
+    if sel.empty:
+        return 0.0, 0.0
+    return float(sel["t_start_s"].min()), float(sel["t_end_s"].max())
+
+
+def memory_series(
+    memory: pd.DataFrame, tier: str, max_points: int = MAX_POINTS_PER_TRACE, window: tuple[float, float] | None = None
+) -> tuple[pd.DataFrame, bool]:
+    """The samples of one tier, downsampled for plotting; second item: whether rows were dropped.
+
+    With ``window`` (seconds), only the samples inside it, plus the last one before it: a sample holds
+    until the next, so that one is the memory at the window's start.
+    """
+    rows = memory[memory["tier"] == tier].sort_values("t_s", kind="stable")
+    if window is not None:
+        t0, t1 = window
+        before = rows[rows["t_s"] < t0].tail(1)
+        rows = pd.concat([before, rows[rows["t_s"].between(t0, t1)]])
     out = downsample_minmax(rows, "t_s", _MEMORY_SERIES, max_points)
     out = out.assign(module=_module_labels(out["module"]))
     return out, len(out) < len(rows)
@@ -375,12 +416,19 @@ def step_times(stages: pd.DataFrame) -> pd.Series:
     return out
 
 
-def summary_figures(p: ProfileData) -> dict[str, float]:
-    """The key figures of one profile, by display name (units in the name)."""
+def summary_figures(p: Profile) -> dict[str, float]:
+    """The key figures of one profile, by display name (units in the name).
+
+    Peaks and settings are as recorded; traffic (moves, bytes, move time) is per iteration, the
+    total over the recording divided by its iterations (those with a recorded stage), so two runs
+    of different lengths compare. NaN where the profile recorded no iteration.
+    """
     mib = 2.0**20
     totals = move_totals(p.moves)
     steps = step_times(p.stages)
+    n = float(len(steps)) if len(steps) else float("nan")
     figures: dict[str, float] = {
+        "iterations": float(len(steps)),
         "chunk size (elements)": float(p.meta.get("chunk_size") or np.nan),
         "chunks": float(p.meta.get("n_chunks") or np.nan),
         "device budget (MiB)": float(p.meta.get("budget_bytes") or 0) / mib,
@@ -388,29 +436,29 @@ def summary_figures(p: ProfileData) -> dict[str, float]:
         "peak device chunk memory (MiB)": peak_bytes(p.memory, "device", "chunk_bytes") / mib,
         "peak device non-model memory (MiB)": peak_bytes(p.memory, "device", "non_model_bytes") / mib,
         "peak host memory (MiB)": peak_bytes(p.memory, "host") / mib,
-        "moves": float(totals["moves"]),
-        "moved to device (MiB)": totals["bytes_to_device"] / mib,
-        "moved to host (MiB)": totals["bytes_to_host"] / mib,
-        "move time (s)": totals["stall_s"],
+        "mean step time (ms)": float(steps.mean() * 1e3) if len(steps) else np.nan,
+        "median step time (ms)": float(steps.median() * 1e3) if len(steps) else np.nan,
+        "moves per iteration": totals["moves"] / n,
+        "moved to device per iteration (MiB)": totals["bytes_to_device"] / mib / n,
+        "moved to host per iteration (MiB)": totals["bytes_to_host"] / mib / n,
+        "move time per iteration (ms)": totals["stall_s"] * 1e3 / n,
     }
     if has_disk_tier(p):  # only then: a run without the disk tier shows these as n/a, not 0
         stats = p.meta.get("disk_stats") or {}
         figures["disk chunk files (MiB)"] = peak_bytes(p.memory, "disk") / mib
-        figures["staged in from disk (MiB)"] = totals["bytes_from_disk"] / mib
-        figures["staged out to disk (MiB)"] = totals["bytes_to_disk"] / mib
+        figures["staged in from disk per iteration (MiB)"] = totals["bytes_from_disk"] / mib / n
+        figures["staged out to disk per iteration (MiB)"] = totals["bytes_to_disk"] / mib / n
         for key, seconds, label in (("disk_bytes_read", "disk_read_s", "read"), ("disk_bytes_written", "disk_write_s", "write")):
             secs = stats.get(seconds, 0)
             figures[f"disk {label} bandwidth (MiB/s)"] = stats.get(key, 0) / secs / mib if secs else np.nan
     counts = p.moves["reason"].value_counts()
-    for reason in list(MOVE_REASONS) + sorted(set(counts.index) - set(MOVE_REASONS)):
-        figures[f"moves: {reason}"] = float(counts.get(reason, 0))
-    figures["iterations"] = float(len(steps))
-    figures["mean step time (ms)"] = float(steps.mean() * 1e3) if len(steps) else np.nan
-    figures["median step time (ms)"] = float(steps.median() * 1e3) if len(steps) else np.nan
+    known = [r for r in MOVE_REASONS if has_disk_tier(p) or r not in _DISK_REASONS]  # no stage rows without the tier
+    for reason in known + sorted(set(counts.index) - set(MOVE_REASONS)):
+        figures[f"{reason} moves per iteration"] = float(counts.get(reason, 0)) / n
     return figures
 
 
-def compare_table(a: ProfileData, b: ProfileData) -> pd.DataFrame:
+def compare_table(a: Profile, b: Profile) -> pd.DataFrame:
     """Key figures of ``a`` and ``b`` side by side, with ``delta`` = b - a and ``delta_pct`` relative to a."""
     fa, fb = summary_figures(a), summary_figures(b)
     names = list(fa) + [n for n in fb if n not in fa]
@@ -422,7 +470,7 @@ def compare_table(a: ProfileData, b: ProfileData) -> pd.DataFrame:
     return pd.DataFrame({"figure": names, "A": va, "B": vb, "delta": delta, "delta_pct": pct})
 
 
-def step_time_comparison(a: ProfileData, b: ProfileData) -> pd.DataFrame:
+def step_time_comparison(a: Profile, b: Profile) -> pd.DataFrame:
     """Per-iteration step time (ms) of both profiles; iterations only one has are NaN in the other."""
     sa, sb = step_times(a.stages) * 1e3, step_times(b.stages) * 1e3
     out = pd.concat([sa.rename("A"), sb.rename("B")], axis=1).sort_index()

@@ -1,8 +1,8 @@
 """Reading profile files for the app: cached parsing and the "which profile" widgets.
 
-Parsing goes through ``chunkstar_profiler.load`` and is cached by
-``st.cache_data``: a file on disk by (path, mtime, size), so an edited file is
-read again; an upload by its bytes. A file that is missing, not a profile, or
+Parsing goes through ``chunkstar_profiler.load`` (the pages get its
+``Profile`` as it is) and is cached by ``st.cache_data``: a file on disk by
+(path, mtime, size), so an edited file is read again; an upload by its bytes. A file that is missing, not a profile, or
 hostile (the profiler refuses those with ``ProfileFormatError``) becomes a
 ``ProfileLoadError`` whose text the page shows, escaped (no traceback).
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import chunkstar_profiler
 import streamlit as st
+from chunkstar_profiler import Profile
 
-from .data import ProfileData
 from .text import escape_markdown
 
 __all__ = [
@@ -35,23 +35,23 @@ class ProfileLoadError(Exception):
 class Loaded:
     """Outcome of picking a profile: a profile, an error to show, or neither (nothing chosen)."""
 
-    profile: ProfileData | None = None
+    profile: Profile | None = None
     error: str | None = None
 
 
 @st.cache_data(show_spinner="Reading profile...", max_entries=16)
-def _parse_path(path: str, mtime_ns: int, size: int) -> ProfileData:
+def _parse_path(path: str, mtime_ns: int, size: int) -> Profile:
     del mtime_ns, size  # part of the cache key only
-    return ProfileData.from_profile(chunkstar_profiler.load(path), Path(path).name)
+    return chunkstar_profiler.load(path)
 
 
 @st.cache_data(show_spinner="Reading profile...", max_entries=16)
-def _parse_bytes(data: bytes, name: str) -> ProfileData:
+def _parse_upload(data: bytes, name: str) -> Profile:
     # Read from the bytes: the upload's name is the user's, never a path to write to.
-    return ProfileData.from_profile(chunkstar_profiler.load(data, name=name), name)
+    return chunkstar_profiler.load(data, name=name)
 
 
-def load_path(path: str | Path) -> ProfileData:
+def load_path(path: str | Path) -> Profile:
     """Parse the profile at ``path`` (cached); raises ``ProfileLoadError`` with a readable message."""
     p = Path(path).expanduser()
     try:
@@ -70,11 +70,11 @@ def load_path(path: str | Path) -> ProfileData:
         raise ProfileLoadError(f"{p.name} is too large to load: this process ran out of memory reading it.") from None
 
 
-def load_upload(upload: Any) -> ProfileData:
+def load_upload(upload: Any) -> Profile:
     """Parse an ``st.file_uploader`` upload (cached by its bytes)."""
     name = str(upload.name)
     try:
-        return _parse_bytes(upload.getvalue(), name)
+        return _parse_upload(upload.getvalue(), name)
     except chunkstar_profiler.ProfileFormatError as err:
         raise ProfileLoadError(f"{name} is not a readable chunkstar profile: {err}") from None
     except MemoryError:
@@ -104,7 +104,7 @@ def set_current(loaded: Loaded) -> None:
     st.session_state[_CURRENT] = loaded
 
 
-def current_profile() -> ProfileData:
+def current_profile() -> Profile:
     """The picked profile; otherwise shows why there is none and stops the page."""
     loaded: Loaded = st.session_state.get(_CURRENT, Loaded())
     if loaded.error is not None:
@@ -113,7 +113,7 @@ def current_profile() -> ProfileData:
     if loaded.profile is None:
         st.info(
             "No profile loaded. Give a profile file's path or upload one in the sidebar, "
-            "or start the app with `streamlit run dashboards/app.py -- --profile PATH`.\n\n"
+            "or start the app with `chunkstar-profile view PATH`.\n\n"
             "Profiles are written by `chunkstar_profiler.Profiler(engine)` (`prof.save(path)`)."
         )
         st.stop()

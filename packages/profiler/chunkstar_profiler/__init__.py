@@ -8,7 +8,9 @@
 The recorder subscribes to the engine's typed events (the core never imports
 this package). Files are a versioned ZIP of NPY columns plus a JSON manifest
 (:mod:`chunkstar_profiler.fileformat`); loading needs no engine. The CLI
-``chunkstar-profile`` prints summaries and exports Chrome/Perfetto traces.
+``chunkstar-profile`` prints summaries, exports Chrome/Perfetto traces and
+opens a profile in the viewer (``chunkstar-profile view``, with the
+``dashboard`` extra: the ``chunkstar_dashboard`` package).
 """
 
 from __future__ import annotations

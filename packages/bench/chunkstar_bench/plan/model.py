@@ -1,12 +1,12 @@
-"""Capacity planning: the largest zoo model each system should fit on a machine. A PREDICTION.
+"""The planner's memory model: the bytes each system needs per GPU, on the host and on disk. A PREDICTION.
 
-``chunkstar-bench plan --hardware v100x8_240gb`` answers "how big a model can
-chunkstar, DeepSpeed ZeRO-3 offload and plain PyTorch (DDP, FSDP) train on this
-node?" (and, given ``--disk 2TB``, chunkstar with its optimizer state on disk)
-from bytes-per-parameter accounting, without running anything, and
-prints it beside the paper's published maximum scales and, given a results
-database, the largest model each system actually trained. It is arithmetic on
-parameter shapes, not a measurement; every figure it prints says so.
+Arithmetic on parameter shapes and chunk layouts, not a measurement: for one
+system, one zoo model, one node (:class:`Hardware`) and one :class:`Workload`,
+:func:`footprint` says what must fit where, and :func:`predict_max` walks the
+zoo to the largest model that fits. The system names are the canonical ones of
+:data:`chunkstar_bench.published.PLAN_SYSTEMS` (older spellings such as
+``fsdp2-offload`` and ``pytorch-ddp`` are read as aliases). Formatting is
+:mod:`~chunkstar_bench.plan.format`'s, the command :mod:`~chunkstar_bench.plan.command`'s.
 
 Note [the memory model]. Per system, for a model of ``P`` parameters on a node
 of ``n`` GPUs with ``C`` usable bytes each and ``H`` usable host bytes:
@@ -46,11 +46,11 @@ of ``n`` GPUs with ``C`` usable bytes each and ``H`` usable host bytes:
   it can use spare GPU memory. The device holds ``A`` plus its working set:
   two layers' gathered 16-bit parameters and gradients (fetch + prefetch) and the
   default ``reduce_bucket_size`` (5e8 elements, 16-bit).
-* **fsdp2-offload** (FSDP2 with ``CPUOffloadPolicy``, as the runner's ``fsdp2``):
+* **fsdp2** (FSDP2 with ``CPUOffloadPolicy``, as the runner's ``fsdp2``):
   16 bytes per parameter on the host (fp32 sharded params, grads, Adam's two
   moments); the device holds ``A`` plus two layers' unsharded fp32 parameters
   and gradients.
-* **pytorch-ddp**: every GPU holds 16 bytes per parameter (fp32 weights 4,
+* **pytorch** (DDP, as the runner's ``pytorch``): every GPU holds 16 bytes per parameter (fp32 weights 4,
   fp32 gradients 4, Adam 8; autocast runs the maths in bf16) plus ``A``.
 * **pytorch-fsdp** (FULL_SHARD, no CPU offload): 16 bytes per parameter split
   over ``n`` GPUs, plus ``A`` and two layers' unsharded bf16 parameters and
@@ -60,8 +60,8 @@ Fixed overheads (``DEVICE_RESERVED_BYTES``, ``DEVICE_FRAGMENTATION``,
 ``HOST_RESERVED_BYTES``, ``HOST_PER_PROCESS_BYTES``) are taken off the
 capacities first (the disk's ``D`` is taken as it is: the engine checks the free
 space against the files' exact size). A model fits a system when its device
-need, its host need and (chunkstar-disk) its disk need fit; the predicted maximum is the largest zoo model that fits, and the
-*binding* constraint is the one the next larger zoo model breaks.
+need, its host need and (chunkstar-disk) its disk need fit; the predicted
+maximum is the largest zoo model that fits, and the *binding* constraint is the one the next larger zoo model breaks.
 
 What this is not: a throughput model, or a check that a run will succeed (a
 run can also fail on pinned-memory limits, allocator fragmentation beyond the
@@ -70,60 +70,42 @@ margin, or bugs). The ``maxscale`` suite measures; this predicts.
 
 from __future__ import annotations
 
-import argparse
-import csv
 import functools
-import io
 import math
-import re
-from dataclasses import dataclass, replace
-from importlib import resources
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from chunkstar.chunk.layout import ChunkLayout, build_layout, search_chunk_size
 from chunkstar.config import DISK_LISTS
 from chunkstar.runtime.disk_tier import default_staging_budget
 
-from . import zoo
-from .cli import parse_size
-from .zoo import ModelSpec
+from chunkstar_bench import published, zoo
+from chunkstar_bench.zoo import ModelSpec
 
 __all__ = [
     "DISK_SYSTEMS",
+    "GIB",
     "HARDWARE",
-    "MEASURED_SYSTEM",
     "SYSTEMS",
     "Footprint",
     "Hardware",
-    "PlanRow",
     "Prediction",
     "Workload",
     "activation_bytes",
-    "add_plan_command",
     "chunk_layout",
     "default_systems",
     "footprint",
-    "format_plan",
     "gpt2_param_shapes",
-    "measured_max",
     "model_data_bytes_per_param",
     "models_named",
-    "plan",
     "predict_max",
-    "published_max",
-    "run_plan",
 ]
 
 GIB = 2**30
-SYSTEMS = ("chunkstar", "chunkstar-disk", "deepspeed", "fsdp2-offload", "pytorch-ddp", "pytorch-fsdp")
+SYSTEMS: tuple[str, ...] = published.PLAN_SYSTEMS
 """Systems the planner predicts for (Note [the memory model])."""
-DISK_SYSTEMS = ("chunkstar-disk",)
+DISK_SYSTEMS: tuple[str, ...] = tuple(s for s in SYSTEMS if published.system_info(s).disk)
 """Systems that need a disk (``Hardware.disk_bytes``): planned only for a node that has one."""
-MEASURED_SYSTEM = {
-    "chunkstar": "chunkstar", "chunkstar-disk": "chunkstar-disk", "deepspeed": "deepspeed", "fsdp2": "fsdp2-offload",
-    "pytorch": "pytorch-ddp",
-}  # fmt: skip
-"""The runner's system names (``chunkstar_bench.runner.SYSTEMS``) -> the planner's."""
 
 CHUNKSTAR_BYTES_PER_ELEMENT = 2 + 4 + 4 + 4
 """bf16 param (its gradient overwrites it) + fp32 master + exp_avg + exp_avg_sq (DESIGN §3)."""
@@ -250,10 +232,10 @@ def model_data_bytes_per_param(system: str, n_gpus: int = 1) -> float:
         "chunkstar": float(CHUNKSTAR_BYTES_PER_ELEMENT),
         "chunkstar-disk": float(CHUNKSTAR_BYTES_PER_ELEMENT),  # 12 of them on disk
         "deepspeed": float(DEEPSPEED_OFFLOAD_BYTES_PER_PARAM),
-        "fsdp2-offload": float(TORCH_BYTES_PER_PARAM),
-        "pytorch-ddp": float(TORCH_BYTES_PER_PARAM * n_gpus),
+        "fsdp2": float(TORCH_BYTES_PER_PARAM),
+        "pytorch": float(TORCH_BYTES_PER_PARAM * n_gpus),
         "pytorch-fsdp": float(TORCH_BYTES_PER_PARAM),
-    }[system]
+    }[_planned(system)]
 
 
 def activation_bytes(spec: ModelSpec, batch: int, seq_len: int | None = None, checkpointing: bool = True) -> int:
@@ -332,6 +314,7 @@ class Footprint:
 
 def footprint(system: str, spec: ModelSpec, hw: Hardware, workload: Workload = Workload()) -> Footprint:
     """Device and host bytes ``system`` needs for ``spec`` on ``hw`` (Note [the memory model])."""
+    system = _planned(system)
     n = hw.gpus
     params = zoo.n_params(spec)
     act = activation_bytes(spec, workload.batch, workload.seq_len, workload.checkpointing)
@@ -360,17 +343,17 @@ def footprint(system: str, spec: ModelSpec, hw: Hardware, workload: Workload = W
     elif system == "deepspeed":
         device_need = act + 2 * layer16 + 2 * DEEPSPEED_REDUCE_BUCKET_ELEMENTS
         host_need = DEEPSPEED_OFFLOAD_BYTES_PER_PARAM * params
-    elif system == "fsdp2-offload":
+    elif system == "fsdp2":
         device_need = act + 2 * 2 * layer16  # two layers' fp32 params + grads, unsharded
         host_need = TORCH_BYTES_PER_PARAM * params
-    elif system == "pytorch-ddp":
+    elif system == "pytorch":
         device_need = act + TORCH_BYTES_PER_PARAM * params
         host_need = 0
     elif system == "pytorch-fsdp":
         device_need = act + math.ceil(TORCH_BYTES_PER_PARAM * params / n) + 2 * layer16
         host_need = 0
-    else:
-        raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    else:  # pragma: no cover  (_planned() admits only SYSTEMS)
+        raise AssertionError(system)
     return Footprint(system, spec.name, params, device_need, host_need, dev_cap, host_cap, act, chunk_elements, **disk)
 
 
@@ -416,6 +399,7 @@ def predict_max(
     ``h`` and ``s``, not with ``P``) does not count: the maximum is where the
     ladder first breaks, as a max-scale search would find it.
     """
+    system = _planned(system)
     best: Footprint | None = None
     for spec in _by_size(models if models is not None else models_named("paper")):
         fp = footprint(system, spec, hw, workload)
@@ -425,256 +409,17 @@ def predict_max(
     return Prediction(system, best, None)
 
 
-# ---------------------------------------------------------------------------------------------- published / measured
-
-_PUBLISHED_SYSTEM = {"patrickstar": "chunkstar", "deepspeed": "deepspeed", "pytorch": "pytorch-ddp"}
-"""Published system -> the planner's system it is compared with (PatrickStar is what chunkstar re-creates)."""
-
-
-def _label_params(label: str) -> float:
-    m = re.fullmatch(r"([0-9.]+)\s*([MBT])", label.strip(), re.IGNORECASE)
-    if not m:
-        return float("nan")
-    return float(m.group(1)) * {"M": 1e6, "B": 1e9, "T": 1e12}[m.group(2).upper()]
-
-
-@functools.lru_cache(maxsize=1)
-def _published_rows() -> tuple[dict[str, str], ...]:
-    text = resources.files("chunkstar_bench.data").joinpath("paper_results.csv").read_text()
-    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
-    return tuple(csv.DictReader(io.StringIO("\n".join(lines))))
-
-
-def published_max(hardware: str, gpus: int | None = None) -> dict[str, dict[str, Any]]:
-    """The paper's largest trained model per published system on ``hardware`` ("published", not ours).
-
-    With ``gpus``, only runs on that many GPUs count. Keys are the published
-    system names (``patrickstar``, ``deepspeed``, ``deepspeed_mp2``, ...); values
-    hold ``label`` ("18B"), ``nominal_params`` (18e9, from the label) and ``gpus``.
-    """
-    out: dict[str, dict[str, Any]] = {}
-    for row in _published_rows():
-        if row["hardware"] != hardware or (gpus is not None and int(row["gpus"]) != gpus):
-            continue
-        size = _label_params(row["model"])
-        cur = out.get(row["system"])
-        if cur is None or size > cur["nominal_params"]:
-            out[row["system"]] = {"label": row["model"], "nominal_params": size, "gpus": int(row["gpus"])}
-    return out
-
-
-def measured_max(db_path: str, hardware: str, gpus: int | None = None) -> dict[str, dict[str, Any]]:
-    """The largest model each system trained with status ``ok`` in a results database (ours, measured).
-
-    Keys are the planner's system names (``MEASURED_SYSTEM``)."""
-    from .results import ResultsDB
-
-    runs = ResultsDB(db_path).runs()
-    if runs.empty:
-        return {}
-    runs = runs[(runs["status"] == "ok") & (runs["hardware"] == hardware)]
-    if gpus is not None:
-        runs = runs[runs["nprocs"] == gpus]
-    out: dict[str, dict[str, Any]] = {}
-    for system, group in runs.groupby("system"):
-        top = group.sort_values("n_params").iloc[-1]
-        out[MEASURED_SYSTEM.get(str(system), str(system))] = {"model": str(top["model"]), "n_params": int(top["n_params"]), "nprocs": int(top["nprocs"])}
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- the table
-
-
-@dataclass(frozen=True)
-class PlanRow:
-    system: str
-    checkpointing: bool
-    prediction: Prediction
-    published: dict[str, Any] | None
-    """The published system compared with this one (see ``_PUBLISHED_SYSTEM``), or None."""
-    measured: dict[str, Any] | None
-
-
 def default_systems(hw: Hardware) -> tuple[str, ...]:
     """The systems planned for ``hw`` unless asked otherwise: all, the disk ones only with a disk."""
     return tuple(s for s in SYSTEMS if hw.disk_bytes > 0 or s not in DISK_SYSTEMS)
 
 
-def plan(
-    hw: Hardware,
-    workloads: Sequence[Workload] = (Workload(checkpointing=True), Workload(checkpointing=False)),
-    systems: Sequence[str] | None = None,
-    db_path: str | None = None,
-    measured_hardware: str | None = None,
-    models: Sequence[ModelSpec] | None = None,
-) -> list[PlanRow]:
-    """One row per system and workload: the prediction, the published maximum and, with a DB, the
-    measured one. ``systems`` None: :func:`default_systems`."""
-    if systems is None:
-        systems = default_systems(hw)
-    published = {
-        _PUBLISHED_SYSTEM[k]: {**v, "system": k} for k, v in published_max(hw.name, hw.gpus).items() if k in _PUBLISHED_SYSTEM
-    }
-    measured = measured_max(db_path, measured_hardware or hw.name, hw.gpus) if db_path else {}
-    return [
-        PlanRow(system, wl.checkpointing, predict_max(system, hw, wl, models), published.get(system), measured.get(system))
-        for system in systems
-        for wl in workloads
-    ]
-
-
-def _fmt_params(n: float) -> str:
-    if n != n:  # NaN
-        return "?"
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
-
-
-def _fmt_gib(n: int) -> str:
-    return f"{n / GIB:,.1f}"
-
-
-def format_plan(hw: Hardware, rows: Sequence[PlanRow], workload: Workload) -> str:
-    """The plan as a plain-text table, headed by what it is (a prediction) and what it assumed.
-
-    A row of a disk system (``DISK_SYSTEMS``) adds a ``disk GiB`` column and a line on the disk."""
-    with_disk = any(r.system in DISK_SYSTEMS for r in rows)
-    head = [
-        f"PREDICTION (bytes-per-parameter accounting, not a measurement) for {hw.name}: {hw.note or 'custom node'}",
-        f"  {hw.gpus} GPU(s) x {_fmt_gib(hw.gpu_mem_bytes)} GiB ({_fmt_gib(hw.device_usable)} usable each), "
-        f"host {_fmt_gib(hw.host_mem_bytes)} GiB ({_fmt_gib(hw.host_usable(hw.gpus))} usable); "
-        f"micro-batch {workload.batch} per GPU, seq {workload.seq_len or 'model default'}, bf16",
-        "  bytes/param: chunkstar 14 per chunk element (2 param/grad + 4 master + 4 + 4 Adam), sharded over ranks; "
-        "deepspeed ZeRO-3 offload 18 on host; fsdp2-offload 16 on host; pytorch-ddp 16 per GPU; pytorch-fsdp 16/n per GPU",
-    ]
-    if with_disk:
-        budget = workload.staging_budget
-        staging = (
-            "auto (2 chunks of every disk list)" if budget is None
-            else f"{_fmt_gib(budget)} GiB" if budget >= GIB else f"{budget / 2**20:,.0f} MiB"
-        )  # fmt: skip
-        head.append(
-            f"  disk {_fmt_gib(hw.disk_bytes)} GiB free for chunk files; chunkstar-disk: {DISK_BYTES_PER_ELEMENT} per chunk "
-            f"element on disk ({' + '.join(DISK_LISTS)}), 2 (param/grad) on device or host, plus staging per process: {staging}"
-        )
-    head.append("")
-    cols = (
-        "system", "act.ckpt", "predicted max", "params", "binding", "device GiB/GPU", "host GiB",
-        *(("disk GiB",) if with_disk else ()), "chunk elems", "published max", "measured max",
-    )  # fmt: skip
-    table: list[tuple[str, ...]] = []
-    for r in rows:
-        best = r.prediction.best
-        pub = f"{r.published['label']} ({r.published['system']}, published)" if r.published else "-"
-        meas = f"{r.measured['model']} ({_fmt_params(r.measured['n_params'])})" if r.measured else "-"
-        disk_col = f"{_fmt_gib(best.disk_need)}/{_fmt_gib(best.disk_usable)}" if best and r.system in DISK_SYSTEMS else "-"
-        table.append(
-            (
-                r.system,
-                "on" if r.checkpointing else "off",
-                best.model if best else "(none fits)",
-                _fmt_params(best.n_params) if best else "-",
-                r.prediction.binding,
-                f"{_fmt_gib(best.device_need)}/{_fmt_gib(best.device_usable)}" if best else "-",
-                f"{_fmt_gib(best.host_need)}/{_fmt_gib(best.host_usable)}" if best else "-",
-                *((disk_col,) if with_disk else ()),
-                f"{best.chunk_elements / 1e6:,.0f}M" if best and best.chunk_elements else "-",
-                pub,
-                meas,
-            )
-        )
-    widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = head + [fmt.format(*cols), fmt.format(*("-" * w for w in widths))] + [fmt.format(*t) for t in table]
-    lines += [
-        "",
-        "binding: the constraint the next larger zoo model breaks (device: activations + working set [+ model data] "
-        "per GPU; host: model data the GPUs cannot hold"
-        + ("; disk: the chunk files; staging: a staging budget below one chunk's state, which the engine refuses)." if with_disk else ")."),
-        "published: the largest model the paper reports per system on this node at this GPU count (read off its figures).",
-    ]
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------- CLI
-
-
-def add_plan_command(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``plan`` to a ``chunkstar-bench`` argparse sub-parser set (dispatch: ``args.func(args)``)."""
-    p = subparsers.add_parser(
-        "plan",
-        help="predict the largest zoo model each system fits on a node (a prediction, not a measurement)",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    p.add_argument("--hardware", default="v100x8_240gb", choices=[*HARDWARE, "custom"])
-    p.add_argument("--gpus", type=int, default=None, help="GPUs (default: the preset's; required for custom)")
-    p.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU (custom, or override the preset)")
-    p.add_argument("--host-mem", type=float, default=None, help="host GiB (custom, or override the preset)")
-    p.add_argument("--disk", type=parse_size, default=None,
-                   help="free disk for chunkstar-disk's chunk files, e.g. 2TB or 1800GiB (default: none, so no chunkstar-disk row)")
-    p.add_argument("--staging", type=parse_size, default=None,
-                   help="chunkstar-disk: host staging budget per process, e.g. 4GiB (default: the engine's auto)")
-    p.add_argument("--batch", type=int, default=Workload.batch, help="micro-batch per GPU (default %(default)s)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: each model's own)")
-    p.add_argument("--checkpointing", choices=("on", "off", "both"), default="both", help="activation checkpointing")
-    p.add_argument("--systems", default=None,
-                   help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all; {', '.join(DISK_SYSTEMS)} only with --disk)")
-    p.add_argument("--models", default="paper", help="paper (default), cpu, all, or comma-separated zoo names")
-    p.add_argument("--chunk-size", type=int, default=None, help="chunkstar elements per chunk (default: the engine's auto)")
-    p.add_argument("--db", default=None, help="results SQLite: add the largest model measured ok per system")
-    p.set_defaults(func=run_plan)
-    return p
-
-
-def _hardware_from_args(args: argparse.Namespace) -> Hardware:
-    if args.hardware == "custom":
-        missing = [f"--{k}" for k in ("gpus", "gpu-mem", "host-mem") if getattr(args, k.replace("-", "_")) is None]
-        if missing:
-            raise SystemExit(f"chunkstar-bench plan --hardware custom needs {', '.join(missing)}")
-        return Hardware("custom", args.gpus, int(args.gpu_mem * GIB), int(args.host_mem * GIB), "custom node", args.disk or 0)
-    hw = HARDWARE[args.hardware]
-    changes: dict[str, Any] = {}
-    if args.disk is not None:
-        changes["disk_bytes"] = args.disk
-    if args.gpus is not None:
-        changes["gpus"] = args.gpus
-    if args.gpu_mem is not None:
-        changes["gpu_mem_bytes"] = int(args.gpu_mem * GIB)
-    if args.host_mem is not None:
-        changes["host_mem_bytes"] = int(args.host_mem * GIB)
-    return replace(hw, **changes) if changes else hw
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    """The ``plan`` subcommand: print the prediction table; exit status 0."""
-    hw = _hardware_from_args(args)
-    if hw.gpus < 1:
-        raise SystemExit("--gpus must be at least 1")
-    systems = default_systems(hw) if args.systems is None else tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    unknown = sorted(set(systems) - set(SYSTEMS))
-    if unknown:
-        raise SystemExit(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
-    diskless = [s for s in systems if s in DISK_SYSTEMS] if hw.disk_bytes <= 0 else []
-    if diskless:
-        raise SystemExit(f"{', '.join(diskless)} keeps the optimizer state on disk: say how much is free with --disk SIZE (e.g. 2TB)")
-    ckpt = {"on": (True,), "off": (False,), "both": (True, False)}[args.checkpointing]
-    workloads = [Workload(args.batch, args.seq, c, args.chunk_size, args.staging) for c in ckpt]
+def _planned(system: str) -> str:
+    """``system``'s canonical name when the planner predicts for it; a ValueError naming the choices otherwise."""
     try:
-        models = models_named(args.models)
-    except KeyError as err:
-        raise SystemExit(str(err.args[0])) from None
-    rows = plan(hw, workloads, systems, db_path=args.db, models=models)
-    print(format_plan(hw, rows, workloads[0]))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m chunkstar_bench.plan plan ...``: the subcommand on its own (``chunkstar-bench plan`` is the same)."""
-    ap = argparse.ArgumentParser(prog="chunkstar-bench")
-    sub = ap.add_subparsers(dest="command", required=True)
-    add_plan_command(sub)
-    args = ap.parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        name = published.canonical_system(system)
+    except KeyError:
+        name = system
+    if name not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    return name

@@ -14,17 +14,18 @@ most of its temporaries before its memory peak (the forward's intermediate
 results), and its chunk moves leave payload-sized holes, so at the peak the
 heap holds live data *plus* pages freed earlier, and the process's RSS is the
 live bytes plus whatever glibc kept, which varies from run to run with the
-heap's layout. Measured on the 51.5M GPT-2 of ``benchmarks/step_time.py``
-(``benchmarks/host_memory.py``): chunkstar's live bytes at the peak equal plain
-PyTorch's (14 bytes/param of model data against PyTorch's 12 plus its 2
-bytes/param of autocast weight copies), but glibc kept 110-250 MiB free beside
-them, against PyTorch's 100-130.
+heap's layout. Measured on the 51.5M GPT-2 of ``chunkstar-bench step-time``
+(zoo ``gpt2-51m``; ``benchmarks/host_memory.py``): chunkstar's live bytes at
+the peak equal plain PyTorch's (14 bytes/param of model data against
+PyTorch's 12 plus its 2 bytes/param of autocast weight copies), but glibc kept
+110-250 MiB free beside them, against PyTorch's 100-130.
 
 ``malloc_trim(0)`` hands every whole free page of every arena back (madvise;
 the address space stays, nothing moves). It takes a few milliseconds, and pages
 reused afterwards fault back in zeroed (that is most of its cost: measured
-0.45 -> 0.50 s/step on the 30M GPT-2 of ``benchmarks/overlap.py``, 3-6% on the
-51.5M one), so the engine calls it right before the iteration's peak only:
+0.45 -> 0.50 s/step on the 30M GPT-2 of ``chunkstar-bench overlap`` (zoo
+``gpt2-30m-v8k``), 3-6% on the 51.5M one), so the engine calls it right before
+the iteration's peak only:
 
 * in warm-up (no frozen trace: the peak could be anywhere): at the start of
   every forward moment, and at the forward/backward turn when there is no

@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from chunkstar.chunk.layout import TensorSlot
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import DeviceMemoryError
@@ -69,8 +70,8 @@ class Schedule:
         self._outgrown: MemoryTrace | None = None  # the trace a re-trace replaces (its peaks are kept)
         self._diverged_why = ""  # why this iteration left the schedule ("" while on it)
         self._warmup_disagrees = False  # a warm-up pass differed from the first one
-        # (minimum budget, moment, its chunk bytes, its non-model peak): the worst warm-up moment that did not fit
-        self._too_small: tuple[int, str, int, int] | None = None
+        # (minimum budget, moment, its chunk bytes, its non-model peak, its chunks): the worst warm-up moment that did not fit
+        self._too_small: tuple[int, str, int, int, tuple[int, ...]] | None = None
 
     # ------------------------------------------------------------------ the cursor
     def set_stage(self, stage: Stage) -> None:
@@ -286,7 +287,7 @@ class Schedule:
         if chunks + rec.non_model_peak > mgr.capacity:
             need = minimum_budget(chunks, rec.non_model_peak, mgr.slack)
             if self._too_small is None or need > self._too_small[0]:
-                self._too_small = (need, f"'{rec.module}' ({rec.stage})", chunks, rec.non_model_peak)
+                self._too_small = (need, f"'{rec.module}' ({rec.stage})", chunks, rec.non_model_peak, rec.chunks)
 
     def _moment_chunk_bytes(self, chunk_ids: tuple[int, ...]) -> int:
         """Param chunk bytes a moment needs on the device (whole groups with several processes)."""
@@ -294,19 +295,40 @@ class Schedule:
         ids = {k for c in chunk_ids for k in mgr.layout.group(c)} if self.comm.distributed else set(chunk_ids)
         return sum(mgr.chunk(ChunkList.PARAM, c).nbytes for c in ids)
 
-    def _too_small_error(self, minimum: int, too_small: tuple[int, str, int, int] | None) -> DeviceMemoryError:
+    def _too_small_error(
+        self, minimum: int, too_small: tuple[int, str, int, int, tuple[int, ...]] | None
+    ) -> DeviceMemoryError:
         mgr = self.mgr
         if too_small is not None:
-            _, where, chunks, non_model = too_small
+            _, where, chunks, non_model, chunk_ids = too_small
         else:
-            where, chunks, non_model = "a moment on another rank", minimum, 0
+            where, chunks, non_model, chunk_ids = "a moment on another rank", minimum, 0, ()
+        room = mgr.capacity - non_model  # chunk memory the moment had beside its non-model peak
+
+        def bytes_of(s: TensorSlot) -> int:
+            return s.numel * mgr.chunk(ChunkList.PARAM, s.chunk_id).dtype.itemsize
+
+        # why smaller chunks cannot help, if they cannot: a parameter that takes much of the device
+        # (it has a chunk of its own); non-model memory that fills the device by itself; or, in this
+        # moment, a parameter larger than the room its non-model peak left
         biggest = max(mgr.slots, key=lambda s: s.numel)
-        big_bytes = biggest.numel * mgr.chunk(ChunkList.PARAM, biggest.chunk_id).dtype.itemsize
-        if big_bytes * 2 > mgr.capacity:
+        in_moment = max((s for c in chunk_ids for s in mgr.slots_of(c)), key=lambda s: s.numel, default=None)
+        if bytes_of(biggest) * 2 > mgr.capacity:
+            why = f"one parameter alone, '{biggest.name}' ({bytes_of(biggest)} bytes), takes much of the device"
+        elif room <= 0:
+            why = f"the non-model memory alone ({non_model} bytes) fills the device"
+        elif in_moment is not None and bytes_of(in_moment) > room:
+            why = (
+                f"one parameter alone, '{in_moment.name}' ({bytes_of(in_moment)} bytes), is larger than the "
+                "chunk memory left beside the non-model memory"
+            )
+        else:
+            why = ""
+        if why:
             advice = (
-                f"raise 'device_memory_budget' to at least {minimum} bytes; one parameter alone, '{biggest.name}' "
-                f"({big_bytes} bytes), takes much of the device, so smaller chunks cannot help; or lower the batch "
-                "size or sequence length (or enable activation checkpointing) to shrink the non-model memory"
+                f"raise 'device_memory_budget' to at least {minimum} bytes; {why}, so smaller chunks cannot help; "
+                "or lower the batch size or sequence length (or enable activation checkpointing) to shrink the "
+                "non-model memory"
             )
         else:
             advice = (
@@ -317,5 +339,16 @@ class Schedule:
         return DeviceMemoryError(
             device=str(self.device), needed=chunks, free=max(0, mgr.capacity - non_model), budget=mgr.capacity,
             where=f"the warm-up iteration's moment {where}, whose non-model memory peaked at {non_model} bytes",
-            minimum=minimum, advice=advice,
+            minimum=minimum, advice=advice, evaluation_minimum=self._evaluation_minimum(minimum),
         )  # fmt: skip
+
+    def _evaluation_minimum(self, minimum: int) -> int | None:
+        """The budget an evaluation forward after the warm-up needs, from this warm-up pass's
+        trace, when more than ``minimum``: :meth:`ChunkManager.chunk_budget` gives an untraced
+        moment the trace's largest non-model peak, beside the chunks of a forward moment."""
+        trace = self.cursor.trace
+        fwd = [self._moment_chunk_bytes(r.chunks) for r in trace.records if r.stage == Stage.FWD.value]
+        if not fwd:
+            return None
+        need = minimum_budget(max(fwd), trace.max_non_model, self.mgr.slack)
+        return need if need > minimum else None

@@ -1,8 +1,10 @@
-"""Benchmark results: TFLOPS against model size, max-scale bars, nightly trends with regressions flagged.
+"""Benchmark results: throughput against model size, max-scale bars, nightly trends with regressions flagged.
 
 Reads a chunkstar-bench results SQLite (``--bench-db PATH`` or the sidebar box).
-Without one it still shows the paper's published figures and the capacity
-planner's predictions, each labelled as such.
+CPU runs are shown in tokens/s; the paper's published GPU figures (TFLOPS per
+GPU) are a separate chart the user opts into. Without a database the page still
+shows the published figures (on request) and the capacity planner's
+predictions, each labelled as such.
 """
 
 from __future__ import annotations
@@ -14,11 +16,7 @@ from chunkstar_dashboard import bench_charts, bench_data, bench_loading
 st.title("Benchmarks")
 path = st.sidebar.text_input("Results database (SQLite)", key="bench_db_path", placeholder="results/nightly.sqlite")
 
-try:
-    published = bench_loading.load_published()
-except ImportError as err:
-    st.error(f"The Benchmarks page needs the chunkstar_bench package: {err}")
-    st.stop()
+published = bench_loading.load_published()
 
 runs = bench_data.empty_runs()
 if path and path.strip():
@@ -29,8 +27,8 @@ if path and path.strip():
         st.stop()
 else:
     st.info(
-        "No results database loaded: showing the paper's published figures and the planner's predictions only. "
-        "Give a path in the sidebar or start the app with `streamlit run dashboards/app.py -- --bench-db PATH` "
+        "No results database loaded: showing the planner's predictions and, on request, the paper's published figures. "
+        "Give a path in the sidebar or start the app with `chunkstar-profile view RUN.csprof --bench-db PATH` "
         "(written by `chunkstar-bench run --db PATH`)."
     )
 
@@ -44,31 +42,41 @@ if len(runs):
     cols[3].metric("Regressions flagged", f"{flagged['id'].nunique() if len(flagged) else 0}")
 
 # ------------------------------------------------------------------ throughput
-st.subheader("Throughput: TFLOPS per GPU against model size")
+st.subheader("Throughput")
 published_nodes = sorted(published["hardware"].unique())
 measured_nodes = sorted(ok["hardware"].unique()) if len(ok) else []
-left, mid, right = st.columns([2, 2, 1])
-hardware = left.selectbox("Measured on", measured_nodes, key="bench_hardware") if measured_nodes else None
-overlay_options = [*published_nodes, "(none)"]
-default_overlay = overlay_options.index(hardware) if hardware in overlay_options else 0
-overlay = mid.selectbox("Published overlay", overlay_options, index=default_overlay, key="bench_overlay")
-log_axes = right.checkbox("log axes", value=hardware is not None and overlay != hardware, key="bench_log_axes")
-points = bench_data.throughput_points(
-    ok[ok["hardware"] == hardware] if hardware else ok.iloc[0:0], published, None if overlay == "(none)" else overlay
-)
-if points.empty:
-    st.info("Nothing to draw: no successful runs on this node and no published overlay.")
+hardware = st.selectbox("Measured on", measured_nodes, key="bench_hardware") if measured_nodes else None
+measured = bench_data.measured_throughput(ok, hardware) if hardware is not None else None
+on_cpu = measured is not None and len(measured) > 0 and set(measured["device"]) == {"cpu"}
+if hardware is None or measured is None or measured.empty:
+    st.info("No successful runs with a throughput to draw." if hardware is None else f"No run on {hardware} recorded a throughput.")
 else:
-    fig = bench_charts.tflops_vs_size(points)
-    if log_axes:  # CPU-sized measurements beside a GPU node's published figures span decades
-        fig.update_xaxes(type="log", dtick=1)
-        fig.update_yaxes(type="log", rangemode="normal", dtick=1)
-    st.plotly_chart(fig, key="bench_tflops")
-st.caption(
-    f"FLOPs counted as {bench_data.FLOP_FORMULA} on both sides (the count of the published figures). Dashed lines "
-    "and hollow markers are the paper's **published** figures (read off its plots), the bar to beat, not our "
-    "measurements; solid lines are runs from the results database (best run per point)."
-)
+    if on_cpu:
+        st.plotly_chart(bench_charts.tokens_vs_size(measured, hardware), key="bench_tokens")
+        st.caption(
+            f"Runs on {hardware}, a CPU machine: throughput in tokens/s (hover: time per step), the best run per "
+            "system, model and process count. TFLOPS per GPU does not apply to a CPU, so these runs are never drawn "
+            "beside the paper's GPU figures."
+        )
+    else:
+        st.plotly_chart(bench_charts.tflops_vs_size(bench_data.throughput_points(ok[ok["hardware"] == hardware])), key="bench_tflops")
+        st.caption(f"GPU runs on {hardware}: TFLOPS per GPU, FLOPs counted as {bench_data.FLOP_FORMULA}; best run per point.")
+
+compare_published = st.checkbox(
+    "Compare with the paper's published GPU figures", value=False, key="bench_show_published",
+    help="PatrickStar's and DeepSpeed's TFLOPS per GPU on the paper's V100 and A100 nodes, read off its plots.",
+)  # fmt: skip
+if compare_published:
+    gpu_hardware = hardware if hardware is not None and not on_cpu else None
+    overlay_index = published_nodes.index(gpu_hardware) if gpu_hardware in published_nodes else 0
+    overlay = st.selectbox("Published node", published_nodes, index=overlay_index, key="bench_overlay")
+    gpu_runs = ok[ok["hardware"] == gpu_hardware] if gpu_hardware else ok.iloc[0:0]
+    st.plotly_chart(bench_charts.tflops_vs_size(bench_data.throughput_points(gpu_runs, published, overlay)), key="bench_published")
+    st.caption(
+        f"**Published** figures of the paper on {overlay} (dashed lines, hollow markers; read off its plots): the bar "
+        f"to beat, not our measurements. FLOPs counted as {bench_data.FLOP_FORMULA}."
+        + (f" Solid lines: our GPU runs on {gpu_hardware}." if gpu_hardware and len(gpu_runs) else " No GPU runs of ours drawn.")
+    )
 
 # ------------------------------------------------------------------ max scale
 st.subheader("Max scale: the largest model trained")
@@ -111,7 +119,11 @@ else:
         st.success("No regressions flagged.")
     else:
         st.warning(f"{suite_flagged['id'].nunique()} run(s) flagged as regressions ({len(suite_flagged)} metric(s)).")
-        show = suite_flagged[["created_utc", "git_commit", "series", "metric", "value", "baseline", "change_pct"]]
+        show = suite_flagged.assign(
+            value=[bench_data.format_metric(m, v) for m, v in zip(suite_flagged["metric"], suite_flagged["value"])],
+            baseline=[bench_data.format_metric(m, v) for m, v in zip(suite_flagged["metric"], suite_flagged["baseline"])],
+            metric=suite_flagged["metric"].map(lambda m: bench_data.METRIC_LABELS.get(m, m)),
+        )[["created_utc", "git_commit", "series", "metric", "value", "baseline", "change_pct"]]
         st.dataframe(
             show, hide_index=True, key="bench_regressions",
             column_config={"change_pct": st.column_config.NumberColumn("change", format="%+.1f%%")},

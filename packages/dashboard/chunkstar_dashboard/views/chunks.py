@@ -5,10 +5,11 @@ from __future__ import annotations
 import streamlit as st
 
 from chunkstar_dashboard import charts, loading
-from chunkstar_dashboard.data import placement_grid
+from chunkstar_dashboard.data import duration_s, format_duration, placement_grid
 
+# Largest chunk x bin grid sent to the browser (a few MB of plotly JSON). A comment, not a docstring:
+# Streamlit would write a bare string onto the page (where magic is on).
 MAX_CELLS = 600_000
-"""Largest chunk x bin grid sent to the browser (a few MB of plotly JSON)."""
 
 st.title("Chunk locations")
 p = loading.current_profile()
@@ -28,18 +29,18 @@ if not lists:
 selected = p.placements[p.placements["chunk_list"].isin(lists)]
 n_rows = len(selected[["chunk_list", "chunk_id"]].drop_duplicates())
 n_bins = min(bins, max(50, MAX_CELLS // max(n_rows, 1)))
-grid = placement_grid(selected, order, n_bins=n_bins, t_end=p.duration_s)
+grid = placement_grid(selected, order, n_bins=n_bins, t_end=duration_s(p))
 st.plotly_chart(charts.chunk_map(grid), key="chunk_map")
 if n_bins < bins:
     st.caption(f"{n_rows:,} chunks: time bins reduced to {n_bins} to keep the map under {MAX_CELLS:,} cells.")
 if grid.has_disk:
     st.caption(
-        f"Each cell is a {grid.bin_s * 1e3:,.3g} ms time bin. Colour: where the payload spent the bin, on the device "
+        f"Each cell is a {format_duration(grid.bin_s)} time bin. Colour: where the payload spent the bin, on the device "
         "(red), the host (blue) or only on disk (brown: a state chunk in its file, not staged in); cells between "
         "two colours moved during the bin; blank cells had no payload (not yet allocated or freed)."
     )
 else:
     st.caption(
-        f"Each cell is a {grid.bin_s * 1e3:,.3g} ms time bin. Colour: share of the bin the payload spent on the device "
+        f"Each cell is a {format_duration(grid.bin_s)} time bin. Colour: share of the bin the payload spent on the device "
         "(red) versus the host (blue); pale cells moved during the bin; blank cells had no payload (not yet allocated or freed)."
     )

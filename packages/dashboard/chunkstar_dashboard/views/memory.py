@@ -1,11 +1,11 @@
-"""Memory per tier over time: total, chunks, non-model and the budget, over fwd/bwd/optim bands."""
+"""Memory per tier over time: total, chunks, non-model and the budget, over forward/backward/optimizer bands."""
 
 from __future__ import annotations
 
 import streamlit as st
 
 from chunkstar_dashboard import charts, loading
-from chunkstar_dashboard.data import MAX_POINTS_PER_TRACE, format_bytes, peak_bytes, tiers_present
+from chunkstar_dashboard.data import MAX_POINTS_PER_TRACE, format_bytes, format_duration, iteration_span, peak_bytes, tiers_present
 
 st.title("Memory timeline")
 p = loading.current_profile()
@@ -23,24 +23,40 @@ if "disk" in present:
         help="The disk tier's chunk files: the optimizer state kept on disk, staged through host buffers.",
     )  # fmt: skip
 
-tiers = st.multiselect("Tiers", present, default=present, key="memory_tiers")
+left, right = st.columns([3, 2])
+tiers = left.multiselect("Tiers", present, default=present, key="memory_tiers")
+iterations: tuple[int, int] | None = None  # None: the whole recording, before the first stage and after the last too
+if len(p.stages):
+    lo, hi = int(p.stages["iteration"].min()), int(p.stages["iteration"].max())
+    if hi > lo:
+        picked = right.slider("Iterations", lo, hi, (lo, hi), key="memory_iters", help="Zoom to these iterations (inclusive).")
+        if (int(picked[0]), int(picked[1])) != (lo, hi):
+            iterations = (int(picked[0]), int(picked[1]))
 if not tiers:
     st.warning("Pick at least one tier.")
     st.stop()
-fig, downsampled = charts.memory_timeline(p, tiers)
+fig, downsampled = charts.memory_timeline(p, tiers, iterations=iterations)
 st.plotly_chart(fig, key="memory_timeline")
 
-n = int(p.memory["tier"].isin(tiers).sum())
+if iterations is not None:
+    t0, t1 = iteration_span(p.stages, *iterations)
+    shown = p.memory[p.memory["tier"].isin(tiers) & p.memory["t_s"].between(t0, t1)]
+    what = f"iteration {iterations[0]}" if iterations[0] == iterations[1] else f"iterations {iterations[0]}-{iterations[1]}"
+    where = f"{what} ({format_duration(t1 - t0)})"
+else:
+    shown = p.memory[p.memory["tier"].isin(tiers)]
+    where = "the whole recording"
 if downsampled:
     st.caption(
-        f"Long run: {n:,} samples; each trace is downsampled to at most {MAX_POINTS_PER_TRACE:,} points "
-        "(minimum and maximum of every bucket kept), so every peak is exact but short dips between them may merge."
+        f"Long run: {len(shown):,} samples in {where}; each trace is downsampled to at most {MAX_POINTS_PER_TRACE:,} "
+        "points (minimum and maximum of every bucket kept), so every peak is exact but short dips between them may merge."
     )
 else:
-    st.caption(f"All {n:,} samples shown (one per moment boundary and tier).")
+    st.caption(f"All {len(shown):,} samples shown: {where}, one per moment boundary and tier.")
 st.caption(
-    "Shaded bands: forward (blue), backward (orange), optimizer (green). Hover a line for the module (operator) "
-    "whose moment boundary the sample was taken at. Non-model memory is what the tier's probe measured minus chunk payloads."
+    "Shaded bands: forward (blue), backward (orange), optimizer (green), each iteration numbered above them. "
+    "Hover a line for the module (operator) whose moment boundary the sample was taken at. Non-model memory is "
+    "what the tier's probe measured minus chunk payloads."
     + (
         " Disk: the chunk files of the state on disk (their size is fixed for the run); host memory includes the "
         "staging buffers that state chunks pass through."

@@ -11,6 +11,7 @@ from chunkstar_dashboard.data import (
     MoveFilter,
     filter_moves,
     format_bytes,
+    format_duration,
     has_disk_tier,
     move_totals,
     moves_by_operator,
@@ -32,10 +33,6 @@ def _options(column: str, preferred: tuple[str, ...]) -> list[str]:
     return [v for v in preferred if v in seen] + sorted(seen - set(preferred))
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds * 1e3:,.1f} ms" if seconds < 1.0 else f"{seconds:,.2f} s"
-
-
 c1, c2, c3, c4 = st.columns(4)
 stages = c1.multiselect("Stage", _options("stage", STAGES), default=_options("stage", STAGES), key="ops_stages")
 reasons = c2.multiselect("Reason", _options("reason", MOVE_REASONS), default=_options("reason", MOVE_REASONS), key="ops_reasons")
@@ -47,15 +44,16 @@ iterations = c4.slider("Iterations", lo, hi, (lo, hi), key="ops_iters") if hi > 
 selected = filter_moves(moves, MoveFilter(tuple(stages), tuple(reasons), tuple(lists), (int(iterations[0]), int(iterations[1]))))
 totals = move_totals(selected)
 disk = has_disk_tier(p)
-m = st.columns(7 if disk else 5)
+m = st.columns(5)
 m[0].metric("Moves", f"{totals['moves']:,}")
 m[1].metric("To device", format_bytes(totals["bytes_to_device"]), help=f"{totals['to_device']:,} moves")
 m[2].metric("To host", format_bytes(totals["bytes_to_host"]), help=f"{totals['to_host']:,} moves from the device")
-m[3].metric("Move time", _duration(totals["stall_s"]), help="Sum of the moves' durations: time spent copying chunks (a stall unless the copy overlapped compute).")
+m[3].metric("Move time", format_duration(totals["stall_s"]), help="Sum of the moves' durations: time spent copying chunks (a stall unless the copy overlapped compute).")
 m[4].metric("Operators", f"{selected['module'].nunique():,}")
-if disk:
-    m[5].metric("Staged in", format_bytes(totals["bytes_from_disk"]), help=f"{totals['from_disk']:,} stage-ins, disk -> host")
-    m[6].metric("Staged out", format_bytes(totals["bytes_to_disk"]),
+if disk:  # a second row: seven metrics in one would truncate the figures
+    d = st.columns(5)
+    d[0].metric("Staged in", format_bytes(totals["bytes_from_disk"]), help=f"{totals['from_disk']:,} stage-ins, disk -> host")
+    d[1].metric("Staged out", format_bytes(totals["bytes_to_disk"]),
                 help=f"{totals['to_disk']:,} stage-outs, host -> disk (0 bytes: dropped unchanged)")  # fmt: skip
 
 table = moves_by_operator(selected)

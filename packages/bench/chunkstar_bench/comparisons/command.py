@@ -1,0 +1,156 @@
+"""``chunkstar-bench step-time`` and ``chunkstar-bench overlap``: parse the rows and rounds, run, print the table.
+
+Entry points only: the rows and targets are :mod:`~chunkstar_bench.comparisons.step_time`'s
+and :mod:`~chunkstar_bench.comparisons.overlap`'s, the running and pooling
+:mod:`~chunkstar_bench.comparisons.rounds`'. The exit status is 0 whenever the
+comparison ran: a failed row or a missed target is a finding, printed in the table.
+With ``--db`` every run is appended to a results database (suite ``step-time`` or
+``overlap``, its row name in the record's details); ``--json`` writes the whole
+comparison to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from chunkstar_bench.comparisons import overlap, step_time
+from chunkstar_bench.comparisons.rounds import Pooled, Row, Target, Verdict, judge, run_rows
+from chunkstar_bench.runner import RunRecord, git_commit, versions
+
+__all__ = ["add_overlap_command", "add_step_time_command"]
+
+
+def _names(parser: argparse.ArgumentParser, text: str, known: Sequence[str]) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = sorted(set(names) - set(known))
+    if unknown or not names:
+        parser.error(f"--systems: unknown {unknown}; choose from {','.join(known)}")
+    return [n for n in known if n in names]  # fixed order, no repeats
+
+
+def _common(p: argparse.ArgumentParser, known: Sequence[str], default: Sequence[str], rounds: int) -> None:
+    p.add_argument("--systems", default=",".join(default), help=f"comma-separated rows, of {','.join(known)} (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=rounds,
+                   help="run the rows round-robin this many times, a fresh process each, and pool the timed steps (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per run (default %(default)s)")
+    p.add_argument("--db", type=Path, help="also append every run to this results SQLite")
+    p.add_argument("--json", type=Path, metavar="OUT", help="also write the comparison here as JSON")
+    p.add_argument("--hardware", default="cpu", help="label for this machine in the records (default %(default)s)")
+
+
+def _check_counts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        parser.error("--steps and --rounds must be >= 1, --warmup >= 0")
+
+
+def add_step_time_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register ``step-time``."""
+    p = sub.add_parser(
+        "step-time",
+        help="step time and peak RSS of PyTorch, chunkstar (with and without pressure) and DeepSpeed side by side, with ratio targets",
+        description=step_time.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    _common(p, step_time.ROW_NAMES, step_time.DEFAULT_ROWS, rounds=1)
+    d = step_time.StepTimeSettings()
+    p.add_argument("--model", default=d.model, help="zoo model (default %(default)s)")
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per row and round (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps before timing (default %(default)s)")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per step (default %(default)s)")
+    p.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence (default %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, help="torch threads in every run (default: the cores)")
+    p.add_argument("--free-budget-gib", type=float, default=d.free_budget_bytes / 2**30,
+                   help="chunkstar's device budget without pressure (default %(default)s)")
+    p.add_argument("--pressure-fraction", type=float, default=d.pressure_fraction,
+                   help="chunkstar-pressure: room for chunks, as a fraction of the bf16 parameter bytes, on top of the "
+                   "non-model peak the chunkstar row measured (default %(default)s)")
+    p.add_argument("--pressure-budget-mib", type=float, help="chunkstar-pressure's device budget in MiB; overrides --pressure-fraction")
+
+    def go(args: argparse.Namespace) -> int:
+        _check_counts(p, args)
+        settings = step_time.StepTimeSettings(
+            model=args.model, batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, seed=args.seed,
+            threads=args.threads, free_budget_bytes=int(args.free_budget_gib * 2**30),
+            pressure_fraction=args.pressure_fraction, hardware=args.hardware,
+            pressure_budget_bytes=None if args.pressure_budget_mib is None else int(args.pressure_budget_mib * 2**20),
+        )  # fmt: skip
+        try:
+            rows = step_time.rows(settings, _names(p, args.systems, step_time.ROW_NAMES))
+        except (KeyError, ValueError) as err:  # an unknown model, a seq past its positions
+            p.error(str(err.args[0]))
+        return _compare("step-time", args, rows, step_time.TARGETS, dataclasses.asdict(settings),
+                        lambda pooled, verdicts: step_time.report(settings, pooled, verdicts, args.rounds))  # fmt: skip
+
+    p.set_defaults(func=go)
+
+
+def add_overlap_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Register ``overlap``."""
+    p = sub.add_parser(
+        "overlap",
+        help="chunkstar's copies overlapped vs serial under an emulated 1 and 8 GB/s link, beside PyTorch and DeepSpeed",
+        description=overlap.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    _common(p, overlap.ROW_NAMES, overlap.ROW_NAMES, rounds=2)
+    d = overlap.OverlapSettings()
+    p.add_argument("--steps", type=int, default=d.steps, help="timed steps per run (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first (default %(default)s)")
+    p.add_argument("--budget-fraction", type=float, default=d.budget_fraction,
+                   help="the pressured rows' room for chunks, of the bf16 parameter bytes (default %(default)s)")
+
+    def go(args: argparse.Namespace) -> int:
+        _check_counts(p, args)
+        settings = overlap.OverlapSettings(
+            steps=args.steps, warmup=args.warmup, budget_fraction=args.budget_fraction, hardware=args.hardware
+        )
+        rows = overlap.rows(settings, _names(p, args.systems, overlap.ROW_NAMES))
+        return _compare("overlap", args, rows, overlap.TARGETS, dataclasses.asdict(settings),
+                        lambda pooled, verdicts: overlap.report(settings, pooled, verdicts, args.rounds))  # fmt: skip
+
+    p.set_defaults(func=go)
+
+
+def _compare(
+    suite: str, args: argparse.Namespace, rows: Sequence[Row], targets: Sequence[Target], settings: Mapping[str, Any],
+    report: Callable[[dict[str, Pooled], list[Verdict]], str],
+) -> int:  # fmt: skip
+    on_record: Callable[[Row, RunRecord], None] | None = None
+    if args.db is not None:
+        from chunkstar_bench.results import ResultsDB
+
+        db = ResultsDB(args.db)
+
+        def on_record(_row: Row, record: RunRecord) -> None:
+            db.append(record, suite=suite)
+
+    pooled = run_rows(rows, args.rounds, args.timeout, on_record=on_record)
+    verdicts = judge(targets, pooled)
+    print(report(pooled, verdicts))
+    if args.db is not None:
+        print(f"\n{sum(len(p.records) for p in pooled.values())} runs appended to {args.db} (suite {suite!r})", file=sys.stderr)
+    if args.json is not None:
+        document = {
+            "benchmark": suite,
+            "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "settings": dict(settings),
+            "rounds": args.rounds,
+            "versions": versions(),
+            "git_commit": git_commit(),
+            "rows": {
+                name: {"label": p.row.label, "records": [dataclasses.asdict(r) for r in p.records]} for name, p in pooled.items()
+            },
+            "comparisons": [
+                {"name": v.target.name, "value": v.value, "target": v.target.bound, "verdict": v.verdict} for v in verdicts
+            ],
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(document, indent=2, default=str) + "\n")
+        print(f"results written to {args.json}", file=sys.stderr)
+    return 0

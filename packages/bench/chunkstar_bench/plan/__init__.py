@@ -1,0 +1,82 @@
+"""Capacity planning: the largest zoo model each system should fit on a machine. A PREDICTION.
+
+``chunkstar-bench plan --hardware v100x8_240gb`` answers "how big a model can
+chunkstar, DeepSpeed ZeRO-3 offload and plain PyTorch (DDP, FSDP) train on this
+node?" (and, given ``--disk 2TB``, chunkstar with its optimizer state on disk)
+from bytes-per-parameter accounting, without running anything, and prints it
+beside the paper's published maximum scales and, given a results database, the
+largest model each system actually trained. It is arithmetic on parameter
+shapes, not a measurement; every figure it prints says so.
+
+* :mod:`~chunkstar_bench.plan.model` -- the memory model (Note [the memory
+  model]): footprints and the predicted maximum per system;
+* :mod:`~chunkstar_bench.plan.rows` -- each prediction beside the published and
+  the measured maximum;
+* :mod:`~chunkstar_bench.plan.format` -- the text table;
+* :mod:`~chunkstar_bench.plan.command` -- ``chunkstar-bench plan``.
+
+What this is not: a throughput model, or a check that a run will succeed (a
+run can also fail on pinned-memory limits, allocator fragmentation beyond the
+margin, or bugs). ``chunkstar-bench max-scale`` measures; this predicts. It
+needs ``chunkstar`` itself (the real chunk layout), unlike the rest of the bench
+package's parent side.
+"""
+
+from __future__ import annotations
+
+from chunkstar_bench.plan.command import add_plan_command, main, run_plan
+from chunkstar_bench.plan.format import format_plan
+from chunkstar_bench.plan.model import (
+    DEVICE_FRAGMENTATION,
+    DEVICE_RESERVED_BYTES,
+    DISK_SYSTEMS,
+    GIB,
+    HARDWARE,
+    HOST_PER_PROCESS_BYTES,
+    HOST_RESERVED_BYTES,
+    SYSTEMS,
+    Footprint,
+    Hardware,
+    Prediction,
+    Workload,
+    activation_bytes,
+    chunk_layout,
+    default_systems,
+    footprint,
+    gpt2_param_shapes,
+    model_data_bytes_per_param,
+    models_named,
+    predict_max,
+)
+from chunkstar_bench.plan.rows import MeasuredMax, PlanRow, measured_max, plan
+
+__all__ = [
+    "DEVICE_FRAGMENTATION",
+    "DEVICE_RESERVED_BYTES",
+    "DISK_SYSTEMS",
+    "GIB",
+    "HARDWARE",
+    "HOST_PER_PROCESS_BYTES",
+    "HOST_RESERVED_BYTES",
+    "SYSTEMS",
+    "Footprint",
+    "Hardware",
+    "MeasuredMax",
+    "PlanRow",
+    "Prediction",
+    "Workload",
+    "activation_bytes",
+    "add_plan_command",
+    "chunk_layout",
+    "default_systems",
+    "footprint",
+    "format_plan",
+    "gpt2_param_shapes",
+    "main",
+    "measured_max",
+    "model_data_bytes_per_param",
+    "models_named",
+    "plan",
+    "predict_max",
+    "run_plan",
+]

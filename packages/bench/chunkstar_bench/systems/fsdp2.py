@@ -1,0 +1,51 @@
+"""PyTorch FSDP2 with CPU offload: ``fully_shard`` per block and at the root, bf16 params.
+
+``CPUOffloadPolicy(pin_memory=False)`` on CPU (nothing to DMA to), pinned on
+CUDA; ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``; gloo on
+CPU (a world of one is fine), NCCL on CUDA. The step is the harness's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from chunkstar_bench.harness import ADAMW, Context, cuda_peak, init_process_group, time_steps
+
+__all__ = ["run"]
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    """Train ``ctx``'s run with FSDP2 + CPUOffloadPolicy; the per-rank record."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    init_process_group(ctx)
+    mesh = init_device_mesh(ctx.device, (ctx.world,))
+    model = ctx.build()
+    model.train()
+    offload = CPUOffloadPolicy(pin_memory=ctx.device == "cuda")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, offload_policy=offload, mp_policy=mp)
+    fully_shard(model, mesh=mesh, offload_policy=offload, mp_policy=mp)
+    params = list(model.parameters())
+    # foreach, not fused: the sharded params are DTensors on the host.
+    optimizer = torch.optim.AdamW(params, **ADAMW, foreach=True)
+
+    def step(ids: Any) -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.item())
+
+    record = time_steps(ctx, step)
+    peak, kind = cuda_peak(ctx)
+    return {
+        **record,
+        "peak_device_bytes": peak,
+        "peak_device_kind": kind,
+        "optimizer": "torch.optim.AdamW(foreach=True) over FSDP2 DTensor shards",
+    }
