@@ -26,9 +26,14 @@ def test_paper_tables_put_ours_beside_published(tmp_path: Path) -> None:
     db.append(record("chunkstar", "GPT3_6B", hardware="a100x8_1tb", nprocs=2, status="oom"), suite="paper-a100")
     text = paper_tables(db.runs())
     assert "a100x8_1tb / chunkstar" in text and "ours:" in text
-    assert f"{PUBLISHED_LABEL}, patrickstar" in text
-    assert f"{PUBLISHED_LABEL}, deepspeed" in text
-    assert "6B" in text
+    assert f"the published columns: PatrickStar, {PUBLISHED_LABEL}" in text
+    assert f"the published columns: DeepSpeed, {PUBLISHED_LABEL}" in text
+    # a readable table: a header row of our and the published figure per GPU count, no pandas pivot axes
+    assert "1 GPU ours  1 GPU published  2 GPUs ours" in text
+    six = next(line for line in text.splitlines() if line.startswith("6B "))
+    ours_1, published_1, ours_2 = six.split()[1:4]
+    assert published_1 == "114.0" and ours_1 != "-" and ours_2 == "-"  # the oom run has no figure
+    assert "nprocs" not in text and "NaN" not in text
 
 
 def test_cpu_tables_say_there_is_nothing_published(tmp_path: Path) -> None:
@@ -36,7 +41,8 @@ def test_cpu_tables_say_there_is_nothing_published(tmp_path: Path) -> None:
     db.append(record("pytorch", "cpu-small"), suite="cpu")
     db.append(record("fsdp2", "cpu-small", status="error"), suite="cpu")
     text = report(db.runs())
-    assert "no published numbers for this hardware" in text
+    assert "no paper-shaped table for CPU runs" in text
+    assert "TFLOPS" not in text.split("# Paper-shaped tables")[0].split("## cpu on cpu")[1].split("TFLOPS/GPU (8NBs) =")[0]
     assert "fsdp2 cpu-small x1: error" in text
     assert PUBLISHED_LABEL not in text
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from chunkstar_bench.runner import RunRecord, RunSpec, run
+from chunkstar_bench.tables import text_table
 
 __all__ = ["BUSY_CORES", "Pooled", "Row", "Target", "Verdict", "judge", "run_rows", "text_table", "verdict_table"]
 
@@ -165,16 +166,6 @@ def judge(targets: Sequence[Target], pooled: Mapping[str, Pooled]) -> list[Verdi
         met = value <= t.limit if t.op == "<=" else value >= t.limit if t.op == ">=" else value < t.limit
         out.append(Verdict(t, value, "PASS" if met else "MISS"))
     return out
-
-
-def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain-text table: the first column left-aligned, the others right-aligned."""
-    widths = [max(len(headers[i]), *(len(r[i]) for r in rows)) for i in range(len(headers))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-
-    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
 
 
 def verdict_table(verdicts: Sequence[Verdict]) -> str:
