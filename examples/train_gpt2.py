@@ -119,13 +119,10 @@ def too_small_message(
         + " of non-model memory (activations, the loss's fp32 logits, gradients before they reach their chunks)",
     ]
     if err.minimum is not None:
-        # the held-out evaluation after training plans with the warm-up's largest non-model peak
-        least, why = err.minimum, ""
-        if err.evaluation_minimum is not None:
-            least, why = err.evaluation_minimum, f", the held-out evaluation after training {size(err.evaluation_minimum)}"
+        # the held-out evaluation fits wherever training does (Note [evaluation budgets])
         lines.append(
-            f"  the smallest budget that holds what was measured is {size(err.minimum)}{why}: "
-            f"rerun with --budget-fraction {least_fraction(least, param_bytes):g} (or more)"
+            f"  the smallest budget that holds what was measured is {size(err.minimum)}: "
+            f"rerun with --budget-fraction {least_fraction(err.minimum, param_bytes):g} (or more)"
         )
     else:
         lines.append("  rerun with a larger --budget-fraction")

@@ -200,8 +200,8 @@ def maxscale_table(df: pd.DataFrame) -> str:
         best = good.iloc[-1] if not good.empty else None
         first_bad = bad.iloc[0] if not bad.empty else None
         rows.append({
-            "system": system_info(system.removesuffix("+params")).label + (" + params on disk" if system.endswith("+params") else ""),
-            "hardware": hardware, "host cap GiB": f"{cap / _GIB:.2f}" if cap else "none",
+            "system": system, "hardware": hardware,  # the --system names, as typed
+            "host cap GiB": f"{cap / _GIB:.2f}" if cap else "none",
             "largest trained": "none" if best is None else f"{best['model']} ({best['n_params'] / 1e6:,.1f}M)",
             "its peak RSS GiB": "-" if best is None else _gib(best["peak_host_bytes"]),
             "smallest failed": "-" if first_bad is None else f"{first_bad['model']} ({first_bad['n_params'] / 1e6:,.1f}M, {first_bad['status']})",

@@ -27,7 +27,6 @@ class DeviceMemoryError(RuntimeError):
 
     def __init__(
         self, device: str, needed: int, free: int, budget: int, where: str, minimum: int | None = None, advice: str = "",
-        evaluation_minimum: int | None = None,
     ) -> None:  # fmt: skip
         self.device = device
         self.needed = needed
@@ -36,21 +35,11 @@ class DeviceMemoryError(RuntimeError):
         self.where = where
         self.minimum = minimum
         """The smallest ``device_memory_budget`` (bytes) that holds what was measured, when known."""
-        self.evaluation_minimum = evaluation_minimum
-        """The smallest budget (bytes) under which evaluation forwards (``torch.no_grad``) after the
-        warm-up fit too, when known and larger than ``minimum``: they plan every moment with the
-        warm-up's largest non-model peak."""
         least = (
             f" The smallest device_memory_budget that fits what was measured is {_fmt(minimum)} ({minimum} bytes)."
             if minimum is not None
             else ""
         )
-        if evaluation_minimum is not None:
-            least += (
-                f" Evaluation forwards (under torch.no_grad) after the warm-up plan every moment with the largest "
-                f"non-model peak measured, so a run that evaluates needs at least {_fmt(evaluation_minimum)} "
-                f"({evaluation_minimum} bytes)."
-            )
         todo = advice or (
             "raise 'device_memory_budget'; or lower the batch size or sequence length, or enable activation "
             "checkpointing; or lower 'default_chunk_size' so a module's working set needs fewer whole chunks"

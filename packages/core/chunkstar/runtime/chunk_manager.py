@@ -414,6 +414,8 @@ class ChunkManager:
             non_model = live
         elif cur.on_schedule:
             non_model = cur.trace.non_model_at(cur.moment)
+        elif cur.evaluation_follows:  # Note [evaluation budgets] (runtime/schedule.py)
+            non_model = max(live, cur.trace.non_model_at(cur.moment))
         else:
             non_model = max(live, cur.trace.max_non_model)
         return self.capacity - non_model

@@ -20,7 +20,7 @@ __all__ = ["Cursor"]
 
 class Cursor:
     # __slots__: read several times per module call on the hot path
-    __slots__ = ("stage", "moment", "module", "on_schedule", "safe_mode", "trace")
+    __slots__ = ("stage", "moment", "module", "on_schedule", "evaluation_follows", "safe_mode", "trace")
 
     def __init__(self) -> None:
         self.stage = Stage.IDLE
@@ -30,6 +30,11 @@ class Cursor:
         """Label of the module (or "optimizer") whose moment runs; "" between steps."""
         self.on_schedule = True
         """False during an untraced forward (evaluation): budgets then use the trace's maximum."""
+        self.evaluation_follows = False
+        """During an evaluation forward (``on_schedule`` False): its moments so far are the traced
+        forward's, from the first, on inputs no bigger than the traced ones, so each may be
+        budgeted with its traced moment's non-model peak (Note [evaluation budgets] in
+        runtime/schedule.py)."""
         self.safe_mode = False
         """While tracing (or off the traced schedule) the device keeps only what the running
         moment needs, leaving activations all the room there is."""

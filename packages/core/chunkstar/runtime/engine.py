@@ -313,7 +313,7 @@ class ChunkEngine:
                 self._check_still_frozen()
             it.begin(args, kwargs)
         else:
-            it.begin_untraced()
+            it.begin_untraced(args, kwargs)
         it.schedule.set_stage(Stage.FWD)
         try:
             with self._autocast():

@@ -98,9 +98,11 @@ class Iteration:
         self._moves_at_iteration = loads
         self._frozen_before = frozen
 
-    def begin_untraced(self) -> None:
-        """An evaluation forward: its moments are not the schedule's."""
-        self.schedule.begin_untraced()
+    def begin_untraced(self, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None) -> None:
+        """An evaluation forward: its moments are not the schedule's (its inputs, when the
+        engine's forward is called, let it budget by the traced forward's moments)."""
+        nbytes = sum(t.nbytes for t in output_tensors((args, kwargs))) if args is not None else None
+        self.schedule.begin_untraced(nbytes, between_steps=not self.open)
 
     def end_untraced(self) -> None:
         if self.schedule.end_untraced() and not self.open:

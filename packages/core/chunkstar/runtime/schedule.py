@@ -19,6 +19,19 @@ During warm-up every moment's chunk bytes plus its measured non-model peak is
 checked against the device: a budget too small fails at the end of the first
 warm-up iteration with the smallest budget that would hold what was measured.
 
+Note [evaluation budgets]: an evaluation forward (under ``torch.no_grad``) is not
+on the schedule, and on the CPU device nothing measures it after the warm-up, so
+each of its moments has to be budgeted from the trace. The trace's largest
+non-model peak is safe for any evaluation, but it usually comes from the loss and
+the start of backward, and it would deny an early forward moment (the embedding's
+chunk) the room it had in training: a budget that trains could fail to evaluate.
+So an evaluation that begins between steps, on inputs no bigger than the traced
+ones, numbers its moments as the traced forward's and budgets the k-th with the
+traced k-th moment's peak, as long as its moments are the forward's (module,
+stage and chunks); without autograd it keeps no more than the training forward
+kept at the same point. Anything else (an evaluation inside an iteration, larger
+inputs, another path) gets the trace's largest peak from there on.
+
 The schedule is also the one writer of the iteration's :class:`Cursor` (stage,
 moment, module, ``on_schedule``, ``safe_mode``, the trace): the hook targets,
 the iteration and the optimizer step move it through the methods below, and
@@ -88,14 +101,25 @@ class Schedule:
         cur.module = module
         if cur.on_schedule:
             self.on_moment(module, cur.stage.value, chunk_ids)
+        elif cur.evaluation_follows and not cur.trace.matches(cur.moment, module, Stage.FWD.value, chunk_ids):
+            cur.evaluation_follows = False  # another path than the traced forward's: the trace's maximum from here
         return cur.moment
 
-    def begin_untraced(self) -> None:
-        """An evaluation forward (under no_grad) begins: its moments are not the schedule's."""
+    def begin_untraced(self, input_bytes: int | None = None, between_steps: bool = False) -> None:
+        """An evaluation forward (under no_grad) begins: its moments are not the schedule's.
+        ``input_bytes``: its tensor inputs' bytes, when known; ``between_steps``: no training
+        iteration is open (Note [evaluation budgets])."""
         self._untraced_depth += 1
         if self._untraced_depth == 1:
-            self._saved_moment = self.cursor.moment
-            self.cursor.on_schedule = False
+            cur = self.cursor
+            self._saved_moment = cur.moment
+            cur.on_schedule = False
+            cur.evaluation_follows = (
+                between_steps and self.phase is TracePhase.FROZEN and input_bytes is not None
+                and input_bytes <= cur.trace.input_bytes
+            )  # fmt: skip
+            if cur.evaluation_follows:
+                cur.moment = -1  # numbered as the traced forward's moments, from the first
 
     def end_untraced(self) -> bool:
         """An evaluation forward ended; whether it was the outermost (the schedule's moments resume)."""
@@ -103,6 +127,7 @@ class Schedule:
         if self._untraced_depth:
             return False
         self.cursor.on_schedule = True
+        self.cursor.evaluation_follows = False
         self.cursor.moment = self._saved_moment
         return True
 
@@ -339,16 +364,5 @@ class Schedule:
         return DeviceMemoryError(
             device=str(self.device), needed=chunks, free=max(0, mgr.capacity - non_model), budget=mgr.capacity,
             where=f"the warm-up iteration's moment {where}, whose non-model memory peaked at {non_model} bytes",
-            minimum=minimum, advice=advice, evaluation_minimum=self._evaluation_minimum(minimum),
+            minimum=minimum, advice=advice,
         )  # fmt: skip
-
-    def _evaluation_minimum(self, minimum: int) -> int | None:
-        """The budget an evaluation forward after the warm-up needs, from this warm-up pass's
-        trace, when more than ``minimum``: :meth:`ChunkManager.chunk_budget` gives an untraced
-        moment the trace's largest non-model peak, beside the chunks of a forward moment."""
-        trace = self.cursor.trace
-        fwd = [self._moment_chunk_bytes(r.chunks) for r in trace.records if r.stage == Stage.FWD.value]
-        if not fwd:
-            return None
-        need = minimum_budget(max(fwd), trace.max_non_model, self.mgr.slack)
-        return need if need > minimum else None
