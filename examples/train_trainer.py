@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=60, help="optimizer steps (TrainingArguments.max_steps)")
     p.add_argument("--batch", type=int, default=4, help="rows per device and micro-batch (per_device_train_batch_size)")
-    p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step (1 with several processes)")
+    p.add_argument("--grad-accum", type=int, default=2, help="micro-batches per optimizer step")
     p.add_argument("--seq", type=int, default=32, help="characters per row")
     p.add_argument("--n-layer", type=int, default=4, help="GPT-2 blocks")
     p.add_argument("--n-embd", type=int, default=256, help="GPT-2 hidden size")

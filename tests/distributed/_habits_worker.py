@@ -18,6 +18,21 @@ from tests.distributed._loop import train_slices
 
 STEPS = 3
 COMPILED_STEPS = 4
+ACCUM = 2
+ACCUM_STEPS = 3
+
+
+class Branchy(torch.nn.Module):
+    """A side branch that only some micro-batches use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = torch.nn.Linear(8, 8)
+        self.side = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        h = self.main(x)
+        return h + self.side(x) if use_side else h
 
 
 def habits(rank: int, world: int, port: int, out: str) -> None:
@@ -88,6 +103,37 @@ def habits(rank: int, world: int, port: int, out: str) -> None:
         result["compiled_losses"] = train_slices(engine, optimizer, gpt2_batch, range(COMPILED_STEPS))
         result["compiled_calls"] = engine.stats()["compiled_calls"]
         result["compiled_moves"] = engine.stats()["chunk_moves_to_host"]
+
+        # 4. gradient accumulation over two ranks (Note [accumulation across ranks]): each rank
+        # its slice of every micro-batch, one reduction per step
+        engine, optimizer = chunkstar.initialize_engine(
+            case.build, rank, engine_config("fp32", budget=eviction_budget(case.build(), torch.float32), accum=ACCUM)
+        )
+        losses = []
+        for step in range(ACCUM_STEPS):
+            for micro in range(ACCUM):
+                full = gpt2_batch(step * ACCUM + micro)
+                per_rank = full["input_ids"].shape[0] // world
+                loss = engine(**{k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in full.items()}).loss
+                engine.backward(loss)
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                losses.append(mean.item() / world)
+            optimizer.step()
+            optimizer.zero_grad()
+        result["accum_losses"] = losses
+        result["accum_moves"] = engine.stats()["chunk_moves_to_host"]
+
+        # 5. a parameter that gets gradients in an earlier micro-batch only: refused on every rank alike
+        torch.manual_seed(0)
+        branchy = Branchy()
+        engine, optimizer = chunkstar.initialize_engine(lambda: branchy, rank, engine_config("fp32", budget="1MB", accum=2, chunk_size=64))
+        try:
+            for use_side in (True, False):
+                engine.backward(engine(torch.ones(2, 8), use_side).square().mean())
+            result["branch_error"] = "no error"
+        except chunkstar.ChunkStateError as e:
+            result["branch_error"] = str(e)
     except Exception as e:  # noqa: BLE001 - the test reads the message
         result["error"] = f"{type(e).__name__}: {e}"
     Path(out, f"rank{rank}.json").write_text(json.dumps(result, default=str))

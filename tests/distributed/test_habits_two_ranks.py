@@ -14,7 +14,7 @@ import torch
 from tests.core._models import CASES, ModelCase, assert_losses_close, train_reference
 from tests.core.test_param_access import _encoder_loss, _seq_batch, build_encoder
 
-from ._habits_worker import COMPILED_STEPS, STEPS, habits
+from ._habits_worker import ACCUM, ACCUM_STEPS, COMPILED_STEPS, STEPS, habits
 from ._spawn import run_ranks
 
 
@@ -56,3 +56,17 @@ def test_compiled_blocks_on_two_ranks_match_one_process(results: tuple[list[dict
         assert_losses_close(r["compiled_losses"], want, 1e-5, f"compiled GPT-2, rank {r['rank']}")
         assert r["compiled_calls"] == 4 * (COMPILED_STEPS - 2), r  # four blocks, compiled after the warm-up
         assert r["compiled_moves"] > 0, r
+
+
+def test_gradient_accumulation_on_two_ranks_matches_one_process(results: tuple[list[dict[str, Any]], Path]) -> None:
+    want = train_reference(CASES["gpt2"], ACCUM_STEPS, accum=ACCUM)
+    for r in results[0]:
+        assert_losses_close(r["accum_losses"], want, 1e-5, f"accumulated GPT-2, rank {r['rank']}")
+        assert r["accum_moves"] > 0, r
+
+
+def test_a_parameter_missing_from_the_last_micro_batch_is_refused_on_every_rank(
+    results: tuple[list[dict[str, Any]], Path],
+) -> None:
+    for r in results[0]:
+        assert "earlier micro-batches but not in the last one" in r["branch_error"] and "side.weight" in r["branch_error"], r

@@ -1,8 +1,8 @@
 """One rank of the two-process Trainer test, started by torchrun.
 
 ``python -m torch.distributed.run --standalone --nproc_per_node 2 _trainer_worker.py OUT``:
-every rank trains the tiny GPT-2 with ChunkstarTrainer (gloo; per-rank batch 2, no
-accumulation, so the global batch is the single-process run's 2 x 2), saving a
+every rank trains the tiny GPT-2 with ChunkstarTrainer (gloo; per-rank batch 1,
+accumulation 2, so a step sees the single-process run's 2 x 2 rows), saving a
 checkpoint at step 3; evaluates; saves the model; then a second ChunkstarTrainer
 resumes from checkpoint-3 (each rank its own engine shard) and trains to the end.
 Each rank writes ``OUT/rank{r}.json``.
@@ -26,7 +26,7 @@ from tests.integrations._trainer_case import (  # noqa: E402
 
 
 def main(out: str) -> None:
-    per_rank = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
+    per_rank = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 2}
     run = ChunkstarTrainer(
         model=build_model(), args=training_args(f"{out}/run", save_strategy="steps", save_steps=SAVE_AT, **per_rank),
         train_dataset=train_rows(), eval_dataset=eval_rows(), chunkstar_config=chunkstar_config(fraction=TWO_RANK_BUDGET_FRACTION),

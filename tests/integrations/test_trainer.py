@@ -345,7 +345,7 @@ def test_a_short_last_accumulation_window_is_refused_before_training(tmp_path: P
 
 # ---------------------------------------------------------------------- several processes
 def test_two_processes_under_torchrun_match_one_process(runs: dict[str, Any], tmp_path: Path) -> None:
-    """Two gloo ranks, per-rank batch 2 without accumulation, against the single-process
+    """Two gloo ranks, per-rank batch 1 x accumulation 2, against the single-process
     run's batch 2 x accumulation 2 (the same samples per step); each rank's checkpoint
     shard rides in checkpoint-3 and resumes exactly."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -66,6 +66,9 @@ class GroupReducer:
         self._need: list[int] | None = None
         # reductions started and not yet averaged into their own chunk: (own chunk id, pending)
         self._inflight: list[tuple[int, PendingReduce]] = []
+        # per group, the gradients a micro-batch before the last put into local accumulators
+        # in this backward (Note [accumulation across ranks] in runtime/gradients.py)
+        self._accumulated: dict[int, int] = {}
 
     def release_after_forward(self, indices: Sequence[int]) -> None:
         """After a module's forward, drop gathered copies of other ranks' chunks its
@@ -89,6 +92,18 @@ class GroupReducer:
             return
         self._reduce(group.start)
 
+    def gradient_accumulated(self, chunk_id: int) -> None:
+        """A micro-batch before the last added a gradient of ``chunk_id`` to its accumulator: once
+        every gradient of the group is in, its gathered copies are not needed for the rest of this
+        backward (the same moment on every rank: gradients arrive in the graph's order)."""
+        mgr = self.mgr
+        group = mgr.layout.group(chunk_id)
+        g = group.start // mgr.layout.world_size
+        done = self._accumulated[g] = self._accumulated.get(g, 0) + 1
+        need = self._need if self._need is not None else self._count_needed()
+        if done >= need[g] and not any(mgr.pinned(k) for k in group):
+            mgr.release_group(group.start)
+
     def _count_needed(self) -> list[int]:
         """Per group, the slots in HOLD_AFTER_BWD once all its gradients are in (Note [pending gradients])."""
         mgr = self.mgr
@@ -110,11 +125,13 @@ class GroupReducer:
                 self._reduce(g)
         self._land(wait=True)
         self._reduced.clear()
+        self._accumulated.clear()
         self._need = None
 
     def reset(self) -> None:
         """A backward failed: forget what was reduced or counted in it (the next backward starts clean)."""
         self._reduced.clear()
+        self._accumulated.clear()
         self._need = None
         self._inflight = []  # its gradients are dropped: the sums are not needed
 

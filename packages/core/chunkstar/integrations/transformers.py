@@ -265,12 +265,6 @@ def _refuse_unsupported(args: TrainingArguments, optimizers: tuple[Any, Any], op
                  "TrainingArguments.lr_scheduler_type, or override create_scheduler")  # fmt: skip
     if optimizer_cls_and_kwargs is not None:
         raise no("optimizer_cls_and_kwargs=", "the optimizer is chunkstar's AdamW; set it through TrainingArguments")
-    if args.world_size > 1 and args.gradient_accumulation_steps > 1:
-        raise no(
-            f"TrainingArguments.gradient_accumulation_steps = {args.gradient_accumulation_steps} with "
-            f"{args.world_size} processes",
-            "the engine accumulates in one process only so far; raise per_device_train_batch_size instead",
-        )
 
 
 # ---------------------------------------------------------------------- what the Trainer holds

@@ -551,7 +551,11 @@ class ChunkManager:
         if victims is None:
             freed = sum(c.nbytes for c in candidates)
             if self.device_chunk_bytes - freed + need > budget:
+                # what stays: the chunks required now, those in use, and (several processes) the
+                # other ranks' chunks of gathered groups, freed on the schedule all ranks share
+                shared = self.layout.world_size > 1
                 req = set(required) | {(_PARAM, i) for i in range(self.layout.n_chunks) if self.pinned(i)}
+                req |= {(_PARAM, i) for i in self._on_device[_PARAM] if shared and not self.own(i)}
                 if not self.measuring_shortfall:
                     raise self.memory_error(where, sorted(req), budget)
                 # warm-up: go over the budget for now and measure, so the error at the end of

@@ -160,12 +160,6 @@ class ChunkEngine:
         self._index: dict[int, int] = {id(p): i for i, p in enumerate(self._params)}
         self.comm = Comm.from_environment()
         world = self.comm.world_size
-        if world > 1 and cfg.gradient_accumulation_steps > 1:
-            raise ConfigError(
-                "gradient_accumulation_steps",
-                f"gradient accumulation is not supported yet with several processes (world size {world}); "
-                "raise the per-rank batch instead",
-            )
         numels = [p.numel() for p in self._params]
         # frozen parameters get chunks of their own with no optimizer state (Note [frozen chunks])
         frozen = [not p.requires_grad for p in self._params]

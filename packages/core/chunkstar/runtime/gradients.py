@@ -8,6 +8,16 @@ before the last one add their gradients into an fp32 host accumulator per
 chunk instead (the slot still holds the value the next forward needs); the
 last micro-batch folds accumulator plus gradient into the slot.
 
+Note [accumulation across ranks]: with several processes the micro-batches
+before the last accumulate locally, every rank for every chunk it computes
+gradients of (its own and the other ranks', as DDP's ``no_sync`` does: one
+reduction per step, at the cost of a full fp32 accumulator on each rank's
+host), and the last micro-batch's folds start the usual group reductions, whose
+average over ranks of the accumulated sums is the step's gradient. A parameter
+that got gradients in earlier micro-batches only would need its accumulator
+folded into a group that may not be gathered, on every rank alike: the ranks
+agree on that at the boundary (one small all-reduce) and refuse it together.
+
 Once a chunk's gradients are complete, the optimizer may take it during the
 backward (Note [gradient pipeline] in :mod:`chunkstar.optim.adam`); with
 several processes the reducer averages each group's gradients instead
@@ -26,6 +36,7 @@ from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.state import TensorState
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
+from chunkstar.errors import ChunkStateError
 from chunkstar.events import MoveReason
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.cursor import Cursor
@@ -91,6 +102,8 @@ class Gradients:
                 self._accumulated.add(index)
                 if mgr.states[index] is TensorState.COMPUTE:
                     mgr.set_state(index, TensorState.HOLD_AFTER_FWD)
+                if self.comm.distributed:
+                    self.reducer.gradient_accumulated(s.chunk_id)
 
     @property
     def _offload_early(self) -> bool:
@@ -117,6 +130,8 @@ class Gradients:
         parameters that got gradients in earlier micro-batches only."""
         mgr = self.mgr
         if self.comm.distributed:
+            if self.boundary and self.accumulation_steps > 1:
+                self._check_accumulated_only()
             self.reducer.end_backward()
         # only the slots either branch below acts on: those in COMPUTE or HOLD_AFTER_FWD (the
         # manager finds them chunk by chunk) and, at a boundary, those with an accumulator
@@ -137,6 +152,21 @@ class Gradients:
             self._accumulated.clear()
         if self.comm.distributed:
             self.reducer.release_all()
+
+    def _check_accumulated_only(self) -> None:
+        """Several processes, at a boundary (Note [accumulation across ranks]): refuse, on every
+        rank alike, parameters whose gradients came in earlier micro-batches only."""
+        mgr = self.mgr
+        late = [i for i in self._accumulated if mgr.states[i] is not TensorState.HOLD_AFTER_BWD]
+        flag = torch.tensor([float(len(late))], dtype=torch.float64)
+        if self.comm.all_reduce_max(flag, what="the accumulation check", device=mgr.device).item() > 0:
+            names = ", ".join(mgr.slots[i].name for i in sorted(late)[:3]) or "(on another rank)"
+            raise ChunkStateError(
+                f"gradient accumulation over several processes: parameters got gradients in earlier micro-batches "
+                f"but not in the last one before the step ({names}); chunkstar reduces gradients at the last "
+                "micro-batch, so every parameter that trains must take part in it (keep the model's control flow "
+                "the same in every micro-batch), or accumulate in one process"
+            )
 
     def micro_batch_done(self) -> None:
         self.since_step += 1
