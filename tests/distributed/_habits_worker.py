@@ -22,6 +22,22 @@ ACCUM = 2
 ACCUM_STEPS = 3
 
 
+def _checkpointed_gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=16, n_positions=32, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _arithmetic_batch(step: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 16, (8, 32), generator=torch.Generator().manual_seed(step))  # 4 rows per rank
+    return {"input_ids": ids, "labels": ids}
+
+
 class Branchy(torch.nn.Module):
     """A side branch that only some micro-batches use."""
 
@@ -123,6 +139,27 @@ def habits(rank: int, world: int, port: int, out: str) -> None:
             optimizer.zero_grad()
         result["accum_losses"] = losses
         result["accum_moves"] = engine.stats()["chunk_moves_to_host"]
+
+        # 6. the smallest budget a too-small one's error names trains on two ranks: the other
+        # ranks' gathered chunks a moment finds on the device are counted (the 3.2M GPT-2 of
+        # examples/train_trainer.py, auto chunks, activation checkpointing; uncounted, the
+        # named 8.90 MiB failed in the third step)
+        minimum = None
+        for budget in (8_000_000, None):
+            engine, optimizer = chunkstar.initialize_engine(
+                _checkpointed_gpt2, rank,
+                engine_config("fp32", budget=budget if budget is not None else minimum, chunk_size="auto"),
+            )  # fmt: skip
+            try:
+                train_slices(engine, optimizer, _arithmetic_batch, range(4))
+                result["named_minimum_trains"] = budget is None
+                break
+            except chunkstar.DeviceMemoryError as e:
+                if budget is None:
+                    result["named_minimum_trains"] = f"the named minimum failed: {e}"
+                    break
+                minimum = e.minimum
+                dist.barrier()
 
         # 5. a parameter that gets gradients in an earlier micro-batch only: refused on every rank alike
         torch.manual_seed(0)

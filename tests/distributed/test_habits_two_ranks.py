@@ -70,3 +70,8 @@ def test_a_parameter_missing_from_the_last_micro_batch_is_refused_on_every_rank(
 ) -> None:
     for r in results[0]:
         assert "earlier micro-batches but not in the last one" in r["branch_error"] and "side.weight" in r["branch_error"], r
+
+
+def test_the_budget_a_too_small_one_names_trains_on_two_ranks(results: tuple[list[dict[str, Any]], Path]) -> None:
+    for r in results[0]:
+        assert r["named_minimum_trains"] is True, r["named_minimum_trains"]
