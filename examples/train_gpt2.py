@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import copy
 import math
+import os
 import shlex
 import sys
 import time
@@ -388,6 +389,9 @@ def print_summary(
         ("device budget", size(s["device_budget_bytes"]), f"{args.budget_fraction:.0%} of the bf16 parameter bytes"),
         ("device chunk peak", size(s["device_chunk_bytes_peak"]), "chunk bytes on the device at once, at most"),
         ("non-model peak", size(s["warmup_non_model_peak_bytes"]), "activations and temporaries, measured during warm-up"),
+        ("device peak", size(s["device_peak_bytes"]),
+         "all the device held at once: chunks until really freed, beside activations"
+         + ("" if os.environ.get("CHUNKSTAR_DEVICE_METER") == "1" else " (warm-up; CHUNKSTAR_DEVICE_METER=1: every step)")),
         ("model data", size(s["model_data_bytes"]),
          f"{s['model_data_bytes'] / s['device_budget_bytes']:.1f}x the budget: never all on the device"),
         ("bytes/param", f"{per_param:.2f}",

@@ -73,7 +73,9 @@ def train_plain(model: nn.Module, steps: int) -> list[float]:
 
 
 def budget() -> int:
-    return eviction_budget(build_gpt2(), torch.float32)
+    # all the fp32 param bytes: still far from all model data and activations (chunks move every step),
+    # and room for a compiled block's backward, which holds more than the eager one (Note [compiled units])
+    return eviction_budget(build_gpt2(), torch.float32, 1.0)
 
 
 def assert_close(got: list[float], want: list[float], tol: float = 1e-5) -> None:
@@ -96,8 +98,8 @@ def test_compiled_blocks_match_plain_pytorch_and_capture_graphs(style: str) -> N
     stats = engine.stats()
     assert stats["chunk_moves_to_host"] > 0, "the budget must force eviction"
     assert stats["compiled_units"] == 4
-    # the two warm-up iterations run eager (measured); every later call runs the compiled graph
-    assert stats["compiled_calls"] == 4 * (steps - 2)
+    # the first warm-up iteration runs eager (access sets); every later call runs the compiled graph
+    assert stats["compiled_calls"] == 4 * (steps - 1)
     assert graphs.count == 4
     assert_close(got, want)
     # and eager chunkstar on the same model (exact parity with plain PyTorch)
@@ -112,7 +114,7 @@ def test_compiled_blocks_bf16_train_like_eager_chunkstar() -> None:
     got = train_engine(engine, opt, CASES["gpt2"], steps, dtype="bf16")
     eager, eopt = chunkstar.initialize_engine(build_gpt2, 0, engine_config("bf16", budget=budget() // 2))
     want = train_engine(eager, eopt, CASES["gpt2"], steps, dtype="bf16")
-    assert graphs.count == 4 and engine.stats()["compiled_calls"] == 4 * (steps - 2)
+    assert graphs.count == 4 and engine.stats()["compiled_calls"] == 4 * (steps - 1)
     assert_close(got, want, tol=2e-3)  # bf16 kernels fused differently round differently
 
 
@@ -168,6 +170,6 @@ def test_inductor_blocks_match_eager_within_1e_5() -> None:
     steps = 4
     engine, opt = chunkstar.initialize_engine(lambda: compiled_gpt2("inductor", n_layer=2), 0, engine_config(budget=budget()))
     got = train_engine(engine, opt, CASES["gpt2"], steps)
-    assert engine.stats()["compiled_calls"] == 2 * (steps - 2)
+    assert engine.stats()["compiled_calls"] == 2 * (steps - 1)
     eager, eopt = chunkstar.initialize_engine(lambda: build_gpt2(n_layer=2), 0, engine_config(budget=budget()))
     assert_close(got, train_engine(eager, eopt, CASES["gpt2"], steps))

@@ -34,6 +34,20 @@ def _module(model: Any) -> nn.Module:
     return getattr(model, "module", model)
 
 
+def _assert_weights_close(got: torch.Tensor, want: torch.Tensor, name: str, steps: int = STEPS) -> None:
+    """Final weights within 1e-5 |p| + 1e-6 of the reference's, except the attention key biases
+    (GPT-2's ``c_attn.bias`` and ``in_proj_bias``: the middle third). Their gradient is analytically
+    zero (softmax ignores a per-row constant), so what they get is rounding noise that depends on
+    summation order and memory alignment (the engine's parameters are views into chunks), and Adam
+    turns any noise into steps of up to lr (1e-3): they are checked to stay within lr x steps."""
+    got, want = got.detach().float().reshape(-1).clone(), want.detach().float().reshape(-1).clone()
+    if name.endswith("c_attn.bias") or name.endswith("in_proj_bias"):
+        n = want.numel() // 3
+        torch.testing.assert_close(got[n : 2 * n], want[n : 2 * n], rtol=0, atol=1e-3 * steps, msg=name)
+        got[n : 2 * n] = want[n : 2 * n] = 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _reference_opt(model: nn.Module) -> torch.optim.Optimizer:
     """The reference optimizer of every plain-PyTorch run here (the engine's config in _models)."""
     return torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, fused=True)
@@ -154,7 +168,7 @@ def test_parameters_read_outside_their_module_train_like_pytorch(name: str) -> N
     ref = _reference_after(case, STEPS)
     mine = engine.state_dict()
     for key, want_t in ref.state_dict().items():
-        torch.testing.assert_close(mine[key], want_t, rtol=1e-5, atol=1e-6, msg=key)
+        _assert_weights_close(mine[key], want_t, key)
 
 
 # ---------------------------------------------------------------------------- reads between steps
@@ -187,10 +201,10 @@ def test_reads_between_steps_return_current_values_like_pytorch() -> None:
     for (name, p), q in zip(engine.module.named_parameters(), ref.parameters()):
         assert "Parameter containing" in repr(p)
         assert torch.allclose(p.norm(), q.norm(), rtol=1e-5), name
-        torch.testing.assert_close(p.detach().clone(), q.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        _assert_weights_close(p.detach().clone(), q.detach(), name)
         torch.testing.assert_close(p.sum(), q.sum(), rtol=1e-4, atol=1e-5, msg=name)
-    for mine, want in zip(ema, ref_ema):
-        torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6)
+    for (name, _), mine, want in zip(engine.module.named_parameters(), ema, ref_ema):
+        _assert_weights_close(mine, want, name)
     assert engine.stats()["chunk_moves_to_host"] > 0
 
 
@@ -328,7 +342,7 @@ def test_save_pretrained_round_trips_through_from_pretrained(tmp_path: Path) -> 
     got = back.state_dict()
     for k, v in engine.state_dict().items():
         assert torch.equal(got[k], v), k
-        torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=k)
+        _assert_weights_close(v, want[k], k)
 
 
 def test_module_load_state_dict_writes_through_and_training_matches() -> None:

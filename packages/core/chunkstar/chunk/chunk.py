@@ -16,7 +16,11 @@ Note [pending copy]: a move hands the copy to a copy engine
 landed. The chunk remembers the copy's event; reading the payload, moving the
 chunk again or releasing it first waits on that event, so no reader ever sees
 half a copy, and an evicted chunk's device bytes are freed only after its copy
-has read them. Parameters are views of the device tensor: a module reads them
+has read them (Note [deferred free] in :mod:`chunkstar.device.memory`: every
+payload storage grows and shrinks through the device's :class:`DeviceMemory`).
+A chunk brought back while its eviction's copy is still in flight orders its
+copy in after that copy (on CUDA a stream wait, not a host sync) and keeps the
+device bytes it still has. Parameters are views of the device tensor: a module reads them
 only after the runtime made the chunk resident and waited (``make_resident``).
 Host-side work on the payload (the optimizer's update on a worker thread) is a
 second pending event, ``_work``: readers wait on it too, and the next copy to
@@ -36,13 +40,11 @@ allocate host memory every step.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from chunkstar.chunk.state import ChunkLocation, check_location_transition
 from chunkstar.device.copy_engine import CopyEngine, CopyEvent
-from chunkstar.device.chunk_pool import ChunkPool
+from chunkstar.device.memory import DeviceMemory, PendingFree, order_after
 from chunkstar.device.pinned import PinnedBuffers
 from chunkstar.events import Tier
 
@@ -58,7 +60,7 @@ class Chunk:
         dtype: torch.dtype,
         device: torch.device,
         pinned: PinnedBuffers | None = None,
-        pool: ChunkPool | None = None,
+        memory: DeviceMemory | None = None,
     ) -> None:
         self.chunk_id = chunk_id
         self.list_name = list_name
@@ -70,12 +72,17 @@ class Chunk:
         # where host buffers come from: exactly-sized pinned ones for a chunk that travels to a
         # CUDA device (kept for life: pinning costs far more than the bytes), else plain memory
         self._pinned = pinned
-        # 1-D, on `device`; storage is 0 bytes unless location is DEVICE (Note [persistent device storage])
-        # CUDA: payloads come from the chunks' own memory pool (device/chunk_pool.py)
-        self._pool = pool
-        with self._allocating():
-            self._device_buf = torch.empty(numel, dtype=dtype, device=device)
+        # where device payload bytes are allocated and freed, and counted (device/memory.py)
+        self._memory = memory if memory is not None else DeviceMemory(device)
+        # 1-D, on `device`; storage is 0 bytes unless location is DEVICE, or while a free is pending
+        # (Note [persistent device storage]); grown and freed through the device memory from here
+        self._device_buf = torch.empty(numel, dtype=dtype, device=device)
         self._device_buf.untyped_storage().resize_(0)
+        # the free of the device bytes after the last eviction's copy, until it runs (Note [deferred free])
+        self._free: PendingFree | None = None
+        # CUDA: the last copy to the device as host code must wait for it (it reads the host buffer,
+        # and the compute stream's wait does not make host writes safe); see move_to's clean eviction
+        self._host_read: CopyEvent | None = None
         # 1-D, host (pinned when the device is CUDA); exists while location is HOST, and may
         # stay while the chunk is on the device (Note [clean host copy]): valid or stale
         self._host_buf: torch.Tensor | None = None
@@ -127,21 +134,17 @@ class Chunk:
         (one chunk at a time, so creating all views never needs more than one
         chunk of device memory). The views stay valid across later resizes.
         """
-        resident = self.location is ChunkLocation.DEVICE
+        resident = self._device_buf.untyped_storage().nbytes() == self.nbytes
         if not resident:
             self._grow_device()
         try:
             return [self._device_buf[a:b].view(shape) for a, b, shape in spans]
         finally:
             if not resident:
-                self._device_buf.untyped_storage().resize_(0)
-
-    def _allocating(self) -> contextlib.AbstractContextManager[object]:
-        return self._pool.allocating() if self._pool is not None else contextlib.nullcontext()
+                self._memory.free(self._device_buf.untyped_storage())
 
     def _grow_device(self) -> None:
-        with self._allocating():
-            self._device_buf.untyped_storage().resize_(self.nbytes)
+        self._memory.grow(self._device_buf.untyped_storage(), self.nbytes)
 
     def _new_host(self) -> torch.Tensor:
         if self._pinned is not None:
@@ -198,14 +201,20 @@ class Chunk:
         ``keep_host`` a move to the device keeps the host buffer as a clean copy.
         """
         if tier is Tier.DEVICE:
-            self._wait_copy()  # the previous move must have landed (buffers, freed bytes)
             check_location_transition(repr(self), self.location, ChunkLocation.DEVICE)
             assert self._host_buf is not None
-            # The storage is allocated on the compute (current) stream/thread before the
-            # copy is queued, and the consumer waits on the copy's event before reading.
-            # Host-side work still running on the source goes to the copy engine as
-            # ``after``: the copy, not this thread, waits for it.
-            self._grow_device()
+            # The previous move must have landed before this copy touches the same buffers: on
+            # CUDA the compute stream is ordered after it (no host sync), on the CPU device this
+            # thread waits. An eviction whose free has not run keeps its bytes (Note [deferred free]).
+            if self._pending is not None:
+                order_after(self._pending)
+                self._pending = None
+            pend, self._free = self._free, None
+            if pend is None or not self._memory.reclaim(pend):
+                # allocated on the compute (current) stream/thread before the copy is queued; the
+                # consumer waits on the copy's event before reading. Host-side work still running on
+                # the source goes to the copy engine as ``after``: the copy, not this thread, waits.
+                self._grow_device()
             src = self._host_buf  # the copy engine holds the host bytes until done
             self._host_buf = src if keep_host or self._pinned is not None else None
             self._host_valid = keep_host
@@ -217,12 +226,16 @@ class Chunk:
         check_location_transition(repr(self), self.location, ChunkLocation.HOST)
         self.location = ChunkLocation.HOST
         if self._host_valid:  # clean: the host copy is the payload
-            self._device_buf.untyped_storage().resize_(0)
+            self._memory.free(self._device_buf.untyped_storage())
+            # the copy that brought it may still be reading the host buffer on a copy stream:
+            # host work on the payload (an update) waits for that copy, not for the whole device
+            self._pending, self._host_read = self._host_read, None
             return False
+        self._host_read = None
         host = self._host_buf if self._host_buf is not None else self._new_host()
-        storage = self._device_buf.untyped_storage()
-        # the device bytes are freed after the copy has read them (deferred free)
-        self._pending = copies.to_host(host, self._device_buf, then=lambda: storage.resize_(0))
+        self._pending = copies.to_host(host, self._device_buf)
+        # the device bytes are freed once the copy has read them (Note [deferred free])
+        self._free = self._memory.free_after(self._device_buf.untyped_storage(), self._pending)
         self._host_buf = host
         self._host_valid = True
         return True
@@ -281,7 +294,7 @@ class Chunk:
         """Drop the device copy without keeping it anywhere (a remote chunk after use)."""
         check_location_transition(repr(self), self.location, ChunkLocation.RELEASED)
         self.wait_ready()
-        self._device_buf.untyped_storage().resize_(0)
+        self._memory.free(self._device_buf.untyped_storage())
         self.location = ChunkLocation.RELEASED
 
     def wait_ready(self) -> None:
@@ -294,8 +307,11 @@ class Chunk:
 
     def _wait_copy(self) -> None:
         if self._pending is not None:
-            self._pending.wait()
+            event = self._pending
+            event.wait()
             self._pending = None
+            for_host = getattr(event, "for_host", None)  # a CUDA copy to the device (device/copy_engine.py)
+            self._host_read = for_host() if for_host is not None else None
 
     @property
     def pending_copy(self) -> CopyEvent | None:

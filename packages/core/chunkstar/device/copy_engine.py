@@ -1,20 +1,20 @@
 """Copy engines: how chunk payloads travel between the host and the device tier.
 
-Mechanism only (DESIGN §11, "streams and events, not syncs"). A copy engine
-takes a copy ``dst <- src`` and returns a :class:`CopyEvent`; whoever next
-reads or frees either buffer waits on that event, never on the whole device.
-An optional ``then`` callback runs once the copy is done, in the engine's own
-order (an eviction frees the device bytes it copied from there: a deferred
-free). Three implementations:
+Mechanism only ("streams and events, not syncs"). A copy engine takes a copy
+``dst <- src`` and returns a :class:`CopyEvent`; whoever next reads or frees
+either buffer waits on that event, never on the whole device. The device-specific
+part is only this: issuing a copy (on a stream, or on a copy thread) and its
+event. When the device bytes a copy to the host read are freed, who frees them
+and how pending frees are counted is one piece of code both devices share
+(Note [deferred free] in :mod:`chunkstar.device.memory`). Three implementations:
 
 * :class:`SerialCopies` - the copy runs in the calling thread before it
   returns (``overlap: false``: the reference path of tests and benchmarks);
 * :class:`CopyThread` - the CPU virtual device's copy engine: copies run in
   order on one worker thread per direction, overlapping the compute thread;
 * :class:`CudaCopies` - CUDA: prefetches run on a copy stream and copies to
-  the host on another, beside the compute stream, ordered by events; the
-  device bytes a copy to the host read are freed once it is done (deferred
-  frees). With ``overlap: false`` every copy stays on the compute stream.
+  the host on another, beside the compute stream, ordered by events. With
+  ``overlap: false`` every copy stays on the compute stream.
 
 Both CPU engines can emulate a PCIe-attached device: with a link bandwidth
 each copy takes at least ``bytes / bandwidth`` (config ``device_link_bandwidth``),
@@ -52,7 +52,14 @@ DEBUG_DELAY_ENV = "CHUNKSTAR_DEBUG_COPY_DELAY_MS"
 
 class CopyEvent(Protocol):
     def wait(self) -> None:
-        """Return once the copy (and its ``then``) is done; on CUDA, order the compute stream after it."""
+        """Return once the calling thread may use the copy's destination: for a copy to the
+        host, once it is done; for a copy to a CUDA device, once the compute stream is
+        ordered after it (no host sync)."""
+
+    def order(self) -> None:
+        """Order the compute stream after the copy: the next device work (a copy in, a
+        kernel reusing the source's freed bytes) runs after it. CUDA: a stream wait, never a
+        host sync; the CPU virtual device: the calling thread waits (it is the stream)."""
 
     def done(self) -> bool: ...
 
@@ -66,9 +73,9 @@ class CopyEngine(Protocol):
         nobody waits for yet."""
         ...
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, then: Callable[[], None] | None = None) -> CopyEvent:
-        """Start ``dst.copy_(src)`` into a host buffer; ``then`` runs once the copy has
-        read ``src`` (an eviction frees the device bytes there: a deferred free)."""
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
+        """Start ``dst.copy_(src)`` into a host buffer; ``src`` must stay allocated until the
+        event is done (an eviction hands its free to :meth:`chunkstar.device.memory.DeviceMemory.free_after`)."""
         ...
 
     def close(self) -> None: ...
@@ -78,6 +85,9 @@ class _Done:
     """The event of a copy that finished before ``copy`` returned."""
 
     def wait(self) -> None:
+        pass
+
+    def order(self) -> None:
         pass
 
     def done(self) -> bool:
@@ -136,10 +146,8 @@ class SerialCopies:
         self._pace.run(dst, src)
         return _DONE
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, then: Callable[[], None] | None = None) -> CopyEvent:
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
         self._pace.run(dst, src)
-        if then is not None:
-            then()
         return _DONE
 
     def close(self) -> None:
@@ -156,11 +164,18 @@ class _ThreadEvent:
         if self.error is not None:
             raise RuntimeError(f"chunkstar: a chunk copy or update failed on a worker thread: {self.error!r}") from self.error
 
+    def order(self) -> None:
+        self.wait()  # the CPU virtual device: the calling thread is the compute stream
+
     def done(self) -> bool:
         return self._flag.is_set()
 
 
-def _worker_loop(jobs: queue.SimpleQueue) -> None:  # type: ignore[type-arg]
+def _worker_loop(jobs: queue.SimpleQueue, device: torch.device | None) -> None:  # type: ignore[type-arg]
+    if device is not None and device.type == "cuda":
+        # this thread waits on CUDA events (cudaEventSynchronize): on the engine's device, not
+        # in a context of its own on GPU 0
+        torch.cuda.set_device(device)
     while True:
         job = jobs.get()
         if job is None:
@@ -187,9 +202,9 @@ def _stop_lane(jobs: queue.SimpleQueue, thread: threading.Thread) -> None:  # ty
 class _Lane:
     """One worker thread running jobs in the order they were queued."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, device: torch.device | None = None) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # type: ignore[type-arg]
-        self._thread = threading.Thread(target=_worker_loop, args=(self._jobs,), name=name, daemon=True)
+        self._thread = threading.Thread(target=_worker_loop, args=(self._jobs, device), name=name, daemon=True)
         self._thread.start()
         # The worker must not outlive the object that owns it, nor the interpreter: at exit
         # (finalize runs at exit too) its queued jobs finish before torch is torn down.
@@ -208,9 +223,9 @@ class CopyThread:
     """The CPU virtual device's copy engine: one worker thread per direction (a PCIe
     link copies both ways at once), each running its copies in order.
 
-    A worker holds references to both buffers until the copy is done, so a
-    caller may drop its own (an evicted chunk's device bytes are freed by the
-    ``then`` callback, on the worker, after the copy). Torch ops on the workers
+    A worker holds references to both buffers until the copy is done; an evicted
+    chunk's device bytes are freed by whoever polls the pending free after that,
+    as on CUDA (Note [deferred free]), never by the copy thread. Torch ops on the workers
     run outside the compute thread's dispatch modes (they are thread-local), so
     the warm-up's memory probe does not count them. Copies of one chunk in
     opposite directions are ordered by the chunk (it waits for its pending copy
@@ -227,15 +242,9 @@ class CopyThread:
         pace = self._pace
         return self._to_device.submit(lambda: pace.run(dst, src), after)
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, then: Callable[[], None] | None = None) -> CopyEvent:
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
         pace = self._pace
-
-        def job() -> None:
-            pace.run(dst, src)
-            if then is not None:
-                then()
-
-        return self._to_host.submit(job)
+        return self._to_host.submit(lambda: pace.run(dst, src))
 
     def close(self) -> None:
         self._to_device.close()
@@ -249,8 +258,8 @@ class HostWorker:
     ``CHUNKSTAR_DEBUG_COPY_DELAY_MS``) sleeps a random time before each job, so a
     reader that forgot to wait for an update sees the old value."""
 
-    def __init__(self, delay: tuple[float, float] | None = None) -> None:
-        self._lane = _Lane("chunkstar-host-work")
+    def __init__(self, delay: tuple[float, float] | None = None, device: torch.device | None = None) -> None:
+        self._lane = _Lane("chunkstar-host-work", device)
         self._delay = delay
         self._rng = random.Random(1)
 
@@ -284,7 +293,7 @@ class InlineWorker:
 
 
 class _CudaEvent:
-    """A copy on a copy stream: the compute stream waits for it (no host sync)."""
+    """A copy to the device on a copy stream: the compute stream waits for it (no host sync)."""
 
     def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
         self._event = event
@@ -293,41 +302,34 @@ class _CudaEvent:
     def wait(self) -> None:
         torch.cuda.current_stream(self._device).wait_event(self._event)
 
+    order = wait
+
     def done(self) -> bool:
         return bool(self._event.query())
+
+    def for_host(self) -> _CudaToHost:
+        """The same copy as host-side work must wait for it: its source is a host buffer that
+        host code (an update on the host worker) may write only once the copy has read it."""
+        return _CudaToHost(self._event, self._device)
 
 
 class _CudaToHost:
     """A device-to-host copy on the copy stream. Its readers are on the host, so
-    :meth:`wait` synchronizes on it. Its ``then`` (freeing the device bytes it read: a
-    deferred free, instead of ``record_stream``) runs in the thread that owns the
-    engine, the first time that thread finds the copy done (:meth:`wait`, or the
-    engine's :meth:`CudaCopies.poll` at every copy); a worker thread that waits for
-    the bytes only synchronizes."""
+    :meth:`wait` synchronizes on it; :meth:`order` only makes the compute stream wait
+    (a copy in of the same chunk, or a kernel reusing the bytes it read, runs after it)."""
 
-    def __init__(self, event: torch.cuda.Event, then: Callable[[], None] | None, owner: int) -> None:
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
         self._event = event
-        self._then = then
-        self._owner = owner
-
-    def _fire(self) -> None:
-        if self._then is not None and threading.get_ident() == self._owner:
-            then, self._then = self._then, None
-            then()
+        self._device = device
 
     def wait(self) -> None:
         self._event.synchronize()
-        self._fire()
+
+    def order(self) -> None:
+        torch.cuda.current_stream(self._device).wait_event(self._event)
 
     def done(self) -> bool:
-        if not self._event.query():
-            return False
-        self._fire()
-        return True
-
-    @property
-    def freed(self) -> bool:
-        return self._then is None
+        return bool(self._event.query())
 
 
 class CudaCopies:
@@ -335,11 +337,13 @@ class CudaCopies:
     device-to-host copies on another (a PCIe link copies both ways at once), each
     ordered after the compute stream's work so far and waited for by event: the
     compute stream waits for a prefetch before reading it, the host synchronizes on a
-    copy to the host before reading it. The device bytes a copy to the host read are
-    freed once the copy is done (deferred frees, polled at every copy), never while
-    the copy stream may still read them. Loads that were not prefetched run on the
-    compute stream. Host-side work a copy must follow (``after``) is waited for in
-    the calling thread: a stream cannot wait on a thread.
+    copy to the host before reading it. The source of a copy to the host stays
+    allocated until the copy is done (Note [deferred free]). Loads that were not
+    prefetched run on the compute stream. Host-side work a copy must follow
+    (``after``) is waited for in the calling thread: a stream cannot wait on a thread.
+
+    Streams are per thread in torch: "the compute stream" is the calling thread's
+    current stream (autograd's device thread uses the forward's stream).
 
     ``serial`` (``overlap: false``, the reference path): every copy on the compute
     stream, a copy to the host synchronized at once."""
@@ -348,19 +352,11 @@ class CudaCopies:
         self.device = device
         self.serial = serial
         self.stream = None if serial else torch.cuda.Stream(device)  # prefetches (host to device)
-        self.to_host_stream = None if serial else torch.cuda.Stream(device)
-        self._owner = threading.get_ident()
-        self._unfreed: list[_CudaToHost] = []  # copies to the host whose device bytes are not freed yet
-
-    def poll(self) -> None:
-        """Free the device bytes of the copies to the host that are done."""
-        if self._unfreed:
-            self._unfreed = [e for e in self._unfreed if not e.done()]
+        self.to_host_stream = None if serial else torch.cuda.Stream(device)  # evictions, gradient offloads
 
     def to_device(
         self, dst: torch.Tensor, src: torch.Tensor, *, prefetch: bool = False, after: CopyEvent | None = None
     ) -> CopyEvent:
-        self.poll()
         if after is not None:
             after.wait()
         if prefetch and self.stream is not None:
@@ -372,16 +368,20 @@ class CudaCopies:
                 event = torch.cuda.Event()
                 event.record(self.stream)
             return _CudaEvent(event, self.device)
-        dst.copy_(src, non_blocking=src.is_pinned())
-        return _DONE
+        if not src.is_pinned():
+            dst.copy_(src)  # from pageable memory: the host waits for it
+            return _DONE
+        # on the compute stream, later than this call returns: host code writing the pinned source
+        # (an update of the kept buffer) must wait for this event first (CopyEvent.for_host)
+        dst.copy_(src, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return _CudaEvent(event, self.device)
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, *, then: Callable[[], None] | None = None) -> CopyEvent:
-        self.poll()
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> CopyEvent:
         if self.to_host_stream is None or not dst.is_pinned():
             dst.copy_(src)
             torch.cuda.current_stream(self.device).synchronize()  # the host side reads it next
-            if then is not None:
-                then()
             return _DONE
         # after the kernels that wrote src; src's bytes stay allocated until the copy is done
         self.to_host_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -389,15 +389,10 @@ class CudaCopies:
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.to_host_stream)
-        done = _CudaToHost(event, then, self._owner)
-        if then is not None:
-            self._unfreed.append(done)
-        return done
+        return _CudaToHost(event, self.device)
 
     def close(self) -> None:
-        if self._unfreed:
-            torch.cuda.synchronize(self.device)
-            self.poll()
+        pass
 
 
 def make_copy_engine(device: torch.device, overlap: bool, bandwidth: float | None) -> CopyEngine:

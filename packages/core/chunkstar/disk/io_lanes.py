@@ -60,6 +60,8 @@ class DiskEvent:
     def done(self) -> bool:
         return self._future.done()
 
+    order = wait  # host memory only: the caller's thread waits
+
     def __repr__(self) -> str:
         return f"DiskEvent({self._what}, done={self.done()})"
 

@@ -56,7 +56,7 @@ class GroupReducer:
         self.mgr = mgr
         # gloo sums in fp32 whatever the config says: exact for fp32, better for bf16, and its
         # support for 16-bit types varies by build
-        self.reduce_dtype = reduce_dtype if comm.backend == "nccl" else torch.float32
+        self.reduce_dtype = reduce_dtype if comm.on_device(device) else torch.float32
         self.comm = comm
         self.device = device
         self._params = params
@@ -148,11 +148,12 @@ class GroupReducer:
             mgr.make_resident([(ChunkList.PARAM, own_id)], MoveReason.ACCESS, where=f"the gradient reduction of chunk {own_id}")
         with torch.no_grad(), mgr.probe.paused():
             payloads = [mgr.chunk(ChunkList.PARAM, k).payload for k in group]
-            if payloads[0].dtype != self.reduce_dtype:
-                payloads = [p.to(self.reduce_dtype) for p in payloads]  # config reduce_dtype (fp32 by default)
-            # Note [reduction in flight]: the collective works on a copy of the group, so the
-            # chunks are free at once; the own chunk takes the sum when it lands
-            pending = self.comm.reduce_group_async(payloads, what=f"param chunks {group[0]}..{group[-1]}")
+            # Note [reduction in flight]: the collective works on a copy of the group (one flat
+            # buffer in the config's reduce_dtype, fp32 by default, that the copy converts to), so
+            # the chunks are free at once; the own chunk takes the sum when it lands
+            pending = self.comm.reduce_group_async(
+                payloads, what=f"param chunks {group[0]}..{group[-1]}", dtype=self.reduce_dtype
+            )
             self._inflight.append((own_id, pending))
             for k in group:
                 if k == own_id or not mgr.grads_in(k):
@@ -176,10 +177,11 @@ class GroupReducer:
                 if not wait and not pending.done():
                     still.append((own_id, pending))
                     continue
-                summed = pending.wait()
+                summed = pending.wait()  # this rank's own chunk of the sum, ours to change
                 own = mgr.chunk(ChunkList.PARAM, own_id).payload
                 for a, b in _gradient_runs(mgr, own_id):
-                    own[a:b].copy_(summed[a:b].to(own.device) * inv)
+                    run = summed[a:b].mul_(inv)  # in place: no temporary (same arithmetic as `* inv`)
+                    own[a:b].copy_(run)
         self._inflight = still
 
 

@@ -5,16 +5,25 @@ device (activations, autograd temporaries, gradients before they are folded
 into their slots) is *non-model* memory and has to be measured:
 
 * CUDA: the caching allocator's own figures (``memory_allocated`` and its
-  peak), minus the chunk bytes the runtime knows are resident.
+  peak), minus the chunk payload bytes the device holds (resident chunks and
+  frees still pending: Note [deferred free] in :mod:`chunkstar.device.memory`).
+  A moment's peak is taken window by window: whenever the chunk bytes change
+  (a move, a free) the allocator's peak so far, less the chunk bytes that held
+  during the window, closes a window, so a peak is never compared with chunk
+  bytes of another instant.
 * CPU virtual device: PyTorch keeps no allocator statistics for CPU, so
   :class:`LiveTensorTracker` (a ``TorchDispatchMode``) watches every op while
   it is active and counts the bytes of storages the op *allocates* (outputs
   whose storage none of the inputs had), releasing them through a weakref
   callback when the storage dies. Views of parameters are therefore not
   counted, and chunk payloads are not either: the runtime allocates them
-  outside the mode (see :meth:`MemoryProbe.paused`).
+  outside the mode (see :meth:`MemoryProbe.paused`). Each allocation it counts
+  is reported to the device's meter (:meth:`DeviceMemory.observe`), so the
+  meter's peak is chunks plus non-model bytes at the same instant.
 
-The tracker is active only during the warm-up iteration; its cost is paid once.
+The tracker is active while someone holds the probe: the warm-up iterations
+(its cost is paid once), a profiler, or the device meter of a strict test run
+(``CHUNKSTAR_DEVICE_METER=1``: every iteration measured, as CUDA always is).
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ import weakref
 from typing import Any, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+from chunkstar.device.memory import DeviceMemory
 
 __all__ = ["MemoryProbe", "CpuProbe", "CudaProbe", "LiveTensorTracker", "make_probe"]
 
@@ -52,12 +63,13 @@ class LiveTensorTracker(TorchDispatchMode):
         # (compiled modules run eager while measured: Note [compiled units])
         return True
 
-    def __init__(self) -> None:
+    def __init__(self, memory: DeviceMemory | None = None) -> None:
         super().__init__()
         self.live_bytes = 0
         self.peak_bytes = 0
         self._paused = 0
         self._refs: dict[int, weakref.ref[Any]] = {}
+        self._memory = memory  # the device's meter, told of every allocation counted
 
     def _forget(self, key: int, nbytes: int) -> None:
         if self._refs.pop(key, None) is not None:
@@ -83,6 +95,8 @@ class LiveTensorTracker(TorchDispatchMode):
             self.live_bytes += nbytes
             if self.live_bytes > self.peak_bytes:
                 self.peak_bytes = self.live_bytes
+            if self._memory is not None:
+                self._memory.observe(self.live_bytes)
         return out
 
     @contextlib.contextmanager
@@ -104,6 +118,11 @@ class MemoryProbe:
 
     def __init__(self) -> None:
         self._holders: set[str] = set()
+        self.memory: DeviceMemory | None = None  # the device's chunk bytes and meter (attach)
+
+    def attach(self, memory: DeviceMemory) -> None:
+        """Measure beside ``memory``: the chunk payload bytes the device holds, and its meter."""
+        self.memory = memory
 
     @property
     def active(self) -> bool:
@@ -122,6 +141,13 @@ class MemoryProbe:
             self._holders.discard(holder)
             if not self._holders:
                 self._stop()
+
+    def release_all(self) -> None:
+        """Stop measuring for every holder (the engine is closed or dropped: a forward whose
+        backward never came must not leave the CPU probe's dispatch mode behind)."""
+        if self._holders:
+            self._holders.clear()
+            self._stop()
 
     def _start(self) -> None:
         pass
@@ -150,13 +176,31 @@ class CpuProbe(MemoryProbe):
         self._tracker: LiveTensorTracker | None = None
 
     def _start(self) -> None:
-        self._tracker = LiveTensorTracker()
-        self._tracker.__enter__()
+        self._tracker = LiveTensorTracker(self.memory)
+        _push_mode(self._tracker)
+        tracker = self._tracker
+        if self.memory is not None:
+            self.memory.non_model_live = lambda: tracker.live_bytes
 
     def _stop(self) -> None:
-        if self._tracker is not None:
-            self._tracker.__exit__(None, None, None)
-            self._tracker = None
+        tracker, self._tracker = self._tracker, None
+        if tracker is None:
+            return
+        if self.memory is not None:
+            self.memory.non_model_live = lambda: 0
+        # pop it from this thread's mode stack even when modes entered later sit above it (they
+        # go back on top); from another thread, where it is not on the stack, nothing is popped
+        stack = _get_current_dispatch_mode_stack()
+        if not any(m is tracker for m in stack):
+            return
+        above = []
+        while True:
+            mode = _pop_mode()
+            if mode is tracker:
+                break
+            above.append(mode)
+        for mode in reversed(above):
+            _push_mode(mode)
 
     def non_model_now(self, chunk_bytes: int) -> int:
         return self._tracker.live_bytes if self._tracker is not None else 0
@@ -179,22 +223,50 @@ class CpuProbe(MemoryProbe):
 
 
 class CudaProbe(MemoryProbe):
-    """The caching allocator's own figures; always available, holding only resets the peak."""
+    """The caching allocator's own figures; always available. While held, a moment's
+    peak is taken in windows of constant chunk bytes (the module docstring)."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
+        self._window_peak = 0  # the largest non-model peak of the windows closed since take_peak
+
+    def attach(self, memory: DeviceMemory) -> None:
+        super().attach(memory)
+        memory.before_held_change = self._close_window
+        memory.after_held_change = self._open_window
+
+    def _reset(self) -> None:
+        """Fold the allocator's peak into the meter, then start a new peak."""
+        if self.memory is not None:
+            self.memory.observe_total(torch.cuda.max_memory_allocated(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _close_window(self, held_before: int) -> None:
+        """The chunk bytes are about to change from ``held_before``: the window that held them closes."""
+        if not self.active:
+            return
+        peak = torch.cuda.max_memory_allocated(self.device) - held_before
+        if peak > self._window_peak:
+            self._window_peak = peak
+
+    def _open_window(self) -> None:
+        """The chunk bytes changed: the next window's peak starts from what is allocated now."""
+        if self.active:
+            self._reset()
 
     def _start(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self._window_peak = 0
+        self._reset()
 
     def non_model_now(self, chunk_bytes: int) -> int:
         return max(0, torch.cuda.memory_allocated(self.device) - chunk_bytes)
 
     def take_peak(self, chunk_bytes: int) -> int:
-        peak = torch.cuda.max_memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return max(0, peak - chunk_bytes)
+        peak = max(self._window_peak, torch.cuda.max_memory_allocated(self.device) - chunk_bytes)
+        self._window_peak = 0
+        self._reset()
+        return max(0, peak)
 
 
 def cuda_usable_bytes(device: torch.device) -> int:

@@ -37,7 +37,7 @@ from chunkstar.chunk.lists import CHUNK_LISTS, STATE_LISTS, ChunkList
 from chunkstar.chunk.state import ChunkLocation, TensorState, check_tensor_transition
 from chunkstar.config import EvictionPolicyName
 from chunkstar.device.copy_engine import CopyEngine, SerialCopies
-from chunkstar.device.chunk_pool import ChunkPool
+from chunkstar.device.memory import DeviceMemory
 from chunkstar.device.pinned import PinnedBuffers
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError, DeviceMemoryError
@@ -101,9 +101,15 @@ class ChunkManager:
         self.events = events
         # param chunks travel every step on a CUDA device: their host buffers are pinned, exactly
         # sized (device/pinned.py); state chunks travel once at most and stay in plain memory
-        self.pinned_buffers = PinnedBuffers() if device.type == "cuda" else None
-        # and their device payloads come from a pool of their own, apart from the activations
-        self.chunk_pool = ChunkPool(device) if device.type == "cuda" else None
+        self.pinned_buffers = PinnedBuffers(device) if device.type == "cuda" else None
+        # every device payload grows and shrinks through it: the bytes the device really holds
+        # for chunks, frees deferred until their copy is done (Note [deferred free]), the meter.
+        # Payloads come from the allocator the activations use, so the bytes an eviction frees
+        # can hold activations (a private pool would keep them for chunks only).
+        self.memory = DeviceMemory(device)
+        self.memory.limit = capacity
+        self.memory.where = lambda: f"moment {self._cur.moment} '{self._cur.module}' ({self._cur.stage.value})"
+        probe.attach(self.memory)
         self.compute_dtype = compute_dtype
         # the chunks of the four lists (chunk/lists.py), by list then chunk id: the store's own,
         # reached from outside through chunk(), chunks_of() and slot_view() only. A frozen
@@ -111,7 +117,7 @@ class ChunkManager:
         self._chunks: dict[ChunkList, dict[int, Chunk]] = {
             name: {
                 i: Chunk(i, name.value, n, compute_dtype if name is _PARAM else torch.float32, device,
-                         self.pinned_buffers if name is _PARAM else None, self.chunk_pool)  # fmt: skip
+                         self.pinned_buffers if name is _PARAM else None, self.memory)  # fmt: skip
                 for i, n in enumerate(layout.chunk_sizes)
                 if name is _PARAM or i not in layout.frozen
             }
@@ -408,7 +414,7 @@ class ChunkManager:
 
     def chunk_budget(self) -> int:
         """Bytes chunks may occupy on the device during the current moment (Note [budget per moment])."""
-        live = self.probe.non_model_now(self.device_chunk_bytes)
+        live = self.probe.non_model_now(self.memory.held_bytes)
         cur = self._cur
         if cur.stage is Stage.OPTIM or cur.stage is Stage.IDLE or not cur.trace.frozen or cur.safe_mode:
             non_model = live
@@ -453,6 +459,9 @@ class ChunkManager:
             want += [(_PARAM, k) for k in self.layout.group(g) if (_PARAM, k) not in want]
         missing = [k for k in want if not self.resident(k)]
         need = sum(self._chunks[n][i].nbytes for n, i in missing)
+        for g in gather:  # NCCL gathers into a flat temporary of the whole group first (distributed/comm.py)
+            c = self._chunks[_PARAM][g]
+            need += self.comm.gather_scratch_bytes(c.numel, c.dtype, self.device)
         self.make_room(need, protect=set(want), where=where, required=want, optional=ahead)
         for k in missing:
             if self.own(k[1]):
@@ -483,13 +492,13 @@ class ChunkManager:
         group = list(self.layout.group(start))
         own = self._chunks[_PARAM][group[self.comm.rank]]
         own.wait_ready()  # its load may still be in flight: the collective reads it
-        outputs = []
+        outputs: list[torch.Tensor | None] = []
         t0 = time.perf_counter_ns()
         with self.probe.paused(), torch.profiler.record_function("chunkstar::all_gather"):
             for k in group:
                 c = self._chunks[_PARAM][k]
                 if k == own.chunk_id:
-                    outputs.append(torch.empty_like(own.device_view))  # no aliasing of input and output
+                    outputs.append(None)  # it holds this rank's part already (the collective leaves it alone)
                 else:
                     outputs.append(c.materialize_on_device())
                     self._on_resident((_PARAM, k))
@@ -538,11 +547,19 @@ class ChunkManager:
         warm-up pass, down to :func:`chunkstar.memory.budget.room_target`. ``optional``
         (a gather ahead, which every rank must issue alike): when evicting cannot make the
         room, evict nothing and go over the budget until the next access, rather than fail."""
+        memory = self.memory
+        memory.reap()  # copies out that are done give their bytes back first (Note [deferred free])
         budget = self.chunk_budget()
         cur = self._cur
         target = room_target(budget, cur.safe_mode, cur.stage is Stage.FWD or cur.stage is Stage.BWD)
+        # the device holds the resident chunks and the frees still pending (both count), and under
+        # NCCL the flat buffers of collectives in flight (a gather ahead, the gradient reductions)
+        target -= self.comm.scratch_bytes_in_flight
+        if memory.held_bytes + need <= target:
+            return
         excess = self.device_chunk_bytes + need - target
-        if excess <= 0:
+        if excess <= 0:  # the pending frees alone are in the way: wait for the oldest of them
+            memory.settle(memory.held_bytes + need - target)
             return
         candidates = self._eviction_candidates(protect)
         victims = choose_evictions(candidates, excess, self.policy.value)
@@ -565,6 +582,11 @@ class ChunkManager:
         for v in victims:
             assert isinstance(v, tuple)
             self.move(v, Tier.HOST, MoveReason.EVICTION)
+        # the bytes are needed now: the evictions' frees run once their copies are done (on
+        # CUDA the compute stream waits for them, the host does not)
+        over = memory.held_bytes + need - max(target, self.device_chunk_bytes + need)
+        if over > 0:
+            memory.settle(over)
 
     def _eviction_candidates(self, protect: set[Key], names: Sequence[ChunkList] = CHUNK_LISTS) -> list[ResidentChunk]:
         """The chunks on the device that may move now, by list then chunk id (the order the
@@ -641,6 +663,7 @@ class ChunkManager:
         return self._cur.follows_trace()
 
     def move(self, key: Key, tier: Tier, reason: MoveReason) -> None:
+        self.memory.reap()
         chunk = self._chunks[key[0]][key[1]]
         had_host = chunk.has_host_buffer
         if tier is Tier.HOST and chunk.clean and self._clean_versions.get(key[1]) != self._versions(key[1]):
@@ -702,9 +725,12 @@ class ChunkManager:
                 keys = [(_PARAM, c) for c in ids if not sharded or self.own(c)]
                 yield Upcoming(j, capacity - peak, keys)
 
+        memory = self.memory
+        memory.reap()
+        budget_now = self.chunk_budget()
         view = PrefetchView(
             device_bytes=self.device_chunk_bytes,
-            budget_now=self.chunk_budget(),
+            budget_now=budget_now,
             nbytes=lambda k: chunks[k[0]][k[1]].nbytes,
             resident=lambda k: chunks[k[0]][k[1]].location is ChunkLocation.DEVICE,
             movable=lambda: [(c.key, c.next_use) for c in self._eviction_candidates(set(), names=(_PARAM,))],
@@ -712,6 +738,13 @@ class ChunkManager:
         for key, evict in plan_prefetch(view, upcoming(), start, window_bytes):
             for v in evict:
                 self.move(v, Tier.HOST, MoveReason.EVICTION)
+            nbytes = chunks[key[0]][key[1]].nbytes
+            if memory.held_bytes + nbytes > budget_now:
+                memory.reap()
+                if memory.held_bytes + nbytes > budget_now:
+                    # the evictions' bytes are still on their way out (Note [deferred free]): a
+                    # prefetch never waits for them; the next moment's prefetch goes on from here
+                    break
             self.move(key, Tier.DEVICE, MoveReason.PREFETCH)
             self.touch(key)
 
@@ -730,7 +763,7 @@ class ChunkManager:
     def memory_sample(self) -> None:
         if not self.events.active:
             return
-        non_model = self.probe.non_model_now(self.device_chunk_bytes)
+        non_model = self.probe.non_model_now(self.memory.held_bytes)
         self.events.emit(
             MemorySample(
                 Tier.DEVICE,

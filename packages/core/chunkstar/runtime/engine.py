@@ -45,6 +45,7 @@ from chunkstar.config import EngineConfig, Precision
 from chunkstar.construction.materialize import fill_chunks, origin_fingerprint
 from chunkstar.construction.pretrained import PretrainedSource
 from chunkstar.device.copy_engine import HostWorker, InlineWorker, debug_delay_from_env, make_copy_engine
+from chunkstar.device.virtual import DeviceThread
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.distributed.startup import agree_on_startup
@@ -150,6 +151,10 @@ class ChunkEngine:
         self.module = model
         self.config = cfg
         self.device = cfg.device
+        if cfg.device.type == "cuda":
+            # streams, events, the allocator and NCCL work on the current device: each rank's own
+            # (cuda:<local_rank>), never every rank's on GPU 0
+            torch.cuda.set_device(cfg.device)
         self.events = EventBus()
         dtype = cfg.precision.dtype
 
@@ -228,7 +233,19 @@ class ChunkEngine:
         self.reducer = GroupReducer(self.mgr, self.comm, self.device, self._params, cfg.reduce_dtype)  # several processes only
         # host-side work (the optimizer's updates, gradient norms) off the compute thread
         # with overlap; in the calling thread on the serial reference path
-        self.host_work: HostWorker | InlineWorker = HostWorker(debug_delay_from_env()) if cfg.overlap else InlineWorker()
+        self.host_work: HostWorker | InlineWorker = (
+            HostWorker(debug_delay_from_env(), device=cfg.device) if cfg.overlap else InlineWorker()
+        )
+        # the CPU virtual device runs the backward on a device thread of its own, as autograd does
+        # for CUDA tensors (device/virtual.py): hooks, evictions and frees off the caller's thread
+        self._device_thread = DeviceThread() if cfg.device.type == "cpu" else None
+        # what the device held before any chunk was on it (CUDA: the user's tensors, workspaces):
+        # device_peak_bytes counts from here
+        self._device_baseline = 0
+        if cfg.device.type == "cuda":
+            self._device_baseline = torch.cuda.memory_allocated(cfg.device) - self.mgr.memory.held_bytes
+            torch.cuda.reset_peak_memory_stats(cfg.device)
+            self.mgr.memory.peak_bytes = 0
         self.prefetch_window = cfg.prefetch_window or 4 * max(c.nbytes for c in self.mgr.chunks_of(ChunkList.PARAM))
 
         # the parts: gradients, the iteration (with the schedule), the guard's handler, the hook targets
@@ -354,7 +371,10 @@ class ChunkEngine:
         it = self._iteration
         it.begin_backward()
         try:
-            loss.backward()
+            if self._device_thread is not None:
+                self._device_thread.run(loss.backward)
+            else:
+                loss.backward()
         except BaseException:
             it.abort()
             raise
@@ -560,6 +580,12 @@ class ChunkEngine:
             "device_budget_bytes": mgr.capacity,
             "device_chunk_bytes": mgr.device_chunk_bytes,
             "device_chunk_bytes_peak": mgr.device_chunk_bytes_peak,
+            "device_peak_bytes": self.device_peak_bytes(),
+            "device_first_overrun": mgr.memory.first_overrun,
+            "warmup_went_over_budget": self.schedule.went_over,
+            "device_pending_free_bytes": mgr.memory.pending_bytes,
+            "deferred_frees": mgr.memory.frees_run,
+            "deferred_frees_waited": mgr.memory.frees_settled,
             "chunk_moves_to_device": mgr.moves_to_device,
             "chunk_moves_to_host": mgr.moves_to_host,
             "bytes_to_device": mgr.bytes_to_device,
@@ -590,10 +616,24 @@ class ChunkEngine:
             **(self.mgr.disk.stats() if self.mgr.disk is not None else {}),
         }
 
+    def device_peak_bytes(self) -> int:
+        """The most the device held at once for this engine: on the CPU virtual device its
+        meter (chunk payload storages until they are really freed, plus the non-model bytes
+        the memory probe saw at the same instant: Note [deferred free]); on CUDA the
+        allocator's peak over what the device held before the engine's first chunk."""
+        memory = self.mgr.memory
+        if self.device.type == "cuda":
+            return max(memory.peak_bytes, torch.cuda.max_memory_allocated(self.device)) - self._device_baseline
+        return memory.peak_bytes
+
     def close(self) -> None:
         """Finish the work in flight and delete the disk tier's chunk files (if any). The
         engine is not usable afterwards; the files also go when the engine is collected."""
         self.host_work.close()
+        self.mgr.probe.release_all()
+        self.mgr.memory.close()
+        if self._device_thread is not None:
+            self._device_thread.close()
         if self.mgr.disk is not None:
             self.mgr.disk.close()
 

@@ -61,6 +61,8 @@ class Gradients:
         self.boundary = False  # the running backward is the last micro-batch before a step
         self._accumulators: dict[int, torch.Tensor] = {}  # chunk id -> 1-D fp32 host, grads of earlier micro-batches
         self._accumulated: set[int] = set()  # slot indices with something in an accumulator
+        # CUDA: accumulators are pinned and every copy to or from them is asynchronous, in stream order
+        self._async = mgr.device.type == "cuda"
 
     def begin_backward(self) -> None:
         self.boundary = self.since_step + 1 >= self.accumulation_steps
@@ -83,7 +85,8 @@ class Gradients:
             if self.boundary:
                 acc = self._accumulators.get(s.chunk_id)
                 if index in self._accumulated and acc is not None:
-                    slot.copy_(acc[s.offset : s.end].to(slot.device) + grad.float().reshape(-1))
+                    earlier = acc[s.offset : s.end].to(slot.device, non_blocking=self._async)
+                    slot.copy_(earlier + grad.float().reshape(-1))
                     self._accumulated.discard(index)
                 else:
                     slot.copy_(grad.reshape(-1))
@@ -97,8 +100,21 @@ class Gradients:
             else:
                 acc = self._accumulators.get(s.chunk_id)
                 if acc is None:
-                    acc = self._accumulators[s.chunk_id] = torch.zeros(mgr.layout.chunk_sizes[s.chunk_id], dtype=torch.float32)
-                acc[s.offset : s.end].add_(grad.reshape(-1).float().to("cpu"))
+                    acc = self._accumulators[s.chunk_id] = torch.zeros(
+                        mgr.layout.chunk_sizes[s.chunk_id], dtype=torch.float32, pin_memory=self._async
+                    )
+                view = acc[s.offset : s.end]
+                if self._async:
+                    # CUDA: the sum is taken on the device and written back into the pinned accumulator,
+                    # all in stream order: no host sync per parameter (a plain add_ into the host tensor
+                    # would wait for each gradient's copy). torch's pinned allocator keeps a buffer until
+                    # the copies that use it are done, even once the accumulator is dropped.
+                    total = grad.reshape(-1).float()
+                    if index in self._accumulated:
+                        total = total + view.to(grad.device, non_blocking=True)
+                    view.copy_(total, non_blocking=True)
+                else:
+                    view.add_(grad.reshape(-1).float().to("cpu"))
                 self._accumulated.add(index)
                 if mgr.states[index] is TensorState.COMPUTE:
                     mgr.set_state(index, TensorState.HOLD_AFTER_FWD)
@@ -143,7 +159,7 @@ class Gradients:
                     # got gradients in earlier micro-batches only: its gradient is the accumulator
                     mgr.set_state(s.index, TensorState.HOLD)
                     acc = self._accumulators[s.chunk_id]
-                    mgr.slot_view(ChunkList.PARAM, s).copy_(acc[s.offset : s.end])
+                    mgr.slot_view(ChunkList.PARAM, s).copy_(acc[s.offset : s.end], non_blocking=self._async)
                     mgr.set_state(s.index, TensorState.HOLD_AFTER_BWD)
                 elif st is TensorState.COMPUTE or st is TensorState.HOLD_AFTER_FWD:
                     mgr.set_state(s.index, TensorState.HOLD)

@@ -41,6 +41,7 @@ everyone else reads it. The schedule decides; the chunk manager acts.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable
 
@@ -48,6 +49,7 @@ import torch
 
 from chunkstar.chunk.layout import TensorSlot
 from chunkstar.chunk.lists import ChunkList
+from chunkstar.device.memory import METER_ENV
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import DeviceMemoryError
 from chunkstar.events import EventBus, Stage, StageChanged
@@ -62,6 +64,7 @@ WARMUP_PASSES = 2  # training iterations traced before the schedule is frozen (s
 MAX_REPLANS = 8  # re-traces before a run that keeps changing shape runs unscheduled
 _WARMUP = "warm-up"  # the schedule's names as a holder of the memory probe: tracing,
 _UNSCHEDULED = "unscheduled"  # and measuring live for lack of a schedule
+_METER = "device-meter"  # the strict virtual device's meter: every forward and backward (METER_ENV)
 _log = logging.getLogger("chunkstar")
 
 
@@ -85,6 +88,13 @@ class Schedule:
         self._warmup_disagrees = False  # a warm-up pass differed from the first one
         # (minimum budget, moment, its chunk bytes, its non-model peak, its chunks): the worst warm-up moment that did not fit
         self._too_small: tuple[int, str, int, int, tuple[int, ...]] | None = None
+        # the CPU virtual device's meter measures every forward and backward, not the warm-up's
+        # only (on the CPU every tensor is a host tensor: code between steps is not the device's)
+        self._metered = device.type == "cpu" and os.environ.get(METER_ENV, "") == "1"
+        self._meter_evaluation = False  # the meter was taken for an evaluation between steps
+        self.went_over = False
+        """A warm-up found its budget too small: it let moments go over it to measure the
+        smallest that fits, then raised (the device held more than its budget meanwhile)."""
 
     # ------------------------------------------------------------------ the cursor
     def set_stage(self, stage: Stage) -> None:
@@ -111,6 +121,9 @@ class Schedule:
         iteration is open (Note [evaluation budgets])."""
         self._untraced_depth += 1
         if self._untraced_depth == 1:
+            self._meter_evaluation = self._metered and between_steps
+            if self._meter_evaluation:
+                self.mgr.probe.acquire(_METER)
             cur = self.cursor
             self._saved_moment = cur.moment
             cur.on_schedule = False
@@ -126,6 +139,9 @@ class Schedule:
         self._untraced_depth -= 1
         if self._untraced_depth:
             return False
+        if self._meter_evaluation:  # between steps (an iteration in flight keeps its own hold)
+            self.mgr.probe.release(_METER)
+            self._meter_evaluation = False
         self.cursor.on_schedule = True
         self.cursor.evaluation_follows = False
         self.cursor.moment = self._saved_moment
@@ -145,6 +161,8 @@ class Schedule:
         mgr = self.mgr
         cur = self.cursor
         cur.moment = -1
+        if self._metered:
+            mgr.probe.acquire(_METER)
         if self.phase is TracePhase.FROZEN and cur.trace.grew(cur.trace.input_bytes, input_bytes):
             why = f"the inputs hold {input_bytes} bytes, the traced ones {cur.trace.input_bytes}"
             if self.comm.distributed:
@@ -167,6 +185,7 @@ class Schedule:
         cur = self.cursor
         too_small = None
         mgr.probe.release(_UNSCHEDULED)
+        mgr.probe.release(_METER)
         mgr.measuring_shortfall = False
         if mgr.probe.held_by(_WARMUP):
             self._close_traced_moment()  # the last moment's peak
@@ -184,6 +203,7 @@ class Schedule:
             t = torch.tensor(flags, dtype=torch.float64)
             flags = self.comm.all_reduce_max(t, what="the schedule check", device=self.device).tolist()
         if flags[2] > 0:
+            self.went_over = True
             raise self._too_small_error(int(flags[2]), too_small)
         if self.phase is TracePhase.WARMUP:
             if flags[1]:
@@ -207,6 +227,7 @@ class Schedule:
         cur.on_schedule = True
         mgr.probe.release(_WARMUP)
         mgr.probe.release(_UNSCHEDULED)
+        mgr.probe.release(_METER)
         cur.safe_mode = False
         mgr.measuring_shortfall = False
         self._too_small = None
@@ -233,7 +254,7 @@ class Schedule:
                     + (f"'{expected.module}' ({expected.stage}) on chunks {list(expected.chunks)}" if expected else "no such moment")
                 )
             elif self.device.type == "cuda" and cur.moment > 0:
-                live = mgr.probe.non_model_now(mgr.device_chunk_bytes)
+                live = mgr.probe.non_model_now(mgr.memory.held_bytes)
                 traced = cur.trace.non_model_at(cur.moment - 1)
                 if cur.trace.grew(traced, live):
                     self.diverge(f"{live} bytes of non-model memory at moment {cur.moment}, traced at most {traced}")
@@ -302,7 +323,7 @@ class Schedule:
         mgr = self.mgr
         cur = self.cursor
         m = cur.moment - 1
-        cur.trace.set_peak(m, mgr.probe.take_peak(mgr.device_chunk_bytes))
+        cur.trace.set_peak(m, mgr.probe.take_peak(mgr.memory.held_bytes))
         if not 0 <= m < cur.trace.n_moments:
             return
         rec = cur.trace.records[m]

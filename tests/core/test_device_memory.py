@@ -1,0 +1,292 @@
+"""The strict virtual device: deferred frees shared by both devices, backward on a device
+thread, and the meter of what the device really holds (chunkstar/device/memory.py,
+chunkstar/device/virtual.py).
+
+- an eviction's device bytes stay held (and counted) until its copy is done, and are
+  freed by whichever thread polls first: a free must not wait for the thread that built
+  the engine (on CUDA the backward, with its evictions, runs on autograd's own thread);
+- a budget that needs bytes still in flight waits for exactly those copies;
+- a chunk brought back before its free ran keeps its bytes and gets the right values;
+- the backward runs off the caller's thread, as autograd runs it for CUDA tensors, with
+  the caller's dispatch modes, and its exceptions reach the caller;
+- the meter sees activations beside the chunks, and under a budget that forces evictions
+  with random copy delays it never goes over the budget (warm-up included);
+- the CUDA probe closes a window whenever the chunk bytes change, so a moment's peak
+  never subtracts the chunk bytes of another instant.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import chunkstar
+from chunkstar.chunk.chunk import Chunk
+from chunkstar.device.copy_engine import DEBUG_DELAY_ENV, CopyThread
+from chunkstar.device.memory import DeviceMemory
+from chunkstar.device.virtual import DeviceThread
+from chunkstar.events import Tier
+from chunkstar.memory.probes import CudaProbe
+
+from ._models import CASES, DTYPES, engine_config, eviction_budget, train_engine
+
+
+def _chunk(memory: DeviceMemory, n: int = 1 << 16) -> Chunk:
+    c = Chunk(0, "param", n, torch.float32, torch.device("cpu"), memory=memory)
+    c.allocate(Tier.HOST)
+    c.payload.copy_(torch.arange(float(n)))
+    return c
+
+
+def test_an_evictions_bytes_stay_held_until_its_copy_is_done_and_any_thread_frees_them() -> None:
+    memory = DeviceMemory(torch.device("cpu"))
+    copies = CopyThread(delay=(0.05, 0.05))
+    c = _chunk(memory)
+    c.move_to(Tier.DEVICE, copies)
+    c.wait_ready()
+    c.move_to(Tier.HOST, copies)  # the copy out waits 50 ms on the copy thread
+    assert memory.held_bytes == c.nbytes and memory.pending_bytes == c.nbytes
+    assert memory.reap() == 0  # not done yet: nothing may be freed
+    assert c.device_view.untyped_storage().nbytes() == c.nbytes
+    c.pending_copy.wait()
+    freed: list[int] = []
+    t = threading.Thread(target=lambda: freed.append(memory.reap()))  # not the thread that made the chunk
+    t.start()
+    t.join()
+    assert freed == [c.nbytes] and memory.held_bytes == 0 and memory.pending_bytes == 0
+    assert c.device_view.untyped_storage().nbytes() == 0
+    copies.close()
+
+
+class _Copy:
+    """A copy out that finishes when it is waited for (``order``), or when ``finish`` says."""
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.ordered = False
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self) -> None:
+        self.finished = True
+
+    def order(self) -> None:
+        self.ordered = self.finished = True
+
+
+def test_settle_waits_for_the_oldest_copies_it_needs_and_reap_for_none() -> None:
+    memory = DeviceMemory(torch.device("cpu"))
+    storages = [torch.UntypedStorage(0) for _ in range(3)]
+    copies = [_Copy() for _ in storages]
+    for st, cp in zip(storages, copies):
+        memory.grow(st, 1000)
+        memory.free_after(st, cp)
+    assert memory.held_bytes == 3000 and memory.pending_bytes == 3000
+    copies[2].finished = True  # the newest copy is done: a poll frees it without waiting
+    assert memory.reap() == 1000 and not any(c.ordered for c in copies)
+    assert memory.settle(500) == 1000  # the oldest copy is waited for (ordered), its bytes freed
+    assert copies[0].ordered and not copies[1].ordered
+    assert memory.held_bytes == 1000 and memory.frees_settled == 1
+    memory.close()
+    assert memory.held_bytes == 0 and memory.pending_bytes == 0
+    assert all(st.nbytes() == 0 for st in storages)
+
+
+def test_a_chunk_brought_back_before_its_free_ran_keeps_its_bytes_and_its_values() -> None:
+    memory = DeviceMemory(torch.device("cpu"))
+    copies = CopyThread(delay=(0.02, 0.03))
+    c = _chunk(memory)
+    c.move_to(Tier.DEVICE, copies)
+    c.wait_ready()
+    c.payload.mul_(2)  # written on the device: the eviction must copy it out
+    c.move_to(Tier.HOST, copies)
+    c.move_to(Tier.DEVICE, copies)  # back at once, the copy out still in flight
+    assert memory.reclaims == 1 and memory.pending_bytes == 0 and memory.held_bytes == c.nbytes
+    c.wait_ready()
+    assert torch.equal(c.payload, 2 * torch.arange(float(c.numel)))
+    memory.reap()
+    assert c.device_view.untyped_storage().nbytes() == c.nbytes  # a late poll frees nothing it should not
+    copies.close()
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.threads.add(threading.get_ident())
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_device_thread_runs_the_backward_with_the_callers_modes_and_raises_its_errors() -> None:
+    device = DeviceThread()
+    x = torch.randn(8, requires_grad=True)
+    seen: list[int] = []
+    x.register_hook(lambda g: seen.append(threading.get_ident()) or g)
+    loss = (x * 3).sum()
+    with _CountOps() as mode:
+        device.run(loss.backward)
+    assert seen == [device.ident] and device.ident != threading.get_ident()
+    assert device.ident in mode.threads  # the caller's dispatch mode saw the backward's ops
+    assert torch.equal(x.grad, torch.full((8,), 3.0))
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):  # type: ignore[no-untyped-def]
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):  # type: ignore[no-untyped-def]
+            raise ValueError("boom in backward")
+
+    with pytest.raises(ValueError, match="boom in backward"):
+        device.run(Boom.apply(x).sum().backward)
+    device.close()
+
+
+def test_the_engines_backward_and_its_evictions_run_off_the_callers_thread() -> None:
+    """On the virtual device as on CUDA: gradient hooks (and the evictions and gradient
+    offloads they cause) run on the device thread, and their frees still happen."""
+    case = CASES["gpt2"]
+    budget = eviction_budget(case.build(), DTYPES["fp32"])
+    engine, optimizer = chunkstar.initialize_engine(case.build, 0, engine_config("fp32", budget=budget))
+    threads: set[int] = set()
+    for p in engine.module.parameters():
+        p.register_post_accumulate_grad_hook(lambda _p: threads.add(threading.get_ident()))
+    train_engine(engine, optimizer, case, 3)
+    assert threads and threading.get_ident() not in threads
+    stats = engine.stats()
+    assert stats["chunk_moves_to_host"] > 0 and stats["deferred_frees"] > 0
+    assert stats["device_peak_bytes"] <= stats["device_budget_bytes"]
+
+
+@pytest.mark.parametrize("delay", ["", "0-4"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_meter_sees_activations_and_stays_under_the_budget_with_copy_delays(
+    dtype: str, delay: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(DEBUG_DELAY_ENV, delay)
+    case = CASES["gpt2"]
+    budget = eviction_budget(case.build(), DTYPES[dtype])
+    config = engine_config(dtype, budget=budget, device_link_bandwidth="2GB/s")
+    engine, optimizer = chunkstar.initialize_engine(case.build, 0, config)
+    train_engine(engine, optimizer, case, 4, dtype=dtype)
+    stats = engine.stats()
+    assert stats["chunk_moves_to_host"] > 0
+    # the meter counts the non-model bytes beside the chunks: more than the chunks alone
+    assert stats["device_peak_bytes"] > stats["device_chunk_bytes_peak"]
+    assert stats["device_peak_bytes"] <= budget, stats["device_first_overrun"]
+
+
+class _FakeCudaAllocator:
+    """``memory_allocated`` / ``max_memory_allocated`` / ``reset_peak_memory_stats`` over the
+    device memory's chunk storages plus ``other`` bytes (the activations)."""
+
+    def __init__(self, memory: DeviceMemory) -> None:
+        self.memory = memory
+        self.other = 0
+        self.peak = 0
+
+    def allocated(self) -> int:
+        return self.other + self.memory.held_bytes
+
+    def alloc(self, n: int) -> None:
+        self.other += n
+        self.peak = max(self.peak, self.allocated())
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated())
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: max(self.peak, self.allocated()))
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: setattr(self, "peak", self.allocated()))
+
+
+def test_the_cuda_probe_takes_a_moments_peak_against_the_chunk_bytes_of_the_same_instant(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A moment holds 4 MB of chunks and 1 MB of activations, then offloads the chunks and
+    allocates 3 MB more: its non-model peak is 4 MB (1 + 3), not the 5 MB a peak taken
+    against the chunk bytes at its end would say."""
+    memory = DeviceMemory(torch.device("cpu"))  # its storages stand in for the GPU's
+    fake = _FakeCudaAllocator(memory)
+    fake.install(monkeypatch)
+    probe = CudaProbe(torch.device("cuda"))
+    probe.attach(memory)
+    storage = torch.UntypedStorage(0)
+    memory.grow(storage, 4 << 20)
+    probe.acquire("warm-up")
+    fake.alloc(1 << 20)  # activations beside the chunk
+    memory.free(storage)  # the chunk leaves: a window closes (peak 5 MB against 4 MB of chunks)
+    fake.alloc(3 << 20)  # more activations, no chunk on the device
+    assert probe.take_peak(memory.held_bytes) == 4 << 20
+    assert probe.non_model_now(memory.held_bytes) == 4 << 20
+    # an eviction in flight: its bytes are still allocated, and they are not non-model memory
+    memory.grow(storage, 2 << 20)
+    memory.free_after(storage, _Copy())
+    assert memory.pending_bytes == 2 << 20
+    assert probe.non_model_now(memory.held_bytes) == 4 << 20
+    probe.release("warm-up")
+    assert memory.peak_bytes == 6 << 20  # the meter kept the allocator's peak across the resets
+
+
+def test_a_chunk_brought_back_orders_its_copy_in_after_the_copy_out_without_a_host_wait() -> None:
+    """Finding: a reload of a chunk whose copy to the host was in flight blocked the host
+    (a synchronize). It now orders the compute stream after that copy (``order``), and the
+    bytes whose free had not run are reclaimed rather than allocated again."""
+
+    class HostWaitForbidden(_Copy):
+        def wait(self) -> None:
+            raise AssertionError("the host waited for the copy out")
+
+    class Engine:
+        def to_device(self, dst, src, *, prefetch=False, after=None):  # type: ignore[no-untyped-def]
+            dst.copy_(src)
+            return _Copy()
+
+        def to_host(self, dst, src):  # type: ignore[no-untyped-def]
+            dst.copy_(src)  # the bytes land at once; the event says "not done" until waited for
+            return copy_out
+
+        def close(self) -> None:
+            pass
+
+    memory = DeviceMemory(torch.device("cpu"))
+    c = _chunk(memory, 64)
+    copy_out = HostWaitForbidden()
+    c.move_to(Tier.DEVICE, Engine())  # type: ignore[arg-type]
+    c.device_view.mul_(3)
+    c.mark_dirty()
+    c.move_to(Tier.HOST, Engine())  # type: ignore[arg-type]
+    assert memory.pending_bytes == c.nbytes
+    c.move_to(Tier.DEVICE, Engine())  # type: ignore[arg-type]
+    assert copy_out.ordered and memory.reclaims == 1 and memory.held_bytes == c.nbytes
+
+
+def test_worker_threads_wait_on_cuda_events_on_the_engines_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding: the host worker synchronizes CUDA events with no device set (a context on GPU 0
+    for every rank). Its thread now sets the engine's device first."""
+    from chunkstar.device.copy_engine import HostWorker
+
+    calls: list[tuple[object, int]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((d, threading.get_ident())))
+    worker = HostWorker(device=torch.device("cuda", 1))
+    seen: list[int] = []
+    worker.submit(lambda: seen.append(threading.get_ident())).wait()
+    worker.close()
+    assert calls == [(torch.device("cuda", 1), seen[0])] and seen[0] != threading.get_ident()
+
+
+def test_chunk_payloads_come_from_the_allocator_the_activations_use() -> None:
+    """Finding: a private ``MemPool`` kept the bytes evicted chunks freed away from
+    activations (a live pool's free blocks never serve other allocations). No part of the
+    engine routes allocations to a pool of its own."""
+    from pathlib import Path
+
+    core = Path(chunkstar.__file__).parent
+    users = [p.name for p in core.rglob("*.py") if "MemPool" in p.read_text() or "use_mem_pool" in p.read_text()]
+    assert users == []
