@@ -551,7 +551,10 @@ class ChunkManager:
         memory.reap()  # copies out that are done give their bytes back first (Note [deferred free])
         budget = self.chunk_budget()
         cur = self._cur
-        target = room_target(budget, cur.safe_mode, cur.stage is Stage.FWD or cur.stage is Stage.BWD)
+        # with no frozen trace (warm-up, or an evaluation before the first step) nothing knows what
+        # the moment will allocate: it keeps only what it needs (Note [budget per moment])
+        unknown = cur.safe_mode or not cur.trace.frozen
+        target = room_target(budget, unknown, cur.stage is Stage.FWD or cur.stage is Stage.BWD)
         # the device holds the resident chunks and the frees still pending (both count), and under
         # NCCL the flat buffers of collectives in flight (a gather ahead, the gradient reductions)
         target -= self.comm.scratch_bytes_in_flight
