@@ -135,3 +135,45 @@ def test_step_time_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> 
         with pytest.raises(SystemExit):
             main(["step-time", *argv])
         assert message in capsys.readouterr().err, argv
+
+
+def test_step_time_overhead_rows_run_their_own_workload_without_clipping() -> None:
+    """The overhead case (issue 17, section 4): its own model and batch, no clipping, everything
+    resident, both rows run by default, one target between them."""
+    settings = step_time.StepTimeSettings(model="cpu-tiny", seq=32, steps=1, warmup=1)
+    rows = {r.name: r for r in step_time.rows(settings, step_time.DEFAULT_ROWS)}
+    assert set(step_time.OVERHEAD_ROWS) <= set(rows)
+    plain, ours = rows["pytorch-overhead"].spec, rows["chunkstar-overhead"].spec
+    for spec in (plain, ours):
+        assert (spec.model, spec.batch, spec.seq, spec.clip) == ("gpt2-49m-v8k", 4, 128, 0.0)
+    assert (plain.system, ours.system, ours.chunkstar_budget) == ("pytorch", "chunkstar", 16 * 2**30)
+    assert rows["chunkstar"].spec.clip == 1.0 and rows["chunkstar"].spec.model == "cpu-tiny"  # the main table as before
+    model = get("gpt2-49m-v8k")
+    assert (model.hidden, model.layers, model.vocab, n_params(model)) == (768, 6, 8192, 48_918_528)
+    assert [t for t in step_time.TARGETS if t.numerator == "chunkstar-overhead"] == [
+        Target("chunkstar-overhead", "pytorch-overhead", "step", "<=", 1.05)
+    ]
+    # the engine gets no clipping (and its config parser takes it)
+    from chunkstar.config import parse_config
+
+    config = engine_config(Context(ours), 16 * 2**30)
+    assert config["gradient_clipping"] == 0.0 and parse_config(config).gradient_clipping == 0.0
+    with pytest.raises(ValueError, match="clip must be >= 0"):
+        dataclasses.replace(plain, clip=-1.0)
+
+
+def test_step_time_overhead_ratio_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    """Two real runs of the overhead pair, side by side in one command: the ratio is printed with its target."""
+    argv = [
+        "step-time", "--systems", "pytorch-overhead,chunkstar-overhead", "--overhead-model", "cpu-tiny",
+        "--overhead-batch", "1", "--overhead-seq", "16", "--steps", "1", "--warmup", "2",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "overhead case (pytorch-overhead, chunkstar-overhead): cpu-tiny" in text and "no gradient clipping" in text
+    lines = {ln.split()[0]: ln.split() for ln in text.splitlines() if ln.split() and ln.split()[0].endswith("-overhead")}
+    assert lines["pytorch-overhead"][1] == "ok" and lines["chunkstar-overhead"][1] == "ok", text
+    tokens = float(lines["chunkstar-overhead"][5])  # tokens/s of the row's own batch: 1 x 16 tokens per step
+    assert tokens == pytest.approx(16 / float(lines["chunkstar-overhead"][2]), rel=0.05), text  # (s/step printed rounded)
+    verdict = [ln for ln in text.splitlines() if ln.startswith("step time chunkstar-overhead / pytorch-overhead")]
+    assert len(verdict) == 1 and "<= 1.05x" in verdict[0] and verdict[0].split()[-1] in ("PASS", "MISS"), text

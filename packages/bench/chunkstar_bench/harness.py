@@ -8,7 +8,8 @@ foreign-load measurement, the CUDA peak. It is not the entry point
 (:mod:`chunkstar_bench.child` is) and it knows no system.
 
 Note: what one step is, for every system
-    forward + loss, backward, global-norm gradient clipping at 1.0, an AdamW
+    forward + loss, backward, global-norm gradient clipping at the spec's ``clip``
+    (1.0 unless a comparison turns it off with 0), an AdamW
     step (:data:`ADAMW`: lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay
     0.01) and zeroing the gradients, in bf16 compute with fp32 master weights.
     The first ``warmup`` steps run untimed (chunkstar's first iteration is its

@@ -130,6 +130,9 @@ class RunSpec:
     """Only for the chunkstar systems on the CPU virtual device: the engine's
     ``device_link_bandwidth`` (``"1GB/s"``), an emulated link whose copies take at least
     bytes / bandwidth; None: no emulated link."""
+    clip: float = 1.0
+    """Global-norm gradient clipping in every system's step (Note [what one step is] in
+    :mod:`chunkstar_bench.harness`); 0: none."""
 
     def __post_init__(self) -> None:
         if self.system not in RUN_SYSTEMS:
@@ -142,6 +145,8 @@ class RunSpec:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.clip < 0:
+            raise ValueError(f"clip must be >= 0 (0: no clipping), got {self.clip}")
         if self.seq_len is not None and self.seq_len > get(self.model).seq_len:
             raise ValueError(f"seq_len {self.seq_len} exceeds {self.model}'s {get(self.model).seq_len} positions")
         if self.disk_dir is not None and self.system not in DISK_SYSTEMS:

@@ -12,8 +12,10 @@ Three families live here:
   ZeRO-3 offload);
 * the models of the comparison tables (``chunkstar-bench step-time`` and
   ``overlap``, :mod:`chunkstar_bench.comparisons`): ``gpt2-51m`` (``cpu-base``
-  with GPT-2's 1024 positions) and ``gpt2-30m-v8k`` (the same blocks, an 8192-token
-  vocabulary, 256 positions). They are not on the CPU ladder.
+  with GPT-2's 1024 positions), ``gpt2-30m-v8k`` (the same blocks, an 8192-token
+  vocabulary, 256 positions) and ``gpt2-49m-v8k`` (hidden 768, 6 layers, the same
+  vocabulary, 128 positions: the step-time table's overhead case). They are not on
+  the CPU ladder.
 
 Every model is a Hugging Face ``GPT2LMHeadModel`` built from its config (no
 downloads), with dropout off and no KV cache. This module imports torch and
@@ -161,6 +163,10 @@ _TABLE_MODELS: tuple[ModelSpec, ...] = (
     ModelSpec(
         "gpt2-30m-v8k", hidden=512, layers=8, heads=8, seq_len=256, vocab=8192,
         note="the model of the overlap table (29.5M): a small vocabulary, so the chunks of the blocks dominate the moves",
+    ),
+    ModelSpec(
+        "gpt2-49m-v8k", hidden=768, layers=6, heads=12, seq_len=128, vocab=8192,
+        note="the step-time table's overhead case (48.9M): batch 4 x 128, everything resident, no clipping",
     ),
 )  # fmt: skip
 

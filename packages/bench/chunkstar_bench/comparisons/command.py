@@ -72,6 +72,10 @@ def add_step_time_command(sub: argparse._SubParsersAction) -> None:  # type: ign
                    help="chunkstar-pressure: room for chunks, as a fraction of the bf16 parameter bytes, on top of the "
                    "non-model peak the chunkstar row measured (default %(default)s)")
     p.add_argument("--pressure-budget-mib", type=float, help="chunkstar-pressure's device budget in MiB; overrides --pressure-fraction")
+    p.add_argument("--overhead-model", default=d.overhead_model,
+                   help="the overhead case's zoo model (rows pytorch-overhead, chunkstar-overhead; default %(default)s)")
+    p.add_argument("--overhead-batch", type=int, default=d.overhead_batch, help="the overhead case's sequences per step (default %(default)s)")
+    p.add_argument("--overhead-seq", type=int, default=d.overhead_seq, help="the overhead case's tokens per sequence (default %(default)s)")
 
     def go(args: argparse.Namespace) -> int:
         _check_counts(p, args)
@@ -80,6 +84,7 @@ def add_step_time_command(sub: argparse._SubParsersAction) -> None:  # type: ign
             threads=args.threads, free_budget_bytes=int(args.free_budget_gib * 2**30),
             pressure_fraction=args.pressure_fraction, hardware=args.hardware,
             pressure_budget_bytes=None if args.pressure_budget_mib is None else int(args.pressure_budget_mib * 2**20),
+            overhead_model=args.overhead_model, overhead_batch=args.overhead_batch, overhead_seq=args.overhead_seq,
         )  # fmt: skip
         try:
             rows = step_time.rows(settings, _names(p, args.systems, step_time.ROW_NAMES))

@@ -17,6 +17,15 @@ What it measures
     ``deepspeed``           DeepSpeed ZeRO-3, params and optimizer offloaded to CPU, bf16
     ``fsdp2``               FSDP2 with CPUOffloadPolicy (not run unless asked for)
 
+    and the overhead case, a workload of its own where the step is short and every
+    chunk is resident, so what chunkstar adds to plain PyTorch (hooks, the optimizer's
+    passes, the heap) shows: ``gpt2-49m-v8k`` (48.9M parameters: hidden 768, 6 layers,
+    vocab 8192), batch 4 x 128, no gradient clipping (``--overhead-model``,
+    ``--overhead-batch``, ``--overhead-seq``):
+
+    ``pytorch-overhead``    plain PyTorch as above, on the overhead case
+    ``chunkstar-overhead``  chunkstar with the free budget, on the overhead case
+
 How to read it
     ``median s`` pools the timed steps of every round (``min``/``max`` show the
     spread; a shared machine's seconds vary, so compare ratios from one run).
@@ -27,7 +36,8 @@ How to read it
     timed steps; above :data:`~chunkstar_bench.comparisons.rounds.BUSY_CORES`
     the report warns. The targets (:data:`TARGETS`): chunkstar at most 1.10x
     PyTorch's step time without pressure and 1.30x under pressure, DeepSpeed at
-    least 1.8x slower than chunkstar, chunkstar's peak RSS below DeepSpeed's.
+    least 1.8x slower than chunkstar, chunkstar's peak RSS below DeepSpeed's, and
+    on the overhead case chunkstar at most 1.05x PyTorch (issue 17, section 4).
 """
 
 from __future__ import annotations
@@ -40,14 +50,18 @@ from chunkstar_bench.comparisons.rounds import BUSY_CORES, Pooled, Row, Target, 
 from chunkstar_bench.runner import RunRecord, RunSpec
 from chunkstar_bench.zoo import get, n_params
 
-__all__ = ["DEFAULT_ROWS", "ROW_NAMES", "TARGETS", "StepTimeSettings", "report", "rows"]
+__all__ = ["DEFAULT_ROWS", "OVERHEAD_ROWS", "ROW_NAMES", "TARGETS", "StepTimeSettings", "report", "rows"]
 
 _GIB = 2**30
 _MIB = 2**20
 
-ROW_NAMES: tuple[str, ...] = ("pytorch", "chunkstar", "chunkstar-pressure", "deepspeed", "fsdp2")
+ROW_NAMES: tuple[str, ...] = (
+    "pytorch", "chunkstar", "chunkstar-pressure", "deepspeed", "fsdp2", "pytorch-overhead", "chunkstar-overhead",
+)  # fmt: skip
 """Every row the table knows, in the order they run and print."""
-DEFAULT_ROWS: tuple[str, ...] = ("pytorch", "chunkstar", "chunkstar-pressure", "deepspeed")
+OVERHEAD_ROWS: tuple[str, ...] = ("pytorch-overhead", "chunkstar-overhead")
+"""The rows of the overhead case (their own model, batch and no clipping)."""
+DEFAULT_ROWS: tuple[str, ...] = ("pytorch", "chunkstar", "chunkstar-pressure", "deepspeed", *OVERHEAD_ROWS)
 """The rows run unless ``--systems`` says otherwise."""
 
 TARGETS: tuple[Target, ...] = (
@@ -59,6 +73,7 @@ TARGETS: tuple[Target, ...] = (
     Target("fsdp2", "chunkstar", "step", None),
     Target("chunkstar", "deepspeed", "rss", "<", 1.00),
     Target("chunkstar-pressure", "deepspeed", "rss", "<", 1.00),
+    Target("chunkstar-overhead", "pytorch-overhead", "step", "<=", 1.05),
 )
 """The benchmark issue's targets (``None``: context only)."""
 
@@ -85,6 +100,10 @@ class StepTimeSettings:
     pressure_budget_bytes: int | None = None
     """``chunkstar-pressure``'s budget in bytes; overrides the measured one."""
     hardware: str = "cpu"
+    overhead_model: str = "gpt2-49m-v8k"
+    """The overhead case's zoo model (its rows: :data:`OVERHEAD_ROWS`)."""
+    overhead_batch: int = 4
+    overhead_seq: int = 128
 
 
 def _spec(settings: StepTimeSettings, system: str, chunkstar_budget: int | str | None = None) -> RunSpec:
@@ -92,6 +111,14 @@ def _spec(settings: StepTimeSettings, system: str, chunkstar_budget: int | str |
         system=system, model=settings.model, batch=settings.batch, seq_len=settings.seq, steps=settings.steps,
         warmup=settings.warmup, seed=settings.seed, threads=settings.threads, hardware=settings.hardware,
         chunkstar_budget=chunkstar_budget,
+    )  # fmt: skip
+
+
+def _overhead_spec(settings: StepTimeSettings, system: str, chunkstar_budget: int | None = None) -> RunSpec:
+    """The overhead case: its own model and batch, no gradient clipping."""
+    return dataclasses.replace(
+        _spec(settings, system, chunkstar_budget), model=settings.overhead_model, batch=settings.overhead_batch,
+        seq_len=settings.overhead_seq, clip=0.0,
     )  # fmt: skip
 
 
@@ -125,11 +152,17 @@ def rows(settings: StepTimeSettings, names: Sequence[str] = DEFAULT_ROWS) -> lis
         ),
         "deepspeed": Row("deepspeed", "deepspeed", _spec(settings, "deepspeed")),
         "fsdp2": Row("fsdp2", "fsdp2", _spec(settings, "fsdp2")),
+        "pytorch-overhead": Row("pytorch-overhead", "pytorch-overhead", _overhead_spec(settings, "pytorch")),
+        "chunkstar-overhead": Row(
+            "chunkstar-overhead", "chunkstar-overhead",
+            _overhead_spec(settings, "chunkstar", chunkstar_budget=settings.free_budget_bytes),
+        ),
     }
     return [every[name] for name in ROW_NAMES if name in names]
 
 
-def _ok_cells(p: Pooled, tokens: int) -> list[str]:
+def _ok_cells(p: Pooled) -> list[str]:
+    tokens = p.row.spec.batch * p.row.spec.seq
     times = p.step_times
     load = p.other_load
     return [
@@ -151,9 +184,16 @@ def report(settings: StepTimeSettings, pooled: Mapping[str, Pooled], verdicts: S
         f"batch {settings.batch} x seq {settings.seq} = {tokens} tokens/step; {settings.warmup} warm-up + "
         f"{settings.steps} timed steps" + (f" per round, {rounds} rounds pooled" if rounds > 1 else "") + f"; seed {settings.seed}",
     ]
+    if any(name in pooled for name in OVERHEAD_ROWS):
+        small = get(settings.overhead_model)
+        head.append(
+            f"overhead case ({', '.join(OVERHEAD_ROWS)}): {small.name} (GPT-2 hidden {small.hidden}, {small.layers} layers, "
+            f"vocab {small.vocab}), {n_params(small):,} parameters, batch {settings.overhead_batch} x seq "
+            f"{settings.overhead_seq}, no gradient clipping, every chunk resident"
+        )
     lines = []
     for name, p in pooled.items():
-        lines.append([name, *(_ok_cells(p, tokens) if p.ok else [p.failure.status if p.failure else "error", *["-"] * 8])])
+        lines.append([name, *(_ok_cells(p) if p.ok else [p.failure.status if p.failure else "error", *["-"] * 8])])
     headers = ["system", "status", "median s", "min s", "max s", "tokens/s", "peak RSS MiB", "first loss", "last loss", "other load"]
     body = text_table(headers, lines)
     busy = {name: p.other_load for name, p in pooled.items() if (p.other_load or 0.0) > BUSY_CORES}

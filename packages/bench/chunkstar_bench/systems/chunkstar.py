@@ -63,13 +63,13 @@ def chunkstar_budget_bytes(model: ModelSpec, batch: int, seq: int, budget: str |
 
 
 def engine_config(ctx: Context, budget: int | None) -> dict[str, Any]:
-    """The engine config of a run: AdamW (:data:`~chunkstar_bench.harness.ADAMW`), bf16, clipping 1.0,
+    """The engine config of a run: AdamW (:data:`~chunkstar_bench.harness.ADAMW`), bf16, the spec's clipping,
     chunk size searched, ``budget`` bytes of device tier (None: the device's own size), and the
     spec's overlap and link settings. The disk tier is :func:`run`'s to add."""
     config: dict[str, Any] = {
         "optimizer": {"type": "AdamW", "params": ADAMW},
         "bf16": {"enabled": True},
-        "gradient_clipping": 1.0,
+        "gradient_clipping": ctx.spec.clip,
         "device": "cpu" if ctx.device == "cpu" else f"cuda:{ctx.local_rank}",
         "default_chunk_size": "auto",
     }

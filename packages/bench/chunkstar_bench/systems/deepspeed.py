@@ -38,9 +38,9 @@ _AIO: dict[str, Any] = {
 
 def zero3_offload_config(
     *, batch: int, adamw: dict[str, Any], pin_memory: bool, ds_cpu_adam: bool,
-    nvme_path: str | None = None, nvme_params: bool = False, largest_param_numel: int = 0,
+    nvme_path: str | None = None, nvme_params: bool = False, largest_param_numel: int = 0, clip: float = 1.0,
 ) -> dict[str, Any]:  # fmt: skip
-    """ZeRO-3 with params and optimizer offloaded to CPU (or, with ``nvme_path``, to disk), bf16, clipping 1.0.
+    """ZeRO-3 with params and optimizer offloaded to CPU (or, with ``nvme_path``, to disk), bf16, clipping at ``clip`` (0: none).
 
     ``pin_memory`` only helps DMA to a real device; on a CPU-only machine it would
     just lock RAM. With ``ds_cpu_adam`` DeepSpeed builds DeepSpeedCPUAdam(adamw_mode)
@@ -61,7 +61,7 @@ def zero3_offload_config(
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": clip,
         "bf16": {"enabled": True},
         "zero_optimization": zero,
         "steps_per_print": 10**9,
@@ -143,6 +143,7 @@ def _run_zero3(ctx: Context, *, nvme_path: str | None) -> dict[str, Any]:
     config = zero3_offload_config(
         batch=ctx.spec.batch, adamw=ADAMW, pin_memory=ctx.device == "cuda", ds_cpu_adam=ds_cpu_adam,
         nvme_path=nvme_path, nvme_params=ctx.spec.nvme_params, largest_param_numel=largest_param_numel(ctx.model),
+        clip=ctx.spec.clip,
     )  # fmt: skip
     if ctx.device == "cuda":
         torch.cuda.set_device(ctx.local_rank)

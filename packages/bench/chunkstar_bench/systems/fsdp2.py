@@ -36,7 +36,8 @@ def run(ctx: Context) -> dict[str, Any]:
     def step(ids: Any) -> float:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if ctx.spec.clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, ctx.spec.clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(loss.item())

@@ -405,6 +405,9 @@ class ChunkstarTrainer(Trainer):
         engine, optimizer = initialize_engine(
             model_func, max(self.args.local_rank, 0), self._engine_config, param_groups_fn=self._param_groups
         )
+        # the Trainer logs the global gradient norm every step, clipping or not (its own
+        # _get_grad_norm measures it with max_grad_norm 0 too): the engine measures it then
+        optimizer.measure_grad_norm = True
         self._engine, self._chunk_optimizer = engine, optimizer
         self._engine_module = EngineModule(engine)
 

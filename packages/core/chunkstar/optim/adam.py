@@ -11,6 +11,17 @@ step is two passes over the chunks that hold gradients:
 2. *update*: fused Adam over the fp32 views of the chunks' runs of slots, then
    a foreach cast of the new masters back into the param slots.
 
+Note [norm only when needed]: the global norm costs a pass over every gradient
+(bf16 ones upcast to fp32 on the way), as long as the fused update itself on a
+small model. A step takes it only when something uses it: clipping
+(``gradient_clipping`` > 0), fp16 (its overflow check), or a caller that asked
+for it (``ChunkAdam.measure_grad_norm``, which the Hugging Face Trainer sets, since
+it logs the norm every step). Otherwise pass 1 only places the chunks and
+``last_grad_norm`` is None; the update's arithmetic is the same either way (with
+no clipping and no loss scale the gradients are not scaled), so the parameters
+get the same bits. The decision is the engine config's and the attribute's, so
+every rank makes the same one (the norm is a collective with several processes).
+
 Note [gradient pipeline]: with one process, a chunk whose gradients are
 complete during backward is handed over at once (:meth:`ChunkAdam.take_gradients`):
 a host-Adam chunk starts its copy to the host and its per-range norms are
@@ -53,11 +64,21 @@ if TYPE_CHECKING:
 __all__ = ["ChunkAdam", "global_grad_norm", "range_norms"]
 
 _FORMAT = "chunkstar.ChunkAdam/1"
-_BATCH_ELEMENTS = 1 << 22  # gradient elements per batch of fused calls (16 MiB of fp32 copies)
-# A run longer than a batch is cut every _BATCH_ELEMENTS elements from its start, a multiple
+_BATCH_ELEMENTS = 1 << 22  # gradient elements per batch of fused calls on CUDA (16 MiB of fp32 copies)
+_HOST_BATCH_ELEMENTS = 1 << 20  # on the CPU: a batch's gradient copies, masters and moments (18 MiB)
+# stay in the last-level cache from the gradients' fp32 copy through the fused kernel to the cast
+# back (measured with a 49M GPT-2, hidden 768, 6 layers, vocab 8192, bf16, on 2 cores with a
+# 32 MiB L3: the update of all its chunks 89 -> 68 ms at one thread, 83 -> 73 ms at two); a CUDA
+# batch stays large (fewer launches).
+# A run longer than a batch is cut every batch's worth of elements from its start, a multiple
 # of any vector width: the fused kernel vectorises each tensor from its start and finishes the
 # last (numel mod width) elements with scalar code that rounds differently (measured: a cut
 # at element 997 changes exp_avg_sq bits, cuts at multiples of 8 do not).
+
+
+def _batch_elements(device: torch.device) -> int:
+    """Gradient elements per batch of fused calls for tensors on ``device``."""
+    return _HOST_BATCH_ELEMENTS if device.type == "cpu" else _BATCH_ELEMENTS
 
 
 def _runs(slots: list[TensorSlot], key: Callable[[TensorSlot], Any]) -> list[tuple[Any, int, int]]:
@@ -112,10 +133,18 @@ class ChunkAdam(torch.optim.Optimizer):
                 self._group_of[engine.index_of(p)] = g
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
+        """The global gradient norm of the last step (before clipping, the fp16 loss scale
+        divided out), or None when that step did not measure it (Note [norm only when
+        needed]) or overflowed (fp16: the step was skipped, ``skipped_steps`` counts it)."""
+        self.measure_grad_norm = False
+        """Measure the global gradient norm (``last_grad_norm``) at every step even when
+        neither clipping nor fp16 needs it (Note [norm only when needed]); set it alike on
+        every rank."""
         self.step_count = 0  # optimizer.step() calls, skipped ones included (a checkpoint's "step")
-        # per-range gradient norms of chunks handed over during backward (Note [gradient
-        # pipeline]): the event of the job computing them (None: already computed) and its result
-        self._partials: dict[int, tuple[CopyEvent | None, list[torch.Tensor]]] = {}
+        # chunks handed over during backward (Note [gradient pipeline]) and their per-range
+        # gradient norms: the event of the job computing them (None: already computed) and its
+        # result, or (None, None) when the step needs no norm (Note [norm only when needed])
+        self._partials: dict[int, tuple[CopyEvent | None, list[torch.Tensor] | None]] = {}
         self._order: tuple[int, list[int]] | None = None  # (id of the trace, chunk ids in next-forward order)
         self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
         self._disk = engine.mgr.disk  # the disk tier, if the state lives on disk (Note [disk tier])
@@ -125,6 +154,10 @@ class ChunkAdam(torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         return self._engine.scaler.scale
+
+    def _needs_norm(self) -> bool:
+        """Whether this step measures the global gradient norm (Note [norm only when needed])."""
+        return self._engine.config.gradient_clipping > 0 or self._engine.scaler.enabled or self.measure_grad_norm
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -158,6 +191,10 @@ class ChunkAdam(torch.optim.Optimizer):
             return
         slots = [s for s in mgr.slots_of(chunk_id) if mgr.states[s.index] is TensorState.HOLD_AFTER_BWD]
         if not slots:
+            return
+        if not self._needs_norm():
+            self._partials[chunk_id] = (None, None)
+            mgr.offload(chunk_id)
             return
         spans = [(a, b) for _, a, b in _runs(slots, lambda s: 0)]
         chunk = mgr.chunk(ChunkList.PARAM, chunk_id)
@@ -213,16 +250,63 @@ class ChunkAdam(torch.optim.Optimizer):
             self.forget_gradients()
             return
 
-        # pass 1: place, then the norm of every contiguous gradient range: handed over during
-        # backward, or now with one foreach call per device (a model of many chunks must not
-        # pay a kernel call per chunk); the parts are joined in chunk order either way
+        # pass 1: place, then (only when the step needs it: Note [norm only when needed]) the
+        # global gradient norm
+        for cid in grad_slots:
+            self._place(cid)
+        self.last_grad_norm = None
+        clip = eng.config.gradient_clipping
+        factor: float | None = None  # what the gradients are multiplied by; None: nothing
+        if self._needs_norm():
+            total = self._global_norm(grad_slots)  # 0-dim fp32, CPU
+            total_f = float(total)
+            if not math.isfinite(total_f):  # fp16 overflow
+                self.skipped_steps += 1
+                eng.restore_params_from_master(grad_slots)
+                scaler.update(overflow=True)
+                return
+            self.last_grad_norm = total_f / scaler.scale
+            if clip > 0 or scaler.enabled:
+                # torch.nn.utils.clip_grad_norm_'s coefficient, applied with the same op order; an
+                # fp32 value, multiplied in as a Python float (the same bits as the 0-dim fp32
+                # tensor, and no copy to the device or sync on CUDA)
+                coef = torch.tensor(1.0)
+                if clip > 0:
+                    coef = torch.clamp(torch.tensor(clip) / (total / scaler.scale + 1e-6), max=1.0)
+                if scaler.enabled:
+                    coef = coef / scaler.scale
+                factor = float(coef)
+        else:
+            self._partials.clear()
+        on_device = {cid: slots for cid, slots in grad_slots.items() if mgr.chunk(ChunkList.PARAM, cid).tier is not Tier.HOST}
+        steps = self._step_tensors(grad_slots)
+        self._update(on_device, factor, steps)
+        # (a host buffer a copy to the device may still read is waited for by its own update:
+        # the chunk's pending event, Note [pending copy]; no device-wide sync here)
+        for cid in self._forward_order():
+            if cid in grad_slots and cid not in on_device:
+                self._update_on_host(cid, grad_slots[cid], factor, steps)
+        for slots in grad_slots.values():
+            for s in slots:
+                self._steps[s.index] += 1
+                mgr.set_state(s.index, TensorState.HOLD)
+        scaler.update(overflow=False)
+
+    def _global_norm(self, grad_slots: dict[int, list[TensorSlot]]) -> torch.Tensor:
+        """The global norm of the gradients in ``grad_slots`` (placed), every rank's: the norm
+        of every contiguous gradient range, handed over during backward, or now with one
+        foreach call per device (a model of many chunks must not pay a kernel call per
+        chunk); the parts are joined in chunk order either way. A 0-dim fp32 CPU tensor."""
+        mgr = self._store
         batched: dict[torch.device, list[torch.Tensor]] = {}
         pieces: list[tuple[int, torch.device | None, int, int]] = []  # (chunk, device or None: a partial, start, count)
         for cid, slots in grad_slots.items():
-            self._place(cid)
-            if cid in self._partials:
+            part = self._partials.get(cid)
+            if part is not None and part[1] is not None:
                 pieces.append((cid, None, 0, 0))
                 continue
+            # not handed over, or handed over by a backward that needed no norm (measure_grad_norm
+            # turned on since): measured here, where the chunk now lies
             g = mgr.chunk(ChunkList.PARAM, cid).payload
             ranges = batched.setdefault(g.device, [])
             spans = [g[a:b] for _, a, b in _runs(slots, lambda s: 0)]
@@ -235,41 +319,23 @@ class ChunkAdam(torch.optim.Optimizer):
                 event, box = self._partials[cid]
                 if event is not None:
                     event.wait()
+                assert box is not None
                 norms.append(box[0])
             else:
                 norms.append(stacked[dev][start : start + count])
         self._partials.clear()
-        total = global_grad_norm(norms, comm, eng.device)  # 0-dim fp32, CPU
-        total_f = float(total)
-        if not math.isfinite(total_f):  # fp16 overflow
-            self.skipped_steps += 1
-            self.last_grad_norm = None
-            eng.restore_params_from_master(grad_slots)
-            scaler.update(overflow=True)
-            return
-        norm = total_f / scaler.scale
-        self.last_grad_norm = norm
-        clip = eng.config.gradient_clipping
-        # torch.nn.utils.clip_grad_norm_'s coefficient, applied with the same op order
-        factor = torch.tensor(1.0)
-        if clip > 0:
-            factor = torch.clamp(torch.tensor(clip) / (total / scaler.scale + 1e-6), max=1.0)
-        if scaler.enabled:
-            factor = factor / scaler.scale
-        apply_factor = clip > 0 or scaler.enabled
-        on_device = {cid: slots for cid, slots in grad_slots.items() if mgr.chunk(ChunkList.PARAM, cid).tier is not Tier.HOST}
-        self._update(on_device, factor, apply_factor)
-        if eng.device.type == "cuda" and len(on_device) < len(grad_slots):
-            # host buffers: every copy still reading one (a prefetch on the copy stream) is done
-            torch.cuda.synchronize(eng.device)
-        for cid in self._forward_order():
-            if cid in grad_slots and cid not in on_device:
-                self._update_on_host(cid, grad_slots[cid], factor, apply_factor)
-        for slots in grad_slots.values():
-            for s in slots:
-                self._steps[s.index] += 1
-                mgr.set_state(s.index, TensorState.HOLD)
-        scaler.update(overflow=False)
+        eng = self._engine
+        return global_grad_norm(norms, eng.comm, eng.device)
+
+    def _step_tensors(self, grad_slots: dict[int, list[TensorSlot]]) -> dict[tuple[torch.device, int], torch.Tensor]:
+        """The fused kernel's step counts for this step, one 0-dim fp32 tensor per (device,
+        step count) the updates use, made once per step (a fill on the device: no copy from
+        the host, no sync on CUDA) and shared read-only by every call and queued job."""
+        counts = {self._steps[s.index] + 1 for slots in grad_slots.values() for s in slots}
+        devices = {self._engine.device, torch.device("cpu")}
+        return {
+            (dev, n): torch.full((), float(n), dtype=torch.float32, device=dev) for dev in devices for n in counts
+        }
 
     def _place(self, cid: int) -> None:
         eng = self._engine
@@ -294,17 +360,19 @@ class ChunkAdam(torch.optim.Optimizer):
         scratch: torch.Tensor | None,
     ) -> int:
         """Add one chunk's runs (params, master, exp_avg, exp_avg_sq views) to ``buckets``
-        by (device, group, step), in pieces of at most ``_BATCH_ELEMENTS`` from each run's
-        start, calling ``flush`` before a batch would exceed that; returns the elements pending.
+        by (device, group, step), in pieces of at most a batch (:func:`_batch_elements`) from
+        each run's start, calling ``flush`` before a batch would exceed that; returns the
+        elements pending.
         A bf16/fp16 gradient's fp32 copy goes into ``scratch`` (a batch's worth of fp32,
         reused by every batch) where given, else into a new tensor."""
         p, master, m, v = tensors
         convert = p.dtype != torch.float32
         group_of = self._group_of
+        batch = _batch_elements(p.device)
         for (gi, step), a, b in _runs(slots, lambda s: (group_of[s.index], step_of(s.index))):
-            for lo in range(a, b, _BATCH_ELEMENTS):
-                hi = min(lo + _BATCH_ELEMENTS, b)
-                if pending + hi - lo > _BATCH_ELEMENTS:
+            for lo in range(a, b, batch):
+                hi = min(lo + batch, b)
+                if pending + hi - lo > batch:
                     flush()
                     pending = 0
                 lists = buckets.setdefault((p.device, gi, step), ([], [], [], [], []))
@@ -324,20 +392,24 @@ class ChunkAdam(torch.optim.Optimizer):
     def _flusher(
         self,
         buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]],
-        factor: torch.Tensor,
-        apply_factor: bool,
+        factor: float | None,
+        steps: dict[tuple[torch.device, int], torch.Tensor],
         hyper: list[tuple[float, float, float, float, float]],
     ) -> Callable[[], None]:
-        """One fused Adam call per bucket, then the foreach cast of the masters into the param slots."""
+        """One fused Adam call per bucket, then the foreach cast of the masters into the param
+        slots; ``factor`` (None: none) scales the (fp32) gradients first, ``steps`` holds the
+        step tensors (:meth:`_step_tensors`)."""
         decoupled = self._decoupled
 
         def flush() -> None:
             fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
             for (device, gi, step), (masters, grads, ms, vs, params) in buckets.items():
                 lr, beta1, beta2, weight_decay, eps = hyper[gi]
-                if apply_factor:
-                    torch._foreach_mul_(grads, factor.to(device))
-                step_t = torch.tensor(float(step + 1), device=device)  # read-only in the kernel: shared
+                if factor is not None:
+                    torch._foreach_mul_(grads, factor)
+                step_t = steps.get((device, step + 1))  # read-only in the kernel: shared
+                if step_t is None:  # a device spelled otherwise than the engine's
+                    step_t = steps[(device, step + 1)] = torch.full((), float(step + 1), device=device)
                 fused(
                     masters, grads, ms, vs, [], [step_t] * len(masters),
                     lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
@@ -348,12 +420,12 @@ class ChunkAdam(torch.optim.Optimizer):
         return flush
 
     def _scratch(self, where: str, elements: int) -> torch.Tensor | None:
-        """A reused fp32 host buffer of at least ``min(elements, _BATCH_ELEMENTS)`` for
+        """A reused fp32 host buffer of at least ``min(elements, _HOST_BATCH_ELEMENTS)`` for
         gradients' fp32 copies, one per thread that updates (``where``: "host" for the host
         worker, "device" for the CPU virtual device's in-place updates). A new tensor per
         batch would be freed and faulted in again every step (more so after the heap's
         pages are handed back, Note [host heap]); CUDA's caching allocator keeps its own."""
-        need = min(elements, _BATCH_ELEMENTS)
+        need = min(elements, _HOST_BATCH_ELEMENTS)
         if self._store.compute_dtype == torch.float32 or need <= 0:
             return None
         buf = self._scratch_bufs.get(where)
@@ -369,18 +441,20 @@ class ChunkAdam(torch.optim.Optimizer):
         """Each group's (lr, beta1, beta2, weight_decay, eps) now: a queued update keeps them."""
         return [(g["lr"], *g["betas"], g["weight_decay"], g["eps"]) for g in self.param_groups]
 
-    def _update(self, grad_slots: dict[int, list[TensorSlot]], factor: torch.Tensor, apply_factor: bool) -> None:
+    def _update(
+        self, grad_slots: dict[int, list[TensorSlot]], factor: float | None, steps: dict[tuple[torch.device, int], torch.Tensor]
+    ) -> None:
         """Pass 2 for chunks whose update runs where they are now (the device): fused Adam
         over the fp32 views of many chunks' runs at once, one call per (device, parameter
         group, step count), then a foreach cast of the masters back into the param slots.
-        Runs are taken in batches of at most ``_BATCH_ELEMENTS`` gradient elements, a
+        Runs are taken in batches of at most :func:`_batch_elements` gradient elements, a
         longer run in pieces of that size: bf16/fp16 gradients need fp32 copies, and all
         of them at once would cost 4 bytes per parameter of extra memory (one chunk's
         worth, too, when a chunk is large: a tied embedding alone in its chunk). Which
         batch a piece joins does not change its bits."""
         mgr = self._store
         buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]] = {}
-        flush = self._flusher(buckets, factor, apply_factor, self._hyper())
+        flush = self._flusher(buckets, factor, steps, self._hyper())
         pending = 0
         on_cpu = self._engine.device.type == "cpu"
         scratch = self._scratch("device", sum(s.numel for ss in grad_slots.values() for s in ss)) if on_cpu else None
@@ -389,7 +463,9 @@ class ChunkAdam(torch.optim.Optimizer):
             pending = self._buckets(buckets, tensors, slots, self._steps.__getitem__, flush, pending, scratch)  # type: ignore[arg-type]
         flush()
 
-    def _update_on_host(self, cid: int, slots: list[TensorSlot], factor: torch.Tensor, apply_factor: bool) -> None:
+    def _update_on_host(
+        self, cid: int, slots: list[TensorSlot], factor: float | None, steps: dict[tuple[torch.device, int], torch.Tensor]
+    ) -> None:
         """Pass 2 for one host-Adam chunk, as a job on the host worker (Note [gradient
         pipeline]); the four chunks' readers and the param chunk's next copy wait for it."""
         eng = self._engine
@@ -409,15 +485,16 @@ class ChunkAdam(torch.optim.Optimizer):
         hyper = self._hyper()
         slots = list(slots)
         # the step counts of this update, read now: the main thread counts on
-        steps = {s.index: self._steps[s.index] for s in slots}
+        counts = {s.index: self._steps[s.index] for s in slots}
+        step_tensors = steps
         scratch = self._scratch("host", sum(s.numel for s in slots))  # the worker's alone: its jobs run in turn
 
         def job() -> None:
             for r in reads:
                 r.wait()
             buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]] = {}
-            flush = self._flusher(buckets, factor, apply_factor, hyper)
-            self._buckets(buckets, tensors, slots, steps.__getitem__, flush, 0, scratch)  # type: ignore[arg-type]
+            flush = self._flusher(buckets, factor, step_tensors, hyper)
+            self._buckets(buckets, tensors, slots, counts.__getitem__, flush, 0, scratch)  # type: ignore[arg-type]
             flush()
 
         event = eng.host_work.submit(job, after=chunks[0].pending_copy)

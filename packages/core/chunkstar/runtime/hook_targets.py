@@ -60,24 +60,32 @@ class HookTargets:
         self.on_grad = gradients.on_grad  # the gradient hook's target (a bound method: no extra call)
         self.modules: list[HookedModule] = []  # set by the engine once the hooks are installed
         self._access_sets: list[tuple[int, ...]] = []
+        self._access_chunks: list[tuple[int, ...]] = []  # the sorted chunk ids of each access set
 
     def set_modules(self, modules: list[HookedModule]) -> None:
         """The hooked modules (:func:`install_hooks`); each accesses its own parameters to begin with."""
         self.modules = modules
         self._access_sets = [m.own for m in modules]
+        self._access_chunks = [self._chunk_ids(m.own) for m in modules]
+
+    def _chunk_ids(self, indices: Sequence[int]) -> tuple[int, ...]:
+        slots = self.mgr.slots
+        return tuple(sorted({slots[i].chunk_id for i in indices}))
 
     # ------------------------------------------------------------------ moments
     def _begin_moment(self, module: str, chunk_ids: tuple[int, ...]) -> None:
         cur = self.cursor
         moment = self.schedule.begin_moment(module, chunk_ids)
         if cur.on_schedule and release_at_moment(self.iteration.heap_plan, moment, cur.stage is Stage.FWD):
-            self.iteration.release_heap()
+            self.iteration.release_heap_at_peak()
         if self.events.active:
             self.events.emit(MomentBegin(moment, module, cur.stage, time.perf_counter_ns()))
 
-    def _access(self, module: str, indices: tuple[int, ...]) -> None:
+    def _access(self, module: str, indices: tuple[int, ...], chunk_ids: tuple[int, ...] | None = None) -> None:
+        """A moment on ``indices`` (whose sorted chunk ids are ``chunk_ids``, if known)."""
         mgr = self.mgr
-        chunk_ids = tuple(sorted({mgr.slots[i].chunk_id for i in indices}))
+        if chunk_ids is None:
+            chunk_ids = self._chunk_ids(indices)
         self._begin_moment(module, chunk_ids)
         with mgr.probe.paused():
             mgr.make_resident(
@@ -109,9 +117,10 @@ class HookTargets:
         # fold ever releases them: they too are released when the module's backward is over.
         grad = torch.is_grad_enabled()
         repeated = grad and any(self.mgr.states[i] is TensorState.HOLD_AFTER_FWD for i in indices)
-        release = list(indices) if repeated else [i for i in indices if not self._params[i].requires_grad] if grad else []
-        self._access(mod.label, indices)
+        self._access(mod.label, indices, self._access_chunks[module_key])
         self._stack.append((module_key, self.cursor.moment))
+        # read once the parameters are in COMPUTE: their plain class, no guard to go through
+        release = list(indices) if repeated else [i for i in indices if not self._params[i].requires_grad] if grad else []
         if release:
             inputs = [t for t in output_tensors((args, kwargs)) if t.requires_grad]
             if inputs:
@@ -145,17 +154,28 @@ class HookTargets:
             mgr.memory_sample()  # the module's activations now exist
         if grad:
             needing = [t for t in outs if t.requires_grad]
-            if needing:
+            chunks = self._access_chunks[module_key]
+            if len(needing) == 1:
+                # one tensor (the usual module): its own hook fires when its gradient is ready,
+                # once per backward, as the multi-grad hook below would (which is built of such
+                # hooks, at three times the cost)
+                needing[0].register_hook(
+                    lambda _grad, label=mod.label, indices=indices, chunks=chunks: self._access(label, indices, chunks)
+                )
+            elif needing:
                 torch.autograd.graph.register_multi_grad_hook(
-                    needing, lambda _grads, label=mod.label, indices=indices: self._access(label, indices), mode="any"
+                    needing,
+                    lambda _grads, label=mod.label, indices=indices, chunks=chunks: self._access(label, indices, chunks),
+                    mode="any",
                 )
         if self.iteration.implicit and not self._stack:
             self.iteration.end_implicit()
 
     def run_compiled(self) -> bool:
-        """Whether a compiled unit may run its compiled forward now: not while the engine
-        measures the run (Note [compiled units] in :mod:`chunkstar.hooks.compiled`)."""
-        return self.schedule.phase in _COMPILED_PHASES
+        """Whether a compiled unit may run its compiled forward now: not in the first warm-up
+        pass, nor in a run gone unscheduled (Note [compiled units] in :mod:`chunkstar.hooks.compiled`)."""
+        phase = self.schedule.phase
+        return phase in _COMPILED_PHASES or phase is TracePhase.WARMUP and self.cursor.trace.passes >= 1
 
     # ------------------------------------------------------------------ guarded parameter reads
     def running_module(self) -> int | None:
@@ -170,6 +190,7 @@ class HookTargets:
         key, began = self._stack[-1]
         label = self.modules[key].label
         self._access_sets[key] = tuple(sorted(set(self._access_sets[key]) | set(indices)))
+        self._access_chunks[key] = self._chunk_ids(self._access_sets[key])
         chunk_ids = tuple(sorted({mgr.slots[i].chunk_id for i in indices}))
         if self.cursor.on_schedule:
             self.schedule.on_more_chunks(began, chunk_ids, f"'{label}' read {what}")

@@ -140,16 +140,27 @@ class Iteration:
 
     # ------------------------------------------------------------------ the host heap
     def release_heap(self) -> None:
-        """Before the iteration's peak (Note [host heap] in memory/host_heap.py)."""
+        """Around an optimizer step that moves the optimizer state (Note [host heap] in memory/host_heap.py)."""
         if self.host_heap is not None:
             self.host_heap.release()
             self._heap_released = True
+
+    def release_heap_at_peak(self) -> None:
+        """Before the iteration's peak (the plan's moment, or the turn; Note [host heap]): when
+        everything is resident, only if the iteration could raise the process's peak RSS."""
+        heap = self.host_heap
+        if heap is None:
+            return
+        margin = self.heap_plan.margin
+        if margin is None or heap.could_raise_peak(margin):
+            heap.release()
+        self._heap_released = True  # decided for this iteration, released or not
 
     # ------------------------------------------------------------------ backward and end
     def begin_backward(self) -> None:
         self.gradients.begin_backward()
         if release_at_turn(self.heap_plan, self._heap_released, self.cursor.moment):
-            self.release_heap()
+            self.release_heap_at_peak()
         self.schedule.set_stage(Stage.BWD)
 
     def end_backward(self) -> None:
