@@ -228,7 +228,7 @@ def _fused_adam(dev: torch.device) -> str:
             for p, g, m, v in zip(ps, gs, ms, vs)
         ]
         masters, grads, exp_avgs, exp_avg_sqs = ([t.to(dev) for t in ts] for ts in (ps, gs, ms, vs))
-        step_t = torch.tensor(float(step), device=dev)  # one read-only step tensor shared by the list
+        step_t = torch.full((), float(step), dtype=torch.float32, device=dev)  # one read-only step tensor shared by the list, as adam.py makes it
         fused(masters, grads, exp_avgs, exp_avg_sqs, [], [step_t] * len(masters),
               lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)  # fmt: skip
         _sync(dev)
@@ -249,15 +249,15 @@ def _foreach(dev: torch.device) -> str:
     _check(torch.allclose(norms, want, rtol=1e-4, atol=0), f"_foreach_norm(dtype=float32) {norms.tolist()} vs {want.tolist()}")
     fp32 = [g.float() for g in grads]
     factor = torch.clamp(torch.tensor(1.0) / (torch.tensor(3.0) + 1e-6), max=1.0)  # a 0-dim CPU tensor, as the clip factor
-    torch._foreach_mul_(fp32, factor.to(dev))
+    torch._foreach_mul_(fp32, float(factor))  # the clip factor as a Python float, as adam.py applies it
     for a, g in zip(fp32, grads):
-        _check(torch.allclose(a, g.float() * float(factor)), "_foreach_mul_ by a 0-dim tensor")
+        _check(torch.allclose(a, g.float() * float(factor)), "_foreach_mul_ by a Python float")
     params = [torch.empty_like(g) for g in grads]
     torch._foreach_copy_(params, fp32)  # fp32 masters into bf16 param slots
     for p, a in zip(params, fp32):
         _check(p.dtype == torch.bfloat16 and torch.equal(p, a.to(torch.bfloat16)), "_foreach_copy_ fp32 -> bf16")
     _sync(dev)
-    return "_foreach_norm(dtype=float32) of bf16, _foreach_mul_ by a 0-dim tensor, _foreach_copy_ fp32 -> bf16"
+    return "_foreach_norm(dtype=float32) of bf16, _foreach_mul_ by a Python float, _foreach_copy_ fp32 -> bf16"
 
 
 def _storage_resize(dev: torch.device) -> str:
