@@ -323,6 +323,45 @@ def _grad_hooks(dev: torch.device) -> str:
     return f"register_post_accumulate_grad_hook and register_multi_grad_hook(mode='any') fired, on {where}"
 
 
+def _backward_tasks(dev: torch.device) -> str:
+    """What a plain loss.backward() and reentrant checkpoints are told apart by (Note [plain
+    backward], Note [reentrant regions]): graph task ids, whether a node will run, queued callbacks."""
+    from torch.autograd.graph import get_gradient_edge
+    from torch.utils.checkpoint import checkpoint
+
+    w = torch.nn.Parameter(torch.randn(8, 8, device=dev))
+    x = torch.randn(4, 8, device=dev, requires_grad=True)
+    _check(torch._C._current_graph_task_id() == -1, "_current_graph_task_id() outside a backward is not -1")
+    seen: dict[str, Any] = {"tasks": set(), "will": [], "ended": 0}
+
+    def at_output(_grad: torch.Tensor) -> None:
+        seen["tasks"].add(torch._C._current_graph_task_id())
+        seen["will"].append(torch._C._will_engine_execute_node(get_gradient_edge(w).node))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: seen.__setitem__("ended", seen["ended"] + 1))
+
+    def at_grad(_p: torch.Tensor) -> None:
+        seen["tasks"].add(torch._C._current_graph_task_id())
+
+    y = x @ w
+    y.register_hook(at_output)
+    torch.autograd.grad(y.sum(), [x], retain_graph=True)  # gradients only: w's node does not run
+    y.sum().backward()  # a backward: it does
+    _check(seen["will"] == [False, True], f"_will_engine_execute_node gave {seen['will']}, not [False, True]")
+    _check(seen["ended"] == 2, f"queued callbacks ran {seen['ended']} times, not 2")
+    seen["tasks"].clear()
+    h = w.register_post_accumulate_grad_hook(at_grad)
+    z = checkpoint(lambda t: torch.tanh(t @ w), x, use_reentrant=True)
+    outer: list[int] = []
+    z.register_hook(lambda _g: outer.append(torch._C._current_graph_task_id()))
+    (z * 2).sum().backward()
+    h.remove()
+    _sync(dev)
+    inner = seen["tasks"]
+    _check(len(inner) == 1 and len(outer) == 1 and -1 not in inner and outer[0] not in inner,
+           f"a reentrant region's gradient came in graph task {inner}, the outer backward's is {outer}")
+    return "graph task ids, _will_engine_execute_node and queue_callback behave as the engine expects"
+
+
 def _modes(dev: torch.device) -> str:
     from torch.overrides import TorchFunctionMode
     from torch.utils import _python_dispatch
@@ -396,6 +435,8 @@ PROBES: tuple[Probe, ...] = (
     Probe("swap_tensors", ("torch.utils.swap_tensors",), "both", _swap_tensors),
     Probe("gradient hooks", (".register_post_accumulate_grad_hook", "torch.autograd.graph.register_multi_grad_hook"),
           "both", _grad_hooks),
+    Probe("backward tasks", ("torch._C._current_graph_task_id", "torch._C._will_engine_execute_node",
+                             "torch.autograd.graph.get_gradient_edge"), "both", _backward_tasks),
     Probe("modes and misc", ("torch.utils._python_dispatch._push_mode", "torch.utils._python_dispatch._pop_mode",
                              "torch.utils._python_dispatch._get_current_dispatch_mode_stack",
                              "torch.utils._python_dispatch.TorchDispatchMode", "torch.overrides._push_mode",

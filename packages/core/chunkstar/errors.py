@@ -27,6 +27,7 @@ class DeviceMemoryError(RuntimeError):
 
     def __init__(
         self, device: str, needed: int, free: int, budget: int, where: str, minimum: int | None = None, advice: str = "",
+        covers: str = "",
     ) -> None:  # fmt: skip
         self.device = device
         self.needed = needed
@@ -35,8 +36,12 @@ class DeviceMemoryError(RuntimeError):
         self.where = where
         self.minimum = minimum
         """The smallest ``device_memory_budget`` (bytes) that holds what was measured, when known."""
+        self.covers = covers
+        """What ``minimum`` holds for, when it is a warm-up's: the paths through the model the
+        warm-up has run so far (a run whose control flow changes can need more on another)."""
         least = (
-            f" The smallest device_memory_budget that fits what was measured is {_fmt(minimum)} ({minimum} bytes)."
+            f" The smallest device_memory_budget that fits what was measured is {_fmt(minimum)} ({minimum} bytes)"
+            + (f"; it holds for {covers}." if covers else ".")
             if minimum is not None
             else ""
         )

@@ -64,8 +64,9 @@ def check_tensor_transition(name: str, old: TensorState, new: TensorState) -> No
     if new not in _TENSOR_EDGES[old]:
         if old is _T.HOLD_AFTER_BWD and new is _T.COMPUTE:
             raise ChunkStateError(
-                f"parameter '{name}' holds its gradient, not its value: call optimizer.step() "
-                f"(or optimizer.zero_grad() to drop the gradients) before running the model again"
+                f"parameter '{name}' holds its gradient, not its value: call optimizer.step() on the optimizer "
+                "initialize_engine returned (or its zero_grad() to drop the gradients) before running the model "
+                "again; an optimizer of your own over engine.parameters() cannot update chunkstar's parameters"
             )
         raise ChunkStateError(f"parameter '{name}': illegal state change {old.name} -> {new.name}")
 

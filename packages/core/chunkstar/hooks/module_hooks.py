@@ -23,8 +23,10 @@ named to the runtime by its position in ``modules`` (``module_key``); the
 runtime keeps the set of parameters each module touches, which starts as
 the module's own and grows when a module is seen reading another module's
 parameter (Note [parameter guard] in :mod:`chunkstar.hooks.param_guard`).
-Outputs may be tensors, tuples, lists, dicts or Hugging Face ``ModelOutput``
-(a dict). Modules called several times, recomputation under activation
+Outputs may be tensors or any nesting of tuples, lists, dicts, dataclasses,
+named tuples, Hugging Face ``ModelOutput``s and pytree-registered types; anything
+else in a module's output is refused, naming the module (Note [output
+containers]). Modules called several times, recomputation under activation
 checkpointing (forward hooks fire again inside backward) and
 ``torch.no_grad()`` evaluation (no backward hook is registered) all go
 through the same paths. A hook fired by a *copy* of a hooked module
@@ -33,11 +35,16 @@ through the same paths. A hook fired by a *copy* of a hooked module
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import copy
+import dataclasses
+import enum
+import numbers
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -63,16 +70,74 @@ class HookTarget(Protocol):
     def run_compiled(self) -> bool: ...
 
 
-def output_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors in a module's output: tensors, (nested) tuples/lists, dicts and ``ModelOutput``s."""
+# Note [output containers]: the tensors of a module's output get the backward hook that
+# brings the module's parameters back (runtime/hook_targets.py), and the tensors of its
+# inputs the identity that releases them (``substitute``); a tensor the walk does not
+# see gets neither, and the module's backward then reads a parameter whose data has
+# moved (``setStorage: ... storage of size 0``). So the walk opens every container it can
+# name, each by its structure, never by what the process happens to have imported:
+#
+# * tuples and lists (named tuples, ``torch.Size``, ``torch.return_types`` included);
+# * ``Mapping``s (dicts, ``OrderedDict``, Hugging Face ``ModelOutput``, which is a
+#   dict *and* a dataclass: it goes the Mapping way whatever else is registered);
+# * dataclasses, frozen or not, through ``dataclasses.fields`` (every field, the
+#   ``init=False`` ones too);
+# * any other type registered with ``torch.utils._pytree`` (``deque``, a user's
+#   ``register_pytree_node``), through its flatten function.
+#
+# The registry is read last and never cached: a type is found through it only when
+# it is none of the above, so a registration (``import transformers`` registers every
+# ``ModelOutput`` subclass) can turn a refusal into a find, never change what a known
+# container yields. What is none of these and no known leaf (``None``, numbers,
+# strings, enums, dtypes, devices) is *unknown*: it might hold tensors. In a hooked
+# module's output it is refused, naming the module (``refuse``); inputs are walked
+# leniently (unknown objects are opaque), since modules are handed objects that are
+# no outputs of theirs (a Hugging Face ``Cache``, a config) and a refusal there would
+# stop models that train correctly. ``substitute`` rebuilds exactly the containers
+# the walk opens, as their own type.
+
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, numbers.Number, enum.Enum, torch.dtype, torch.device,
+           torch.layout, torch.memory_format, type, slice, range, type(Ellipsis))  # fmt: skip
+_SCALARS = frozenset({type(None), bool, int, float, str})  # the common leaves, found without an ABC check
+_FIELDS: dict[type, tuple[str, ...]] = {}  # a dataclass's field names, by class (fields() costs a loop per call)
+
+
+def _dataclass_fields(cls: type) -> tuple[str, ...] | None:
+    names = _FIELDS.get(cls)
+    if names is None and dataclasses.is_dataclass(cls):
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+def output_tensors(obj: Any, refuse: str | None = None) -> Iterator[torch.Tensor]:
+    """Tensors in ``obj`` (a module's output or its inputs), through every container
+    Note [output containers] names. An object that may hold tensors but is no known
+    container is skipped, or, with ``refuse`` (the module's name), a ``TypeError``."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, (tuple, list)):
+    elif isinstance(obj, (tuple, list)):  # the hot path: a tensor or a tuple of them
         for o in obj:
-            yield from output_tensors(o)
+            yield from output_tensors(o, refuse)
+    elif type(obj) in _SCALARS:
+        return
     elif isinstance(obj, Mapping):
         for o in obj.values():
-            yield from output_tensors(o)
+            yield from output_tensors(o, refuse)
+    elif (names := _dataclass_fields(type(obj))) is not None:
+        for name in names:
+            yield from output_tensors(getattr(obj, name, None), refuse)
+    elif (node := pytree.SUPPORTED_NODES.get(type(obj))) is not None:
+        for o in node.flatten_fn(obj)[0]:
+            yield from output_tensors(o, refuse)
+    elif refuse is not None and not isinstance(obj, _LEAVES):
+        cls = type(obj)
+        raise TypeError(
+            f"module '{refuse}' returned an object of type {cls.__module__}.{cls.__qualname__} (in its output), "
+            "which chunkstar cannot look into: a tensor inside it "
+            "would get no backward hook, and the module's backward would read parameters that have moved. Return "
+            "tensors in tuples, lists, dicts, dataclasses or NamedTuples, or register the type with "
+            "torch.utils._pytree.register_pytree_node"
+        )
 
 
 class EngineHook:
@@ -97,16 +162,74 @@ class EngineHook:
 
 
 def substitute(obj: Any, subs: Mapping[int, torch.Tensor]) -> Any:
-    """``obj`` with the tensors whose ``id`` is in ``subs`` replaced (through tuples, lists, dicts)."""
+    """``obj`` with the tensors whose ``id`` is in ``subs`` replaced, through the containers
+    :func:`output_tensors` opens, each rebuilt as its own type (Note [output containers]);
+    a container with nothing replaced inside is returned as it is."""
     if isinstance(obj, torch.Tensor):
         return subs.get(id(obj), obj)
-    if isinstance(obj, list):
-        return [substitute(o, subs) for o in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+    cls = type(obj)
+    if cls is tuple:  # the hot path: plain containers are rebuilt, whatever changed
         return tuple(substitute(o, subs) for o in obj)
-    if isinstance(obj, dict):
+    if cls is list:
+        return [substitute(o, subs) for o in obj]
+    if cls is dict:
         return {k: substitute(v, subs) for k, v in obj.items()}
+    if cls in _SCALARS:
+        return obj
+    if isinstance(obj, (tuple, list)):
+        items = [substitute(o, subs) for o in obj]
+        return obj if all(a is b for a, b in zip(items, obj)) else _rebuild_sequence(obj, items)
+    node = pytree.SUPPORTED_NODES.get(cls)
+    if isinstance(obj, Mapping) and (node is None or isinstance(obj, MutableMapping)):
+        changed = {k: n for k, v in obj.items() if (n := substitute(v, subs)) is not v}
+        return _rebuild_mapping(obj, changed) if changed else obj
+    if (names := _dataclass_fields(cls)) is not None:
+        changed = {n: new for n in names if (new := substitute(old := getattr(obj, n, None), subs)) is not old}
+        return _rebuild_dataclass(obj, changed) if changed else obj
+    if node is not None:  # a read-only mapping its registration rebuilds (immutable_dict), or any node
+        children, context = node.flatten_fn(obj)
+        items = [substitute(o, subs) for o in children]
+        return obj if all(a is b for a, b in zip(items, children)) else node.unflatten_fn(items, context)
     return obj
+
+
+def _rebuild_sequence(obj: tuple[Any, ...] | list[Any], items: list[Any]) -> Any:
+    cls = type(obj)
+    if hasattr(cls, "_make"):  # a named tuple
+        return cls._make(items)  # type: ignore[union-attr]
+    if (node := pytree.SUPPORTED_NODES.get(cls)) is not None:  # torch.return_types, immutable_list
+        return node.unflatten_fn(items, node.flatten_fn(obj)[1])
+    if isinstance(obj, tuple):
+        return cls(items)  # torch.Size and other tuple subclasses take their items
+    new = copy.copy(obj)  # a list subclass keeps its attributes
+    new[:] = items
+    return new
+
+
+def _rebuild_mapping(obj: Mapping[Any, Any], changed: dict[Any, Any]) -> Any:
+    if isinstance(obj, MutableMapping):
+        # a copy keeps the type and whatever else it holds (OrderedDict order, a defaultdict's
+        # factory, a ModelOutput's attributes, which its __setitem__ sets too)
+        new = copy.copy(obj)
+        for k, v in changed.items():
+            new[k] = v
+        return new
+    try:
+        return type(obj)({k: changed.get(k, v) for k, v in obj.items()})  # type: ignore[call-arg]
+    except TypeError as e:
+        raise TypeError(
+            f"chunkstar cannot rebuild the read-only mapping {type(obj).__qualname__} with a tensor replaced ({e}): "
+            "pass a dict, or register the type with torch.utils._pytree.register_pytree_node"
+        ) from e
+
+
+def _rebuild_dataclass(obj: Any, changed: dict[str, Any]) -> Any:
+    init = {f.name for f in dataclasses.fields(obj) if f.init}
+    new = dataclasses.replace(obj, **{k: v for k, v in changed.items() if k in init})
+    for k, v in changed.items():
+        if k not in init:  # a field __post_init__ sets; frozen or not
+            object.__setattr__(new, k, v)
+    return new
 
 
 class AfterBackward(torch.autograd.Function):

@@ -148,12 +148,16 @@ class MemoryProbe:
         if self._holders:
             self._holders.clear()
             self._stop()
+        self.drop_stale()
 
     def _start(self) -> None:
         pass
 
     def _stop(self) -> None:
         pass
+
+    def drop_stale(self) -> None:
+        """Take off this thread's stack what a stop inside a backward could not (CpuProbe)."""
 
     def non_model_now(self, chunk_bytes: int) -> int:
         raise NotImplementedError
@@ -174,8 +178,12 @@ class CpuProbe(MemoryProbe):
     def __init__(self) -> None:
         super().__init__()
         self._tracker: LiveTensorTracker | None = None
+        # trackers stopped inside a backward, still on the stack of the thread that ran it
+        self._stale: list[LiveTensorTracker] = []
 
     def _start(self) -> None:
+        if self._stale:
+            self.drop_stale()
         self._tracker = LiveTensorTracker(self.memory)
         _push_mode(self._tracker)
         tracker = self._tracker
@@ -188,6 +196,27 @@ class CpuProbe(MemoryProbe):
             return
         if self.memory is not None:
             self.memory.non_model_live = lambda: 0
+        if torch._C._current_graph_task_id() != -1:
+            # inside a backward (the end of a plain loss.backward(), run by autograd's final
+            # callback): autograd restores the thread's dispatch-mode stack as it was when the
+            # backward began once it is done, so a pop here would not last. The tracker stops
+            # counting now and leaves the stack at the next start, step or close.
+            tracker._paused += 1
+            self._stale.append(tracker)
+            return
+        self._pop(tracker)
+        if self._stale:
+            self.drop_stale()
+
+    def drop_stale(self) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        stale, self._stale = self._stale, []
+        for tracker in stale:
+            self._pop(tracker)
+
+    @staticmethod
+    def _pop(tracker: LiveTensorTracker) -> None:
         # pop it from this thread's mode stack even when modes entered later sit above it (they
         # go back on top); from another thread, where it is not on the stack, nothing is popped
         stack = _get_current_dispatch_mode_stack()

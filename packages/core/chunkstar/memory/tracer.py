@@ -11,7 +11,8 @@ numbered across all of them.
 The warm-up traces the first two iterations: the first alone would miss what
 user code keeps alive *across* iterations (the previous step's outputs and
 logits, say, which live on during the next forward), so each moment keeps
-the larger peak of the two passes. :meth:`MemoryTrace.freeze` then turns the
+the larger peak of the two passes. Each pass also keeps its own records
+(Note [every path measured]). :meth:`MemoryTrace.freeze` then turns the
 records into the schedule the policies read: the chunk budget of each moment
 and the next use of each chunk. Iterations repeat, so "next use" wraps
 around into the next iteration.
@@ -84,17 +85,30 @@ class MemoryTrace:
     """Completed warm-up iterations merged into the records."""
     input_bytes: int = 0
     """Largest total bytes of tensor arguments given to a traced forward."""
+    _current: list[MomentRecord] = field(default_factory=list)
+    """The running pass's own records (the first pass's are the merged ones themselves)."""
     _uses: dict[int, list[int]] = field(default_factory=dict)
     _run_end: list[int] = field(default_factory=list)
     _run_peak: list[int] = field(default_factory=list)
+
+    # Note [every path measured]: the budget check of a warm-up moment (runtime/schedule.py)
+    # reads the running pass's own record, never the merged one at the same index: a
+    # pass that took another path (stochastic depth skips blocks at random) has other
+    # modules and chunks there, and moments past the first pass's last, which the
+    # merged records do not hold. Checked against the merged records, such a pass
+    # was measured with another moment's chunks, or not at all, and the smallest
+    # budget the warm-up advised did not hold for the paths it had run.
 
     def record(self, index: int, rec: MomentRecord) -> bool:
         """Moment ``index`` of the running pass. A later pass merges into the first
         pass's record of the same index (keeping the larger peak, see
         :meth:`set_peak`); moments beyond the first pass's are appended. Returns
         False when a later pass disagrees with the first (another module, stage
-        or chunk set at this index, or more moments): the warm-up then starts over."""
+        or chunk set at this index, or more moments): the warm-up then starts over.
+        The pass's own record is kept either way (Note [every path measured])."""
         assert not self.frozen, "the trace is frozen after warm-up"
+        if index == len(self._current):
+            self._current.append(rec)
         if self.passes > 0:
             return index < len(self.records) and self._same(self.records[index], rec)
         if index != len(self.records):
@@ -106,26 +120,62 @@ class MemoryTrace:
     def _same(a: MomentRecord, b: MomentRecord) -> bool:
         return a.module == b.module and a.stage == b.stage and a.chunks == b.chunks
 
+    def _merged(self, index: int) -> MomentRecord | None:
+        """The merged record the running pass's moment ``index`` agrees with, if it does."""
+        if 0 <= index < len(self.records) and index < len(self._current):
+            r = self.records[index]
+            return r if r is self._current[index] or self._same(r, self._current[index]) else None
+        return None
+
     def add_chunks(self, index: int, chunks: tuple[int, ...]) -> None:
         """A moment accessed more chunks after it began (a parameter read outside its module)."""
-        if 0 <= index < len(self.records) and not self.frozen:
-            r = self.records[index]
-            r.chunks = tuple(sorted(set(r.chunks) | set(chunks)))
+        if self.frozen:
+            return
+        merged = self._merged(index)
+        for r in (merged, self._current[index] if 0 <= index < len(self._current) else None):
+            if r is not None:
+                r.chunks = tuple(sorted(set(r.chunks) | set(chunks)))
 
     def end_pass(self, n_moments: int) -> bool:
         """A warm-up iteration ended after ``n_moments`` moments; False if it had fewer than the first."""
         self.passes += 1
+        self._current = []
         return n_moments == len(self.records)
 
     def set_peak(self, index: int, peak: int) -> None:
-        if 0 <= index < len(self.records):
-            r = self.records[index]
+        """The running pass's moment ``index`` peaked at ``peak``: its own record keeps it,
+        and so does the merged one where the pass agrees with it."""
+        merged = self._merged(index)
+        if merged is not None:
+            merged.non_model_peak = max(merged.non_model_peak, peak)
+        if 0 <= index < len(self._current):
+            r = self._current[index]
             r.non_model_peak = max(r.non_model_peak, peak)
 
+    def pass_moment(self, index: int) -> MomentRecord | None:
+        """The running pass's moment ``index``, with the larger of its own peak and the merged
+        one where it agrees with the merged record (Note [every path measured])."""
+        if not 0 <= index < len(self._current):
+            return None
+        own = self._current[index]
+        merged = self._merged(index)
+        if merged is None or merged is own:
+            return own
+        return MomentRecord(own.module, own.stage, own.chunks, max(own.non_model_peak, merged.non_model_peak), own.output_bytes)
+
+    def pass_path(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        """The running pass's sequence of moments (module, stage, chunks): its path through the model."""
+        return tuple((r.module, r.stage, r.chunks) for r in self._current)
+
+    @property
+    def pass_peak(self) -> int:
+        """The largest non-model peak of the running pass so far."""
+        return max((r.non_model_peak for r in self._current), default=0)
+
     def set_output_bytes(self, index: int, nbytes: int) -> None:
-        if 0 <= index < len(self.records):
-            r = self.records[index]
-            r.output_bytes = max(r.output_bytes, nbytes)
+        merged = self._merged(index)
+        if merged is not None:
+            merged.output_bytes = max(merged.output_bytes, nbytes)
 
     def freeze(self) -> None:
         uses: dict[int, list[int]] = {}

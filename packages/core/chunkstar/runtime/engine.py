@@ -53,10 +53,12 @@ from chunkstar.errors import ChunkStateError, ConfigError
 from chunkstar.events import EventBus, Stage
 from chunkstar.hooks.module_hooks import EngineHook, HookedModule, install_hooks
 from chunkstar.hooks.param_guard import guarded_class
+from chunkstar.hooks.param_upcast import install_upcasts  # issue 18.5: Note [norm dtypes]
 from chunkstar.memory.budget import device_capacity
 from chunkstar.memory.host_heap import HostHeap, bound_heap_retention
 from chunkstar.memory.probes import MemoryProbe, cuda_usable_bytes, make_probe
 from chunkstar.optim.loss_scaler import LossScaler
+from chunkstar.placement.module_dtype import upcast_dtype  # issue 18.5: Note [norm dtypes]
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.cursor import Cursor
 from chunkstar.runtime.disk_tier import DiskTier
@@ -101,6 +103,53 @@ def _check_inputs(model: nn.Module, cfg: EngineConfig, n_elements: int) -> None:
             f"{cfg.device_memory_budget} on {cfg.device}, less device_memory_slack {cfg.device_memory_slack}). "
             "Lower default_chunk_size, use \"auto\", or raise device_memory_budget",
         )
+
+
+def _refuse_sparse_gradients(model: nn.Module) -> None:
+    """A module asked for sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``):
+    a gradient is folded over its parameter's dense slot, so there is nothing sparse to keep."""
+    for name, mod in model.named_modules():
+        if getattr(mod, "sparse", False) is True and any(p.requires_grad for p in mod.parameters(recurse=False)):
+            raise ValueError(
+                f"module '{name or type(mod).__name__}' ({type(mod).__name__}) has sparse=True: chunkstar keeps each "
+                "gradient dense, in its parameter's chunk slot (and its Adam state dense beside it), so sparse "
+                "gradients cannot be kept. Build it with sparse=False (the default); the update is the same as "
+                "dense Adam's"
+            )
+
+
+def _refuse_foreign_optimizers(engine: ChunkEngine) -> Callable[[], None]:
+    """Note [foreign optimizers]: ``torch.optim.AdamW(engine.parameters())`` would read the
+    gradients' read-only copies and write the parameters through the guard, bypassing the
+    engine's masters, Adam state and step bookkeeping (with fused kernels it fails inside
+    them; with foreach ones it seems to run). A process-wide step pre-hook refuses the step of
+    any optimizer but the engine's own that holds one of the engine's parameters. It holds the
+    engine weakly; the returned function removes it."""
+    import weakref
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    ref = weakref.ref(engine)
+
+    def check(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        eng = ref()
+        if eng is None or getattr(optimizer, "_engine", None) is eng:
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                i = eng.param_index(p)
+                if i is not None:
+                    raise ChunkStateError(
+                        f"{type(optimizer).__name__}.step() would update parameter '{eng.mgr.slots[i].name}' of a "
+                        "chunkstar engine: the engine keeps the parameters, their fp32 masters, gradients and Adam "
+                        "state in its chunks, so an optimizer of your own over engine.parameters() cannot update "
+                        "them. Use the optimizer initialize_engine returned (its param_groups take per-group lr, "
+                        "betas and weight_decay; the config's 'optimizer' section picks the type)"
+                    )
+
+    remove = register_optimizer_step_pre_hook(check).remove
+    weakref.finalize(engine, remove)  # an engine never closed takes its hook along when collected
+    return remove
 
 
 DISK_AUTO_CHUNK_CAP = 16 * 2**20
@@ -173,6 +222,7 @@ class ChunkEngine:
             numels, world_size=world, frozen=frozen, max_size=_disk_chunk_cap(cfg)
         )
         _check_inputs(model, cfg, sum(numels))
+        _refuse_sparse_gradients(model)
         layout = build_layout(
             [n for n, _ in named], [tuple(p.shape) for p in self._params], chunk_size, world_size=world, frozen=frozen
         )
@@ -259,8 +309,12 @@ class ChunkEngine:
             self.mgr, cursor, self.comm, self.events, self._iteration, self._gradients, self.reducer, self._params
         )
         self.access.connect(self._targets, self._iteration)
+        self._unhook_optimizers = _refuse_foreign_optimizers(self)
         modules, self._handles, self._units = install_hooks(model, self._index, self._targets)
         self._targets.set_modules(modules)
+        # issue 18.5: norm layers see their parameters in fp32 within their forward, as under
+        # autocast over fp32 weights (Note [norm dtypes]); after install_hooks (Note [parameter upcast])
+        self._handles += install_upcasts(model, lambda m: upcast_dtype(m, dtype))
         _check_units_fit(modules, [u.key for u in self._units], self.mgr)
         guarded: dict[type, type] = {}  # one guarded class per parameter class (Note [parameter guard])
         for p in self._params:
@@ -607,7 +661,7 @@ class ChunkEngine:
             "n_chunks": mgr.layout.n_chunks,
             "chunk_size": self.chunk_size,
             "device_adam_chunks": len(self.device_adam_chunks),
-            "warmup_non_model_peak_bytes": mgr.trace.max_non_model,
+            "warmup_non_model_peak_bytes": self.schedule.warmup_non_model_peak,  # the largest so far
             "moments_per_micro_step": mgr.trace.n_moments,
             "micro_steps": self.micro_step,
             "stage": self.mgr.stage.value,
@@ -629,6 +683,7 @@ class ChunkEngine:
     def close(self) -> None:
         """Finish the work in flight and delete the disk tier's chunk files (if any). The
         engine is not usable afterwards; the files also go when the engine is collected."""
+        self._unhook_optimizers()
         self.host_work.close()
         self.mgr.probe.release_all()
         self.mgr.memory.close()

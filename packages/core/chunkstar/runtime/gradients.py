@@ -27,7 +27,7 @@ the update runs nor how chunks move: it only writes slots and states.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -37,7 +37,7 @@ from chunkstar.chunk.state import TensorState
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.errors import ChunkStateError
-from chunkstar.events import MoveReason
+from chunkstar.events import MoveReason, Stage
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.cursor import Cursor
 
@@ -63,9 +63,26 @@ class Gradients:
         self._accumulated: set[int] = set()  # slot indices with something in an accumulator
         # CUDA: accumulators are pinned and every copy to or from them is asynchronous, in stream order
         self._async = mgr.device.type == "cuda"
+        # what each gradient is multiplied by as it arrives: 1/gradient_accumulation_steps in a plain
+        # loss.backward() (engine.backward divides the loss instead; Note [plain backward])
+        self.factor = 1.0
+        # the graph task of the running backward (the first one a hook saw): a gradient from another
+        # one comes from a reentrant checkpoint's inner backward (Note [reentrant regions])
+        self.root_task: int | None = None
+        # called when a gradient arrives outside the backward stage: a plain loss.backward() began
+        self.on_plain_backward: Callable[[], None] = lambda: None
 
     def begin_backward(self) -> None:
         self.boundary = self.since_step + 1 >= self.accumulation_steps
+        self.root_task = None
+
+    def note_task(self) -> bool:
+        """Record the running backward's graph task if none is yet; whether the caller runs
+        in another one (a reentrant checkpoint's inner backward: Note [reentrant regions])."""
+        task = torch._C._current_graph_task_id()
+        if self.root_task is None:
+            self.root_task = task
+        return task != self.root_task
 
     def on_grad(self, index: int, param: torch.Tensor) -> None:
         """Parameter ``index``'s gradient is complete (all its uses ran): fold it."""
@@ -73,8 +90,28 @@ class Gradients:
         param.grad = None
         if grad is None:
             return
+        if self.cursor.stage is not Stage.BWD:
+            self.on_plain_backward()  # Note [plain backward]
+        if self.factor != 1.0:
+            grad = grad * self.factor
         mgr = self.mgr
         s = mgr.slots[index]
+        # Note [reentrant regions]: a reentrant checkpoint (torch.utils.checkpoint(..., use_reentrant=True))
+        # recomputes its region inside the outer backward and runs a backward of its own over it, so a
+        # parameter used in two regions (or in a region and outside it) gets one "complete" gradient per
+        # region, and a later region's recompute still reads its value. Folding the first one over the
+        # slot would hand that recompute a gradient for a weight. A gradient from an inner backward goes
+        # to the chunk's fp32 accumulator instead, as an earlier micro-batch's would; the slot keeps the
+        # value, and end_backward (or this parameter's own fold in the outer backward) folds the sum.
+        nested = self.note_task()
+        if nested and self.comm.distributed:
+            raise ChunkStateError(
+                f"parameter '{s.name}' got its gradient from a reentrant activation checkpoint "
+                "(torch.utils.checkpoint(..., use_reentrant=True), or a model's gradient_checkpointing_enable() "
+                "without gradient_checkpointing_kwargs={'use_reentrant': False}): with several processes chunkstar "
+                "reduces each gradient once, as the backward completes it, and an inner backward's gradient is not "
+                "complete. Use use_reentrant=False, which gives the same gradients (one process takes both kinds)"
+            )
         with torch.no_grad(), mgr.probe.paused():
             if not mgr.resident((_PARAM, s.chunk_id)):  # e.g. a parameter whose backward needed no data
                 mgr.make_resident(
@@ -82,7 +119,7 @@ class Gradients:
                 )
             # through the chunk, not the parameter: payload waits for a prefetch copy still in flight
             slot = mgr.param_slot_view(s)
-            if self.boundary:
+            if self.boundary and not nested:
                 acc = self._accumulators.get(s.chunk_id)
                 if index in self._accumulated and acc is not None:
                     earlier = acc[s.offset : s.end].to(slot.device, non_blocking=self._async)
@@ -156,10 +193,11 @@ class Gradients:
             for s in (mgr.slots[i] for i in todo):
                 st = mgr.states[s.index]
                 if self.boundary and s.index in self._accumulated and st is not TensorState.HOLD_AFTER_BWD:
-                    # got gradients in earlier micro-batches only: its gradient is the accumulator
-                    mgr.set_state(s.index, TensorState.HOLD)
+                    # its gradients came from earlier micro-batches or inner backwards only
+                    # (Note [reentrant regions]): its gradient is the accumulator
                     acc = self._accumulators[s.chunk_id]
                     mgr.slot_view(ChunkList.PARAM, s).copy_(acc[s.offset : s.end], non_blocking=self._async)
+                    mgr.set_state(s.index, TensorState.COMPUTE)  # a value becomes a gradient only from COMPUTE
                     mgr.set_state(s.index, TensorState.HOLD_AFTER_BWD)
                 elif st is TensorState.COMPUTE or st is TensorState.HOLD_AFTER_FWD:
                     mgr.set_state(s.index, TensorState.HOLD)

@@ -18,7 +18,7 @@ reads in the constructor and keeps to one method call per decision.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -57,10 +57,15 @@ class HookTargets:
         self.reducer = reducer  # several processes only
         self._params = params
         self._stack = iteration.stack  # the same list: the iteration clears it
+        self.gradients = gradients
         self.on_grad = gradients.on_grad  # the gradient hook's target (a bound method: no extra call)
         self.modules: list[HookedModule] = []  # set by the engine once the hooks are installed
         self._access_sets: list[tuple[int, ...]] = []
         self._access_chunks: list[tuple[int, ...]] = []  # the sorted chunk ids of each access set
+        # slot index -> (its parameter's version counter when noted, stack position of the module
+        # that noted it) while a module or op that holds it runs (Note [writes in a forward])
+        self._versions: dict[int, tuple[int, int]] = {}
+        self.absorb_writes: Callable[[list[int]], None] = lambda indices: None  # set by the engine (ParamAccess.absorb_writes)
 
     def set_modules(self, modules: list[HookedModule]) -> None:
         """The hooked modules (:func:`install_hooks`); each accesses its own parameters to begin with."""
@@ -87,6 +92,22 @@ class HookTargets:
         if chunk_ids is None:
             chunk_ids = self._chunk_ids(indices)
         self._begin_moment(module, chunk_ids)
+        if torch.is_inference_mode_enabled():
+            # Note [engine tensors outside inference mode]: an evaluation under
+            # torch.inference_mode() (Lightning's validation loop, many eval scripts) moves chunks
+            # too, and a buffer or view made under the mode is an inference tensor, which no copy
+            # or update may write outside the mode afterwards: the copy threads, the optimizer
+            # and the next training step would fail on it. The engine's own work runs with the
+            # mode off; the model's ops stay inside it.
+            with torch.inference_mode(False):
+                self._make_resident(module, indices, chunk_ids)
+        else:
+            self._make_resident(module, indices, chunk_ids)
+        if self.cursor.stage is not Stage.BWD:
+            self._note_versions(indices, len(self._stack))
+
+    def _make_resident(self, module: str, indices: tuple[int, ...], chunk_ids: tuple[int, ...]) -> None:
+        mgr = self.mgr
         with mgr.probe.paused():
             mgr.make_resident(
                 [(_PARAM, c) for c in chunk_ids], MoveReason.ACCESS, where=f"module '{module}'", gather_groups=True
@@ -99,6 +120,54 @@ class HookTargets:
             if self.iteration.prefetching():
                 mgr.prefetch(self.iteration.prefetch_window)
             mgr.memory_sample()
+
+    # ------------------------------------------------------------------ writes inside a forward
+    # Note [writes in a forward]: a module may write its own parameters in place inside its
+    # forward, where they are plain tensors in COMPUTE and no guard sees the op:
+    # nn.Embedding(max_norm=...) renormalises the rows it looks up, a module clamps its gain,
+    # weight normalisation by hand. Such a write lands in the param chunk only; the next
+    # optimizer step would rebuild the parameter from its fp32 master and undo it. Autograd's
+    # version counter sees every in-place write to a tensor (a parameter has its own: the engine
+    # sets its .data, which keeps the counter, and never writes through the parameter itself);
+    # so each access records the counters of its parameters (outside the backward), each
+    # module's end compares them while they are still in COMPUTE, and a parameter written in
+    # between has what changed copied into its master (ParamAccess.absorb_writes). A write to a
+    # parameter outside COMPUTE goes through the guard instead (runtime/param_access.py).
+    def _note_versions(self, indices: Sequence[int], depth: int) -> None:
+        """Record the parameters' counters for the module at stack position ``depth`` (one an
+        outer running module noted keeps its owner; a write seen now is absorbed first)."""
+        params = self._params
+        versions = self._versions
+        for i in indices:
+            now = params[i]._version
+            seen = versions.get(i)
+            if seen is None or depth == 0:  # (no module runs: what is left is an aborted forward's)
+                versions[i] = (now, depth)
+            elif seen[0] != now:
+                self.absorb_writes([i])
+                versions[i] = (now, seen[1])
+
+    def check_writes(self, indices: Sequence[int], depth: int) -> bool:
+        """At the end of the module at stack position ``depth`` (or of an op outside modules),
+        while its parameters are still in COMPUTE: absorb what was written into them, forget
+        those it noted; whether any was written."""
+        params = self._params
+        versions = self._versions
+        written = []
+        for i in indices:
+            seen = versions.get(i)
+            if seen is None:
+                continue
+            now = params[i]._version
+            if now != seen[0]:
+                written.append(i)
+            if seen[1] >= depth:
+                del versions[i]
+            else:
+                versions[i] = (now, seen[1])
+        if written:
+            self.absorb_writes(written)
+        return bool(written)
 
     # ------------------------------------------------------------------ module hooks
     def on_pre_forward(self, module_key: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
@@ -135,16 +204,20 @@ class HookTargets:
         mod = self.modules[module_key]
         indices = self._access_sets[module_key]
         grad = torch.is_grad_enabled()
+        began = cur.moment
+        depth = len(self._stack)
+        for pos in range(len(self._stack) - 1, -1, -1):
+            if self._stack[pos][0] == module_key:
+                began = self._stack.pop(pos)[1]
+                depth = pos
+                break
+        if cur.stage is not Stage.BWD and self._versions:
+            self.check_writes(indices, depth)  # while they are in COMPUTE (plain tensors, no guard)
         after = TensorState.HOLD_AFTER_FWD if grad else TensorState.HOLD
         for i in indices:
             if mgr.states[i] is TensorState.COMPUTE:
                 mgr.set_state(i, after)
-        began = cur.moment
-        for pos in range(len(self._stack) - 1, -1, -1):
-            if self._stack[pos][0] == module_key:
-                began = self._stack.pop(pos)[1]
-                break
-        outs = list(output_tensors(output))
+        outs = list(output_tensors(output, refuse=mod.label))  # Note [output containers]
         if cur.on_schedule and cur.stage is Stage.FWD:
             self.schedule.on_module_output(began, mod.label, sum(t.nbytes for t in outs))
         if self.comm.distributed and cur.stage is not Stage.BWD:
@@ -160,16 +233,25 @@ class HookTargets:
                 # once per backward, as the multi-grad hook below would (which is built of such
                 # hooks, at three times the cost)
                 needing[0].register_hook(
-                    lambda _grad, label=mod.label, indices=indices, chunks=chunks: self._access(label, indices, chunks)
+                    lambda _grad, label=mod.label, indices=indices, chunks=chunks: self._backward_access(label, indices, chunks)
                 )
             elif needing:
                 torch.autograd.graph.register_multi_grad_hook(
                     needing,
-                    lambda _grads, label=mod.label, indices=indices, chunks=chunks: self._access(label, indices, chunks),
+                    lambda _grads, label=mod.label, indices=indices, chunks=chunks: self._backward_access(label, indices, chunks),
                     mode="any",
                 )
         if self.iteration.implicit and not self._stack:
             self.iteration.end_implicit()
+
+    def _backward_access(self, label: str, indices: tuple[int, ...], chunks: tuple[int, ...]) -> None:
+        """A module's output gradient is ready: its parameters are needed again (a plain
+        loss.backward() begins here when it is the first hook: Note [plain backward])."""
+        if self.cursor.stage is not Stage.BWD:
+            self.iteration.backward_hook([self._params[i] for i in indices])
+        else:
+            self.gradients.note_task()
+        self._access(label, indices, chunks)
 
     def run_compiled(self) -> bool:
         """Whether a compiled unit may run its compiled forward now: not in the first warm-up
@@ -189,22 +271,27 @@ class HookTargets:
         mgr = self.mgr
         key, began = self._stack[-1]
         label = self.modules[key].label
+        held = set(self._access_sets[key])
         self._access_sets[key] = tuple(sorted(set(self._access_sets[key]) | set(indices)))
         self._access_chunks[key] = self._chunk_ids(self._access_sets[key])
         chunk_ids = tuple(sorted({mgr.slots[i].chunk_id for i in indices}))
         if self.cursor.on_schedule:
             self.schedule.on_more_chunks(began, chunk_ids, f"'{label}' read {what}")
-        with mgr.probe.paused():
+        with mgr.probe.paused(), torch.inference_mode(False):  # Note [engine tensors outside inference mode]
             mgr.make_resident(
                 [(_PARAM, c) for c in chunk_ids], MoveReason.ACCESS, where=f"{what} read in '{label}'", gather_groups=True
             )
             for i in indices:
                 mgr.set_state(i, TensorState.COMPUTE)
+        if self.cursor.stage is not Stage.BWD:
+            self._note_versions([i for i in indices if i not in held], len(self._stack) - 1)
 
     def access_outside_modules(self, label: str, indices: list[int], backward: bool = False) -> None:
         """Parameters read by code outside any module (a moment of their own)."""
         if backward and self.cursor.stage is not Stage.BWD:
-            return
+            self.iteration.backward_hook([self._params[i] for i in indices])  # Note [plain backward]
+            if self.cursor.stage is not Stage.BWD:
+                return
         self._access(label, tuple(indices))
 
     def release_outside_modules(self, indices: list[int], prior: dict[int, TensorState], building_graph: bool) -> None:

@@ -17,13 +17,14 @@ module's hooks do (:mod:`chunkstar.runtime.hook_targets`); gradients are
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from chunkstar.chunk.lists import STATE_LISTS, ChunkList
 from chunkstar.chunk.state import TensorState
-from chunkstar.config import EngineConfig
+from chunkstar.config import EngineConfig, Precision
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.errors import ChunkStateError, DeviceMemoryError
@@ -75,9 +76,16 @@ class Iteration:
         self._moves_at_iteration = 0  # param chunk loads (access, prefetch) when the iteration began
         self._frozen_before = False  # the iteration before ran on the frozen schedule
         self._bytes_before_step = 0
+        # Note [plain backward]
+        self.loss_scaling = cfg.precision is Precision.FP16
+        self.plain_backward = False  # the running backward is a plain loss.backward()
+        self._decided_task: int | None = None  # the graph task whose kind was last decided
+        gradients.on_plain_backward = self._gradient_outside_backward
 
     # ------------------------------------------------------------------ begin
     def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.open and self.cursor.stage is Stage.BWD and self.plain_backward:
+            self.abort()  # a plain loss.backward() that raised never ended: start clean
         if self.open:
             return  # another forward of the same iteration
         self.open = True
@@ -156,6 +164,63 @@ class Iteration:
             heap.release()
         self._heap_released = True  # decided for this iteration, released or not
 
+    # ------------------------------------------------------------------ a plain loss.backward()
+    # Note [plain backward]: ``loss.backward()`` instead of ``engine.backward(loss)`` (a loop
+    # ported from plain PyTorch, a Lightning-style loop) must train the same. Nothing calls the
+    # engine when such a backward starts, but every backward the model takes part in reaches the
+    # engine's hooks: a module's output-gradient hook, an op's outside modules, a parameter's
+    # gradient. The first of them that fires outside the backward stage asks the autograd engine
+    # whether this graph task accumulates into parameters (``.backward()``) or only computes
+    # gradients (``torch.autograd.grad`` for a gradient penalty inside the forward, which stays
+    # part of the forward, as before); a backward begins the engine's backward there, and a
+    # callback queued on the graph task ends it when autograd is done, as engine.backward would
+    # after ``loss.backward()`` returns. What engine.backward does to the loss is done to the
+    # gradients instead: 1/gradient_accumulation_steps multiplies each as it arrives (exact: the
+    # backward is linear in the loss). fp16 loss scaling cannot be moved so: it must scale the
+    # loss before the backward (scaling gradients afterwards would not keep them from
+    # underflowing), so a plain backward under fp16 is refused, naming engine.backward.
+    def backward_hook(self, params: Sequence[torch.Tensor]) -> None:
+        """A backward hook fired outside the backward stage, for a module or op on ``params``."""
+        if not self.open:
+            return
+        task = torch._C._current_graph_task_id()
+        if task == self._decided_task:
+            return
+        for p in params:
+            if p.requires_grad:
+                self._decided_task = task
+                with torch._C.DisableTorchFunctionSubclass():  # the parameter's own node, not a guarded read's
+                    edge = get_gradient_edge(p)
+                if torch._C._will_engine_execute_node(edge.node):
+                    self._begin_plain_backward()
+                return
+        # no parameter here needs a gradient: a later hook decides
+
+    def _gradient_outside_backward(self) -> None:
+        """A gradient was accumulated (only a backward does that) outside the backward stage."""
+        if self.open:
+            self._decided_task = torch._C._current_graph_task_id()
+            self._begin_plain_backward()
+
+    def _begin_plain_backward(self) -> None:
+        if self.loss_scaling:
+            self.abort()
+            raise ChunkStateError(
+                "loss.backward() under fp16: chunkstar scales the loss before its backward (dynamic loss scaling), "
+                "which a plain backward skips; call engine.backward(loss) instead"
+            )
+        self.plain_backward = True
+        if self.accumulation_steps > 1:
+            self.gradients.factor = 1.0 / self.accumulation_steps
+        self.begin_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_plain_backward)
+
+    def _end_plain_backward(self) -> None:
+        self.gradients.factor = 1.0
+        self.plain_backward = False
+        if self.open:
+            self.end_backward()
+
     # ------------------------------------------------------------------ backward and end
     def begin_backward(self) -> None:
         self.gradients.begin_backward()
@@ -190,6 +255,8 @@ class Iteration:
         HOLD with its value (gradients of the failed iteration are dropped)."""
         mgr = self.mgr
         self.schedule.abort()  # evaluation forwards too: the moments are the schedule's again
+        self.gradients.factor = 1.0
+        self.plain_backward = False
         self.open = False
         self.implicit = False
         self.stack.clear()
@@ -228,6 +295,7 @@ class Iteration:
             )
         self.schedule.begin_optimizer_step()
         mgr = self.mgr
+        mgr.probe.drop_stale()  # a plain backward's measuring mode, stopped inside it (memory/probes.py)
         self._bytes_before_step = mgr.bytes_to_device + mgr.bytes_to_host
         state_moves = any(not mgr.resident((ChunkList.MASTER, c)) for c in self.device_adam_chunks)
         if self.host_heap is not None and release_before_step(self.schedule.phase is TracePhase.WARMUP, state_moves):

@@ -85,6 +85,7 @@ class ParamAccess:
     def connect(self, targets: HookTargets, iteration: Iteration) -> None:
         self._targets = targets
         self._iteration = iteration
+        targets.absorb_writes = self.absorb_writes
 
     # ------------------------------------------------------------------ dispatch
     def param_index(self, p: torch.Tensor) -> int | None:
@@ -175,8 +176,21 @@ class ParamAccess:
             aliases = AfterBackward.apply(lambda: targets.release_after_backward(indices), *params)
             subs = {id(p): a for p, a in zip(params, aliases)}
             args, kwargs = substitute(args, subs), substitute(kwargs, subs)
-        out = plain(func, args, kwargs)
-        storages = {self.mgr.chunk(ChunkList.PARAM, self.mgr.slots[i].chunk_id).device_view.untyped_storage()._cdata for i in indices}
+        chunk_ids = sorted({self.mgr.slots[i].chunk_id for i in indices})
+        try:
+            out = plain(func, args, kwargs)
+        except RuntimeError as e:
+            # autograd refuses an op that writes a parameter it reads through the aliases above
+            if targets.check_writes(indices, 0):
+                targets.release_outside_modules(indices, prior, building_graph=False)
+                raise ChunkStateError(self._outside_write(func, names)) from e
+            raise
+        if targets.check_writes(indices, 0) and building:
+            # the op wrote the parameter in place and its value reached the master (Note [writes in
+            # a forward]); autograd would refuse the aliases it read through at the backward
+            targets.release_outside_modules(indices, prior, building_graph=False)
+            raise ChunkStateError(self._outside_write(func, names))
+        storages = {self.mgr.chunk(ChunkList.PARAM, c).device_view.untyped_storage()._cdata for c in chunk_ids}
 
         def own_memory(t: Any) -> Any:
             # A view of the parameter (``p.t()``, ``p.float()`` of an fp32 p) would be read by
@@ -195,6 +209,17 @@ class ParamAccess:
                 direct, lambda _grads: targets.access_outside_modules(label, indices, backward=True), mode="any"
             )
         return out
+
+    @staticmethod
+    def _outside_write(func: Callable[..., Any], names: str) -> str:
+        return (
+            f"{op_name(func)}() wrote parameter {names} in place, outside the modules that own it, while autograd "
+            "records the forward: chunkstar cannot follow that write through the graph. Call the module that owns "
+            "the parameter (nn.Embedding(max_norm=...) renormalises inside its own forward), or run the op from a "
+            "module of the model that owns parameters, or make the write a step of its own first, under "
+            "torch.no_grad() (for max_norm: torch.embedding_renorm_(weight, ids, max_norm, 2.0)), then read the "
+            "parameter without it"
+        )
 
     def _param(self, index: int) -> torch.Tensor:
         return self.engine.parameter(index)
@@ -239,6 +264,33 @@ class ParamAccess:
         if isinstance(out, (list, tuple)):
             return type(out)(back.get(id(o), o) if isinstance(o, torch.Tensor) else o for o in out)
         return out
+
+    def absorb_writes(self, indices: list[int]) -> None:
+        """The model wrote parameters ``indices`` in place during a forward (Note [writes in a
+        forward] in :mod:`chunkstar.runtime.hook_targets`): copy the elements that changed into
+        their fp32 masters. Only what changed, so a master keeps its precision elsewhere (in bf16
+        an unchanged element is exactly its master rounded). The chunks' clean host copies, if
+        any, are stale now."""
+        mgr = self.mgr
+        by_chunk: dict[int, list[int]] = {}
+        for i in indices:
+            by_chunk.setdefault(mgr.slots[i].chunk_id, []).append(i)
+        for cid, members in by_chunk.items():
+            chunk = mgr.chunk(ChunkList.PARAM, cid)
+            chunk.mark_dirty()
+            if mgr.frozen(cid) or not mgr.own(cid):
+                continue  # no master (the param slot is the value), or another rank's chunk
+            with torch.no_grad(), mgr.staged([(ChunkList.MASTER, cid)], write=True):
+                param = chunk.payload
+                for i in members:
+                    s = mgr.slots[i]
+                    if mgr.states[i] is TensorState.HOLD_AFTER_BWD:
+                        continue  # the slot holds a gradient
+                    master = mgr.slot_view(ChunkList.MASTER, s)
+                    value = param[s.offset : s.end].to(master.device)
+                    changed = value != master.to(value.dtype)
+                    if bool(changed.any()):
+                        master[changed] = value[changed].to(master.dtype)
 
     # ------------------------------------------------------------------ reads between steps
     def current_value(self, index: int) -> torch.Tensor:

@@ -19,6 +19,18 @@ During warm-up every moment's chunk bytes plus its measured non-model peak is
 checked against the device: a budget too small fails at the end of the first
 warm-up iteration with the smallest budget that would hold what was measured.
 
+Note [advice covers the paths seen]: a model whose control flow changes between
+iterations (stochastic depth skips blocks at random, a router picks experts)
+takes another path through its modules each pass, and the warm-up re-traces
+every time its passes disagree. Each pass's moments are checked on their own
+records (Note [every path measured] in memory/tracer.py), and the schedule keeps,
+across the passes and re-traces of the warm-up (not across a failed iteration,
+which leaves no trace behind), the largest non-model peak and the smallest budget
+that held every moment measured: the error's minimum holds for every path seen,
+and its message says how many that is, since no trace can know the paths it has
+not run. ``warmup_non_model_peak`` reports the largest peak so far, which can
+grow until the warm-up ends.
+
 Note [evaluation budgets]: an evaluation forward (under ``torch.no_grad``) is not
 on the schedule, and on the CPU device nothing measures it after the warm-up, so
 each of its moments has to be budgeted from the trace. The trace's largest
@@ -88,6 +100,12 @@ class Schedule:
         self._warmup_disagrees = False  # a warm-up pass differed from the first one
         # (minimum budget, moment, its chunk bytes, its non-model peak, its chunks): the worst warm-up moment that did not fit
         self._too_small: tuple[int, str, int, int, tuple[int, ...]] | None = None
+        # Note [advice covers the paths seen]: the completed warm-up passes, over every re-trace
+        self._pass_need = 0  # the running pass's smallest budget holding each of its moments
+        self._seen_need = 0  # the same over the completed passes
+        self._seen_peak = 0  # their largest non-model peak
+        self._seen_passes = 0
+        self._seen_paths: set[int] = set()  # hashes of their sequences of moments
         # the CPU virtual device's meter measures every forward and backward, not the warm-up's
         # only (on the CPU every tensor is a host tensor: code between steps is not the device's)
         self._metered = device.type == "cpu" and os.environ.get(METER_ENV, "") == "1"
@@ -184,6 +202,7 @@ class Schedule:
         mgr = self.mgr
         cur = self.cursor
         too_small = None
+        covered = (self._seen_passes, len(self._seen_paths))  # passes, paths: what a minimum covers
         mgr.probe.release(_UNSCHEDULED)
         mgr.probe.release(_METER)
         mgr.measuring_shortfall = False
@@ -191,6 +210,17 @@ class Schedule:
             self._close_traced_moment()  # the last moment's peak
             mgr.probe.release(_WARMUP)
             too_small, self._too_small = self._too_small, None
+            path, peak, need = hash(cur.trace.pass_path()), cur.trace.pass_peak, self._pass_need
+            # what the error's minimum covers: the completed passes and this one
+            covered = (self._seen_passes + 1, len(self._seen_paths | {path}))
+            if too_small is None:  # a pass that failed leaves no trace behind (abort)
+                self._seen_passes += 1
+                self._seen_paths.add(path)
+                self._seen_peak = max(self._seen_peak, peak)
+                self._seen_need = max(self._seen_need, need)
+            else:  # it holds every moment seen, this pass's and the completed passes'
+                too_small = (max(too_small[0], self._seen_need), *too_small[1:])
+            self._pass_need = 0
             if not cur.trace.end_pass(cur.moment + 1):
                 self._warmup_disagrees = True
         elif self.phase is TracePhase.FROZEN and not self._diverged_why and cur.moment + 1 != cur.trace.n_moments:
@@ -204,7 +234,7 @@ class Schedule:
             flags = self.comm.all_reduce_max(t, what="the schedule check", device=self.device).tolist()
         if flags[2] > 0:
             self.went_over = True
-            raise self._too_small_error(int(flags[2]), too_small)
+            raise self._too_small_error(int(flags[2]), too_small, covered)
         if self.phase is TracePhase.WARMUP:
             if flags[1]:
                 self._retrace("the warm-up iterations ran different sequences of moments")
@@ -231,6 +261,7 @@ class Schedule:
         cur.safe_mode = False
         mgr.measuring_shortfall = False
         self._too_small = None
+        self._pass_need = 0
         if self.phase is TracePhase.WARMUP:
             cur.trace = MemoryTrace()
             self._warmup_disagrees = False
@@ -275,6 +306,14 @@ class Schedule:
             self.cursor.trace.add_chunks(began, chunk_ids)
         elif self.phase is TracePhase.FROZEN and not self.cursor.trace.has_chunks(began, chunk_ids):
             self.diverge(f"{why}, which the trace did not see")
+
+    @property
+    def warmup_non_model_peak(self) -> int:
+        """The largest non-model peak the warm-up has measured so far: over its completed
+        passes, re-traces included, and the trace now read. It can still grow until the
+        warm-up ends (Note [advice covers the paths seen])."""
+        trace = self.cursor.trace
+        return max(self._seen_peak, trace.max_non_model, 0 if trace.frozen else trace.pass_peak)
 
     @property
     def frozen(self) -> bool:
@@ -324,14 +363,15 @@ class Schedule:
         cur = self.cursor
         m = cur.moment - 1
         cur.trace.set_peak(m, mgr.probe.take_peak(mgr.memory.held_bytes))
-        if not 0 <= m < cur.trace.n_moments:
+        rec = cur.trace.pass_moment(m)  # this pass's own moment (Note [every path measured])
+        if rec is None:
             return
-        rec = cur.trace.records[m]
         # the moment's chunks, or more when it went over the budget with others pinned beside them
         chunks = max(self._moment_chunk_bytes(rec.chunks), mgr.required_peak)
         mgr.required_peak = 0
+        need = minimum_budget(chunks, rec.non_model_peak, mgr.slack)
+        self._pass_need = max(self._pass_need, need)
         if chunks + rec.non_model_peak > mgr.capacity:
-            need = minimum_budget(chunks, rec.non_model_peak, mgr.slack)
             if self._too_small is None or need > self._too_small[0]:
                 self._too_small = (need, f"'{rec.module}' ({rec.stage})", chunks, rec.non_model_peak, rec.chunks)
 
@@ -342,8 +382,10 @@ class Schedule:
         return sum(mgr.chunk(ChunkList.PARAM, c).nbytes for c in ids)
 
     def _too_small_error(
-        self, minimum: int, too_small: tuple[int, str, int, int, tuple[int, ...]] | None
+        self, minimum: int, too_small: tuple[int, str, int, int, tuple[int, ...]] | None, covered: tuple[int, int]
     ) -> DeviceMemoryError:
+        """The error for a warm-up that did not fit; ``covered``: the warm-up iterations and the
+        distinct paths through the model the minimum holds for (Note [advice covers the paths seen])."""
         mgr = self.mgr
         if too_small is not None:
             _, where, chunks, non_model, chunk_ids = too_small
@@ -385,5 +427,20 @@ class Schedule:
         return DeviceMemoryError(
             device=str(self.device), needed=chunks, free=max(0, mgr.capacity - non_model), budget=mgr.capacity,
             where=f"the warm-up iteration's moment {where}, whose non-model memory peaked at {non_model} bytes",
-            minimum=minimum, advice=advice,
+            minimum=minimum, advice=advice, covers=_covers(*covered),
         )  # fmt: skip
+
+
+def _covers(passes: int, paths: int) -> str:
+    """What a warm-up's minimum holds for, as the error says it (Note [advice covers the paths seen])."""
+    its = "iteration" if passes == 1 else "iterations"
+    if paths <= 1:
+        return (
+            f"the one path through the model that the {passes} warm-up {its} traced so far took: a model whose "
+            "control flow changes between iterations (stochastic depth, random routing, data-dependent branches) "
+            "can need more on a path not yet seen, so leave room above it"
+        )
+    return (
+        f"the {paths} different paths through the model that the {passes} warm-up {its} traced so far took: its "
+        "control flow changes between iterations, and a path not yet seen can need more, so leave room above it"
+    )
