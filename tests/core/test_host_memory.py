@@ -176,10 +176,15 @@ def test_a_resident_iteration_releases_only_if_it_could_raise_the_peak_rss(monke
     assert first.release_at == 1 and first.margin is None  # the first frozen iteration: unconditional
     pressured = host_heap.plan_heap_release(trace, warmup=False, frozen=True, frozen_before=True, loaded=True)
     assert pressured.skip and pressured.margin is None
-    heap = HostHeap()
     monkeypatch.setattr(host_heap, "resident_bytes", lambda: 1000)
     monkeypatch.setattr(host_heap, "peak_resident_bytes", lambda: 1030)
-    assert not heap.could_raise_peak(30) and heap.could_raise_peak(31)
+    assert not HostHeap().could_raise_peak(30) and HostHeap().could_raise_peak(31)
+    heap = HostHeap()
+    assert heap.could_raise_peak(31)
+    # the peak held since the last question: the iteration in between fitted in its pages
+    assert not heap.could_raise_peak(31) and not heap.could_raise_peak(500)
+    monkeypatch.setattr(host_heap, "peak_resident_bytes", lambda: 1040)  # an iteration raised it
+    assert heap.could_raise_peak(41) and not heap.could_raise_peak(41)
     monkeypatch.setattr(host_heap, "resident_bytes", lambda: None)
     assert heap.could_raise_peak(0)  # unknown: release
     monkeypatch.undo()
