@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,39 @@ def test_merge_refuses_bad_outputs(saved: tuple[Path, chunkstar.ChunkEngine], tm
     assert _leftovers(tmp_path) == []
     merged = safetensors.torch.load_file(str(out))
     assert all(torch.equal(merged[k], v) for k, v in engine.state_dict().items())
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_merge_never_destroys_its_input_a_device_or_an_existing_file(
+    saved: tuple[Path, chunkstar.ChunkEngine], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt, _ = saved
+    shards = sorted(ckpt.iterdir())
+    before = {f: f.read_bytes() for f in shards}
+    with pytest.raises(CheckpointError, match="inside the checkpoint directory"):
+        merge_checkpoint(ckpt, shards[0])  # a shard itself
+    with pytest.raises(CheckpointError, match="inside the checkpoint directory"):
+        merge_checkpoint(ckpt, ckpt / "merged.safetensors")
+    assert {f: f.read_bytes() for f in sorted(ckpt.iterdir())} == before
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        merge_checkpoint(ckpt, fifo)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        merge_checkpoint(ckpt, "/dev/null")
+    out = tmp_path / "merged.safetensors"
+    out.write_bytes(b"mine")
+    assert main_merge([str(ckpt), str(out)]) == 2
+    assert "--force" in capsys.readouterr().err and out.read_bytes() == b"mine"
+    assert main_merge([str(ckpt), str(out), "--force"]) == 0
+    assert out.read_bytes() != b"mine"
 
 
 @pytest.mark.parametrize("other", ["chunk_size", "precision"])

@@ -150,6 +150,10 @@ def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         write(str(tmp))
+        # the permissions of any new file (safetensors creates its files 0600)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         fd = os.open(tmp, os.O_RDWR)  # the writer closed it; fsync its data through a new descriptor
         try:
             os.fsync(fd)
@@ -162,11 +166,26 @@ def _write_atomic(path: Path, write: Callable[[str], None]) -> None:
     _fsync_dir(path.parent)
 
 
-def _check_output(path: Path) -> None:
+def _check_output(path: Path, directory: Path | None = None, overwrite: bool = False) -> None:
+    """Refuse an output that would destroy something: inside the checkpoint directory being
+    read (a shard, or a file a later merge would trip over), anything but a regular file or
+    a new path (a device, a FIFO), or an existing file unless ``overwrite``."""
     if path.is_dir():
         raise CheckpointError(f"{path}: is a directory; give a file name for the output (e.g. {path / 'model.safetensors'})")
     if not path.parent.is_dir():
         raise CheckpointError(f"{path}: the output's folder {path.parent} does not exist; create it first")
+    if directory is not None and directory.is_dir():
+        inside = path.resolve().parent == directory.resolve() or directory.resolve() in path.resolve().parents
+        if inside:
+            raise CheckpointError(
+                f"{path}: is inside the checkpoint directory {directory} being merged; write the merged file "
+                "somewhere else (a shard there would be destroyed, and any other file confuses the next load)"
+            )
+    if os.path.lexists(path):
+        if not path.is_file() or path.is_symlink():
+            raise CheckpointError(f"{path}: exists and is not a regular file; give the path of a new file")
+        if not overwrite:
+            raise CheckpointError(f"{path}: exists; pass --force (overwrite=True) to replace it")
 
 
 @contextlib.contextmanager
@@ -450,13 +469,16 @@ def load_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str], *
 
 
 # ---------------------------------------------------------------------- merge
-def merge_checkpoint(directory: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> dict[str, torch.Tensor]:
-    """Reassemble the full fp32 state dict from all ranks' shards (and write it to ``out``)."""
+def merge_checkpoint(
+    directory: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, *, overwrite: bool = False
+) -> dict[str, torch.Tensor]:
+    """Reassemble the full fp32 state dict from all ranks' shards (and write it to ``out``:
+    a new file outside the checkpoint directory, or an existing regular file with ``overwrite``)."""
     st = _safetensors()
     d = Path(directory)
     out_path = None if out is None else Path(out)
     if out_path is not None:
-        _check_output(out_path)
+        _check_output(out_path, d, overwrite)
     if not d.is_dir():
         raise CheckpointError(f"{d}: no such checkpoint directory")
     named = sorted((int(m.group(1)), int(m.group(2)), f) for f in d.iterdir() if (m := _NAME.fullmatch(f.name)))
@@ -520,9 +542,10 @@ def main_merge(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="chunkstar merge-checkpoint", description=merge_checkpoint.__doc__)
     ap.add_argument("directory")
     ap.add_argument("out")
+    ap.add_argument("--force", action="store_true", help="replace OUT if it exists (a regular file only)")
     args = ap.parse_args(argv)
     try:
-        state = merge_checkpoint(args.directory, args.out)
+        state = merge_checkpoint(args.directory, args.out, overwrite=args.force)
     except CheckpointError as e:
         print(f"chunkstar merge-checkpoint: {e}", file=sys.stderr)
         return 2

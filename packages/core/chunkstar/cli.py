@@ -6,7 +6,7 @@ import sys
 
 __all__ = ["main"]
 
-_USAGE = "usage: chunkstar merge-checkpoint DIR OUT.safetensors"
+_USAGE = "usage: chunkstar merge-checkpoint DIR OUT.safetensors [--force]"
 
 
 def main(argv: list[str] | None = None) -> int:

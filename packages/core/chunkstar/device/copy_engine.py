@@ -191,6 +191,7 @@ def _worker_loop(jobs: queue.SimpleQueue, device: torch.device | None) -> None: 
         finally:
             del fn, after, job  # the buffers may be freed as soon as the job is done
             event._flag.set()
+            del event  # nor may this idle thread keep the last job's event (and what it holds) alive
 
 
 def _stop_lane(jobs: queue.SimpleQueue, thread: threading.Thread) -> None:  # type: ignore[type-arg]

@@ -39,6 +39,7 @@ import copy
 import dataclasses
 import enum
 import numbers
+import weakref
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
@@ -232,6 +233,24 @@ def _rebuild_dataclass(obj: Any, changed: dict[str, Any]) -> Any:
     return new
 
 
+class _GradHook:
+    """A parameter's post-accumulate-grad hook. autograd keeps it from C++, where the garbage
+    collector cannot see it, so it holds the engine's target weakly: a strong reference
+    would keep every dropped or closed engine (its chunks, its threads) alive for as long as
+    the model lives."""
+
+    __slots__ = ("_target", "_index")
+
+    def __init__(self, target: HookTarget, index: int) -> None:
+        self._target = weakref.ref(target)
+        self._index = index
+
+    def __call__(self, param: torch.Tensor) -> None:
+        target = self._target()
+        if target is not None:
+            target.on_grad(self._index, param)
+
+
 class AfterBackward(torch.autograd.Function):
     """Identity on tensors; its backward calls ``callback`` and passes the gradients on.
 
@@ -299,5 +318,5 @@ def install_hooks(
             continue
         seen.add(id(p))
         idx = index_of[id(p)]
-        handles.append(p.register_post_accumulate_grad_hook(lambda param, idx=idx: target.on_grad(idx, param)))
+        handles.append(p.register_post_accumulate_grad_hook(_GradHook(target, idx)))
     return modules, handles, units

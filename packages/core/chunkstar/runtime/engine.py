@@ -683,8 +683,10 @@ class ChunkEngine:
     def close(self) -> None:
         """Finish the work in flight and delete the disk tier's chunk files (if any). The
         engine is not usable afterwards; the files also go when the engine is collected."""
+        self._iteration.closed = True  # Note [closed engine]
         self._unhook_optimizers()
         self.host_work.close()
+        self.mgr.copies.close()
         self.mgr.probe.release_all()
         self.mgr.memory.close()
         if self._device_thread is not None:

@@ -80,10 +80,22 @@ class Iteration:
         self.loss_scaling = cfg.precision is Precision.FP16
         self.plain_backward = False  # the running backward is a plain loss.backward()
         self._decided_task: int | None = None  # the graph task whose kind was last decided
+        # Note [closed engine]: engine.close() stopped the copy threads and the host worker, so a
+        # forward, backward or step would wait on them for ever; each refuses instead
+        self.closed = False
         gradients.on_plain_backward = self._gradient_outside_backward
 
     # ------------------------------------------------------------------ begin
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ChunkStateError(
+                "this engine was closed (engine.close()): its copy threads and chunk memory are gone, so it cannot "
+                "run the model or step again. Build a new one with initialize_engine (engine.module.state_dict() "
+                "still reads the trained values, and a checkpoint saved before closing resumes the run)"
+            )
+
     def begin(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._check_open()
         if self.open and self.cursor.stage is Stage.BWD and self.plain_backward:
             self.abort()  # a plain loss.backward() that raised never ended: start clean
         if self.open:
@@ -109,6 +121,7 @@ class Iteration:
     def begin_untraced(self, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None) -> None:
         """An evaluation forward: its moments are not the schedule's (its inputs, when the
         engine's forward is called, let it budget by the traced forward's moments)."""
+        self._check_open()
         nbytes = sum(t.nbytes for t in output_tensors((args, kwargs))) if args is not None else None
         self.schedule.begin_untraced(nbytes, between_steps=not self.open)
 
@@ -223,6 +236,7 @@ class Iteration:
 
     # ------------------------------------------------------------------ backward and end
     def begin_backward(self) -> None:
+        self._check_open()
         self.gradients.begin_backward()
         if release_at_turn(self.heap_plan, self._heap_released, self.cursor.moment):
             self.release_heap_at_peak()
@@ -286,6 +300,7 @@ class Iteration:
 
     # ------------------------------------------------------------------ the optimizer step
     def begin_optimizer_step(self) -> None:
+        self._check_open()
         gas = self.accumulation_steps
         since = self.gradients.since_step
         if since % gas != 0 or since == 0 and self.gradients.has_pending():
