@@ -142,3 +142,12 @@ def test_run_exits_zero_when_every_run_was_ok(fake_runs: dict[str, str], tmp_pat
     assert main(["run", "--suite", "nightly", "--db", str(tmp_path / "r.sqlite"), "--system", "pytorch"]) == 0
     out, err = capsys.readouterr()
     assert "1 runs of suite 'nightly' appended" in out and "failed" not in err
+
+
+@pytest.mark.parametrize("flag, name", [("--system", "pytorh"), ("--model", "cpu-smal")])
+def test_run_refuses_a_name_the_suite_does_not_have(flag: str, name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "r.sqlite"
+    assert main(["run", "--suite", "nightly", "--db", str(db), flag, name]) == 2
+    err = capsys.readouterr().err
+    assert name in err and "not in suite 'nightly'" in err
+    assert not db.exists()  # nothing ran, nothing was created

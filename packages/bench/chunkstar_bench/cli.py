@@ -56,9 +56,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from chunkstar_bench.runner import run
     from chunkstar_bench.suites import get_suite, with_hardware
 
-    db = ResultsDB(args.db)
     specs = with_hardware(get_suite(args.suite), args.hardware)
+    # a misspelled name would select nothing and exit 0: a nightly job would pass having run nothing
+    for flag, asked, known in (("--system", args.system, {s.system for s in specs}), ("--model", args.model, {s.model for s in specs})):
+        unknown = sorted(set(asked or ()) - known)
+        if unknown:
+            print(
+                f"chunkstar-bench run: {flag} {', '.join(unknown)}: not in suite {args.suite!r}; it has {', '.join(sorted(known))}",
+                file=sys.stderr,
+            )
+            return 2
     specs = [s for s in specs if (not args.system or s.system in args.system) and (not args.model or s.model in args.model)]
+    if not specs:
+        print(f"chunkstar-bench run: suite {args.suite!r} has no run of system {args.system} and model {args.model}", file=sys.stderr)
+        return 2
+    db = ResultsDB(args.db)
     ids: list[int] = []
     failed: Counter[str] = Counter()
     start = time.monotonic()
