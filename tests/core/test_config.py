@@ -139,3 +139,9 @@ def test_param_group_values_are_checked_like_the_config() -> None:
     assert ok["betas"] == (0.8, 0.9) and ok["name"] == "decay"
     with pytest.raises(chunkstar.ConfigError, match=re.escape("param_groups[2].betas[1]")):
         validate_param_group({"params": [], "betas": (0.9, 1.0)}, "param_groups[2]")
+
+
+@pytest.mark.parametrize("path", ["/tmp/a\0b", Path("/tmp/a\0b")])
+def test_a_disk_path_with_a_nul_byte_is_a_config_error(path: str | Path) -> None:
+    with pytest.raises(chunkstar.ConfigError, match=r"disk\.path.*NUL"):
+        chunkstar.parse_config(_config(disk={"path": path}))

@@ -194,7 +194,9 @@ def _parse_disk(value: object) -> DiskConfig | None:
     path = sec.get("path")
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ConfigError("disk.path", f"required: {_DISK_KEYS['path']}; got {path!r}")
-    path = os.fspath(path)
+    path = os.fsdecode(os.fspath(path))
+    if "\0" in path:
+        raise ConfigError("disk.path", f"{path!r} holds a NUL byte, which no file system path can")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError("disk.path", f"{path!r} is a file; the disk tier needs a directory")
     lists_raw = sec.get("lists", list(DISK_LISTS))
