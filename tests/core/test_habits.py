@@ -23,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 import chunkstar
 from chunkstar.errors import ChunkStateError
 
+from ._budget import measured_budget
+
 VOCAB = 40
 WIDTH = 32
 
@@ -71,12 +73,10 @@ def _reference(cls: Callable[[], nn.Module], data: list[tuple[torch.Tensor, torc
 def _eviction_budget(cls: Callable[[], nn.Module], data: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
     """The non-model peak a probe measured plus 70% of the fp32 parameter bytes (a model's
     ``budget_fraction`` overrides it; each test asserts that chunks were evicted)."""
-    probe, _ = chunkstar.initialize_engine(lambda: _built(cls), 0, _config(1 << 30))
-    probe.backward(_ce(probe(data[0][0]), data[0][1]))
-    param_bytes = sum(p.numel() * 4 for p in _built(cls).parameters())
-    budget = int(probe.stats()["warmup_non_model_peak_bytes"]) + int(param_bytes * getattr(cls, "budget_fraction", 0.7))
-    probe.close()
-    return budget
+    return measured_budget(
+        lambda: _built(cls), _config, lambda e, _o: e.backward(_ce(e(data[0][0]), data[0][1])),
+        fraction=getattr(cls, "budget_fraction", 0.7),
+    )
 
 
 def _train(

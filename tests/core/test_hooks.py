@@ -14,6 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 import chunkstar
 
+from ._budget import measured_budget
+
 
 class Twice(nn.Module):
     """Uses one block twice per forward and returns a dict; takes integer ids."""
@@ -91,10 +93,7 @@ def test_traps_match_pytorch_under_eviction(cls: type[nn.Module]) -> None:
         want.append(loss.item())
 
     # measure non-model memory once, then allow only half the parameter bytes on top of it
-    probe, _ = chunkstar.initialize_engine(lambda: _build(cls), 0, _config(1 << 30))
-    probe.backward(_loss(probe(data[0][0]), data[0][1]))
-    param_bytes = sum(p.numel() * 4 for p in ref.parameters())
-    budget = probe.stats()["warmup_non_model_peak_bytes"] + param_bytes // 2
+    budget = measured_budget(lambda: _build(cls), _config, lambda e, _o: e.backward(_loss(e(data[0][0]), data[0][1])))
 
     engine, optimizer = chunkstar.initialize_engine(lambda: _build(cls), 0, _config(budget))
     got = []

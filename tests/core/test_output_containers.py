@@ -29,6 +29,11 @@ import chunkstar
 from chunkstar.device.memory import METER_ENV
 from chunkstar.hooks.module_hooks import output_tensors, substitute
 
+try:
+    from ._budget import measured_budget
+except ImportError:  # imported by path in a fresh process (test_in_a_fresh_process_...)
+    from _budget import measured_budget  # type: ignore[no-redef]
+
 
 @dataclasses.dataclass
 class PlainOut:
@@ -160,10 +165,7 @@ def train_and_compare(kind: str, steps: int = 5) -> None:
         opt.zero_grad()
         want.append(loss.item())
 
-    probe, _ = chunkstar.initialize_engine(lambda: _build(kind), 0, _config(1 << 30))
-    probe.backward(_loss(probe(data[0][0]), data[0][1]))
-    param_bytes = sum(p.numel() * 4 for p in ref.parameters())
-    budget = probe.stats()["warmup_non_model_peak_bytes"] + param_bytes // 2
+    budget = measured_budget(lambda: _build(kind), _config, lambda e, _o: e.backward(_loss(e(data[0][0]), data[0][1])))
 
     engine, optimizer = chunkstar.initialize_engine(lambda: _build(kind), 0, _config(budget))
     got = []

@@ -59,9 +59,10 @@ the iteration's peak only:
   before asked: that one fitted in the pages it had, and so will this one.
   The heap is released again only after an iteration raised the peak; in a
   steady state it stays alone. Measured on the 49M GPT-2 at bf16, 4 x 128
-  (``chunkstar-bench step-time --systems pytorch-overhead,chunkstar-overhead``):
-  ~50k page faults per step releasing every iteration, under 2k without
-  (PyTorch: 5-20k), 0.70-0.77 -> 0.54-0.68 s/step on a noisy 2-core VM;
+  (``python benchmarks/resident_phases.py``, a noisy 2-core VM): releasing every
+  iteration, ~50k page faults per step (PyTorch: 5-25k); never releasing, under
+  2k; with this rule, 0-2k in some runs and 30-37k in others, where the peak
+  keeps creeping up (glibc also trims the backward thread's arena by itself);
 * around an optimizer step that moves the optimizer state (the first step
   after warm-up, when it fits on the device): before it, and after it if it
   moved more than a quarter of the state's bytes - the host buffers it left

@@ -32,10 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from chunkstar import checkpoint
 from chunkstar.chunk.layout import TensorSlot, build_layout, search_chunk_size
@@ -125,10 +127,6 @@ def _refuse_foreign_optimizers(engine: ChunkEngine) -> Callable[[], None]:
     them; with foreach ones it seems to run). A process-wide step pre-hook refuses the step of
     any optimizer but the engine's own that holds one of the engine's parameters. It holds the
     engine weakly; the returned function removes it."""
-    import weakref
-
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
     ref = weakref.ref(engine)
 
     def check(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
