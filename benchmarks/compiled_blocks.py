@@ -25,6 +25,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import chunkstar
+from chunkstar.config import host_memory_bytes
 
 
 def main() -> int:
@@ -73,7 +74,7 @@ def main() -> int:
         return step
 
     # the non-model peak of this step, then a budget of it plus a fraction of the parameters
-    probe, probe_opt = chunkstar.initialize_engine(lambda: build(False), 0, {**base, "device_memory_budget": "64GB"})
+    probe, probe_opt = chunkstar.initialize_engine(lambda: build(False), 0, {**base, "device_memory_budget": host_memory_bytes()})
     for ids in batches[:2]:  # the warm-up's two iterations: the second sees what the first leaves alive
         probe.backward(probe(input_ids=ids, labels=ids).loss)
         probe_opt.step()

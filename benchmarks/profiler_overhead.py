@@ -22,6 +22,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import chunkstar
+from chunkstar.config import host_memory_bytes
 import chunkstar_profiler
 
 
@@ -54,7 +55,7 @@ def main() -> int:
         return time.perf_counter() - t
 
     # measure the non-model peak of this very step once, then budget it plus a fraction of the parameters
-    probe_engine, probe_opt = chunkstar.initialize_engine(model_func, 0, {**base, "device_memory_budget": "64GB"})
+    probe_engine, probe_opt = chunkstar.initialize_engine(model_func, 0, {**base, "device_memory_budget": host_memory_bytes()})
     run_step(probe_engine, probe_opt)
     stats = probe_engine.stats()
     budget = stats["warmup_non_model_peak_bytes"] + int(args.room_fraction * 2 * stats["n_params"])

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import chunkstar
-from chunkstar.config import validate_param_group
+from chunkstar.config import host_memory_bytes, validate_param_group
 
 NAN, INF = math.nan, math.inf
+HOST = host_memory_bytes() or 1 << 40
 
 
 def _config(**change: Any) -> dict[str, Any]:
@@ -69,6 +70,19 @@ BAD = {
     "reduce_dtype fp16 under bf16": (_config(bf16={"enabled": True}, reduce_dtype="fp16"), "reduce_dtype"),
     "reduce_dtype bf16 under fp32": (_config(reduce_dtype="bf16"), "reduce_dtype"),
     "reduce_dtype words": (_config(reduce_dtype="double"), "reduce_dtype"),
+    # sizes past what the machine could hold (Note [sizes the machine could hold])
+    "budget 9999999TB": (_config(device_memory_budget="9999999TB"), "device_memory_budget"),
+    "budget 1e30": (_config(device_memory_budget=1e30), "device_memory_budget"),
+    "budget 10**30": (_config(device_memory_budget=10**30), "device_memory_budget"),
+    "budget 400 digits": (_config(device_memory_budget="9" * 400 + "GB"), "device_memory_budget"),
+    "budget past host memory": (_config(device_memory_budget=4 * HOST), "device_memory_budget"),
+    "prefetch_window 10**30": (_config(prefetch_window=10**30), "prefetch_window"),
+    "chunk size 10**30": (_config(default_chunk_size=10**30), "default_chunk_size"),
+    "staging 9999999TB": (_config(disk={"path": "/nonexistent/chunks", "staging_budget": "9999999TB"}), "disk.staging_budget"),
+    "staging 1e30": (_config(disk={"path": "/nonexistent/chunks", "staging_budget": 1e30}), "disk.staging_budget"),
+    # AdamW multiplies the weights by 1 - lr x weight_decay each step
+    "AdamW lr 1e30": (_config(optimizer=_adam(lr=1e30)), "optimizer.params.weight_decay"),
+    "AdamW weight_decay 1e9": (_config(optimizer=_adam(weight_decay=1e9)), "optimizer.params.weight_decay"),
 }
 
 
@@ -76,6 +90,27 @@ def test_reduce_dtype_is_fp32_unless_the_param_dtype_is_asked_for() -> None:
     assert chunkstar.parse_config(_config(bf16={"enabled": True})).reduce_dtype == torch.float32
     assert chunkstar.parse_config(_config(bf16={"enabled": True}, reduce_dtype="bf16")).reduce_dtype == torch.bfloat16
     assert chunkstar.parse_config(_config(fp16={"enabled": True}, reduce_dtype="fp16")).reduce_dtype == torch.float16
+
+
+def test_sizes_up_to_what_the_machine_holds_are_accepted() -> None:
+    assert chunkstar.parse_config(_config(device_memory_budget=HOST)).device_memory_budget == HOST
+    staged = chunkstar.parse_config(_config(disk={"path": "/nonexistent/chunks", "staging_budget": HOST // 2}))
+    assert staged.disk is not None and staged.disk.staging_budget == HOST // 2
+    # Adam (coupled) has no decay product to bound; AdamW just below 1 is a setting
+    assert chunkstar.parse_config(_config(optimizer={"type": "Adam", "params": {"weight_decay": 1e3}})).optimizer.weight_decay == 1e3
+    assert chunkstar.parse_config(_config(optimizer=_adam(lr=0.5, weight_decay=1.9))).optimizer.lr == 0.5
+
+
+def test_the_size_message_says_what_the_machine_has() -> None:
+    with pytest.raises(chunkstar.ConfigError, match=r"physical memory \(\d") as info:
+        chunkstar.parse_config(_config(device_memory_budget="9999999TB"))
+    assert "9999999TB" in str(info.value)
+
+
+def test_a_param_groups_adamw_decay_past_one_is_refused() -> None:
+    with pytest.raises(chunkstar.ConfigError, match=re.escape("param_groups[1].weight_decay")):
+        validate_param_group({"params": [], "weight_decay": 20.0}, "param_groups[1]", decoupled=True, defaults={"lr": 0.1})
+    assert validate_param_group({"params": [], "weight_decay": 20.0}, "param_groups[1]", defaults={"lr": 0.1})
 
 
 def test_prefetch_window_parses() -> None:

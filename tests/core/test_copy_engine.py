@@ -171,7 +171,7 @@ def test_device_link_bandwidth_parses(value: object, bps: float) -> None:
     assert cfg.device_link_bandwidth == pytest.approx(bps)
 
 
-@pytest.mark.parametrize("value", ["fast", 0, -5, "3 parsecs/s"])
+@pytest.mark.parametrize("value", ["fast", 0, -5, "3 parsecs/s", 1, "1KB/s", "999TB/s", 10**30])
 def test_a_bad_device_link_bandwidth_names_the_key(value: object) -> None:
     with pytest.raises(chunkstar.ConfigError, match="device_link_bandwidth"):
         chunkstar.parse_config({"device": "cpu", "device_memory_budget": "1MB", "device_link_bandwidth": value})

@@ -349,3 +349,71 @@ def test_the_gradient_in_the_slot_error_names_the_engines_optimizer() -> None:
     engine.backward(_ce(engine(x), y))
     with pytest.raises(ChunkStateError, match="optimizer initialize_engine returned"):
         engine(x)
+
+
+# ---------------------------------------------------------------------------- steps PyTorch would take otherwise
+
+
+def test_a_second_step_without_a_backward_is_refused_and_after_zero_grad_changes_nothing() -> None:
+    """torch.optim applies the same gradients again on a second step(); the engine's step
+    consumed them (they live in the param chunks), so it refuses rather than differ. After
+    zero_grad a step has no gradients and changes nothing, as torch.optim's."""
+    data = _data(2)
+    engine, optimizer = chunkstar.initialize_engine(lambda: _built(Tied), 0, _config(1 << 30))
+    x, y = data[0]
+    engine.backward(_ce(engine(x), y))
+    optimizer.step()
+    after = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    with pytest.raises(ChunkStateError, match="no backward since the last step"):
+        optimizer.step()
+    optimizer.zero_grad()
+    optimizer.step()
+    assert all(torch.equal(after[k], v) for k, v in engine.module.state_dict().items())
+    # and training goes on
+    x, y = data[1]
+    engine.backward(_ce(engine(x), y))
+    optimizer.step()
+    assert engine.stats()["optimizer_steps"] == 3
+
+
+def test_a_loss_the_engine_did_not_produce_is_refused() -> None:
+    data = _data(2)
+    engine, optimizer = chunkstar.initialize_engine(lambda: _built(Tied), 0, _config(1 << 30))
+    other = nn.Linear(WIDTH, 1)
+    x, y = data[0]
+    engine(x)  # the engine's forward ran, but the loss comes from another model
+    with pytest.raises(ChunkStateError, match="no gradient reached this engine's parameters"):
+        engine.backward(other(torch.randn(3, WIDTH)).sum())
+    with pytest.raises(ChunkStateError, match="no gradient reached"):
+        engine.backward(torch.ones((), requires_grad=True) * 2)
+    # the engine is usable afterwards
+    engine.backward(_ce(engine(x), y))
+    optimizer.step()
+    assert engine.stats()["optimizer_steps"] == 1
+
+
+def test_a_step_skipped_for_a_non_finite_loss_is_logged_once_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    data = _data(3)
+    engine, optimizer = chunkstar.initialize_engine(lambda: _built(Tied), 0, _config(1 << 30))
+    with caplog.at_level("WARNING", logger="chunkstar"):
+        for x, y in data[:2]:
+            engine.backward(_ce(engine(x), y) * float("nan"))
+            optimizer.step()
+            optimizer.zero_grad()
+    skipped = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 1 and "step 1 skipped" in skipped[0].getMessage()
+    stats = engine.stats()
+    assert (stats["skipped_steps"], stats["optimizer_steps"]) == (2, 2)
+    assert all(torch.isfinite(v).all() for v in engine.module.state_dict().values())
+
+
+def test_a_scheduler_raising_adamw_decay_past_one_is_refused_at_the_step() -> None:
+    data = _data(1)
+    engine, optimizer = chunkstar.initialize_engine(lambda: _built(Tied), 0, _config(1 << 30))
+    x, y = data[0]
+    engine.backward(_ce(engine(x), y))
+    optimizer.param_groups[0]["lr"] = 200.0  # x weight_decay 0.01 = 2
+    with pytest.raises(chunkstar.ConfigError, match="lr x weight_decay"):
+        optimizer.step()
+    optimizer.param_groups[0]["lr"] = 1e-2
+    optimizer.step()

@@ -126,7 +126,7 @@ def initialize_engine(
         if missing:
             raise ValueError(f"param_groups_fn left out parameters: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     # the config's checks for each group's own lr/betas/eps/weight_decay (betas become a tuple)
-    groups = [validate_param_group(g, f"param_groups[{i}]") for i, g in enumerate(groups)]
+    groups = [validate_param_group(g, f"param_groups[{i}]", decoupled=opt.decoupled, defaults=defaults) for i, g in enumerate(groups)]
     optimizer = ChunkAdam(engine, groups, defaults)
     return engine, optimizer
 

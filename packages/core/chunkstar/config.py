@@ -5,7 +5,8 @@ JSON file holding one). It is parsed exactly once, here, into frozen
 dataclasses; the rest of the engine reads only those. Unknown keys and bad
 values fail at once with a :class:`~chunkstar.errors.ConfigError` naming the
 key and what is allowed. This module does not touch devices beyond asking
-whether CUDA is available for the default device.
+whether CUDA is available for the default device and how much memory the
+machine has (Note [sizes the machine could hold]).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Callable, Mapping
 
 import torch
@@ -30,6 +32,8 @@ __all__ = [
     "LossScaleConfig",
     "Precision",
     "parse_config",
+    "check_decoupled_decay",
+    "host_memory_bytes",
     "parse_bytes",
     "validate_param_group",
 ]
@@ -213,7 +217,11 @@ def _parse_disk(value: object) -> DiskConfig | None:
             raise ConfigError("disk.lists", f"unknown list {name!r}; choose among {', '.join(DISK_LISTS)}")
     lists = tuple(n for n in DISK_LISTS if n in lists_raw)  # in the lists' own order, once each
     staging_raw = sec.get("staging_budget", "auto")
-    staging = None if staging_raw == "auto" else parse_bytes(staging_raw, "disk.staging_budget")
+    staging = None
+    if staging_raw != "auto":  # host buffers: Note [sizes the machine could hold]
+        host = host_memory_bytes()
+        staging = _at_most(parse_bytes(staging_raw, "disk.staging_budget"),
+                           (host, f"this machine's physical memory ({_fmt_size(host or 0)})"), "disk.staging_budget", staging_raw)  # fmt: skip
     on_stale = sec.get("on_stale", "refuse")
     if on_stale not in ("refuse", "wipe"):
         raise ConfigError("disk.on_stale", f"got {on_stale!r}; expected {_DISK_KEYS['on_stale']}")
@@ -252,11 +260,64 @@ def parse_bytes(value: object, key: str = "device_memory_budget") -> int:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", value)
         if not m or m.group(2).lower() not in _UNITS:
             raise ConfigError(key, f"cannot read {value!r} as a size; {_KEY_HELP.get(key, '')} (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        n = int(Fraction(m.group(1)) * _UNITS[m.group(2).lower()])  # exact: no float overflow
     else:
         raise ConfigError(key, f"expected a byte count, got {type(value).__name__} {value!r}; {_KEY_HELP.get(key, '')}")
     if n <= 0:
         raise ConfigError(key, f"must be positive, got {value!r}")
+    return n
+
+
+# Note [sizes the machine could hold]
+# A size is checked against the machine it configures, not only for being positive:
+# '9999999TB' or 10**30 as a budget parsed, and the engine then planned with it as if
+# the memory were there (no eviction ever, until the allocator failed mid-step). The
+# CPU virtual device is host memory, so its budget is at most the host's physical
+# memory, as is the disk tier's staging (host buffers); a CUDA device's budget is at
+# most its total memory; a chunk holds at most the device's bytes. The figures are the
+# physical totals, not what is free now: a budget is a ceiling the engine plans under,
+# and what is free changes while it runs. Where the total cannot be read, nothing is
+# bounded. The emulated link's bandwidth lies between a slow USB link and ten times
+# HBM's: below it every copy takes minutes (a value in B/s read as MB/s), above it the
+# emulation is off in all but name.
+_MIN_LINK_BANDWIDTH = 1e6  # bytes/s
+_MAX_LINK_BANDWIDTH = 1e14
+
+
+def host_memory_bytes() -> int | None:
+    """The host's physical memory in bytes, or None where the platform does not say."""
+    try:
+        n = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
+        return None
+    return n if n > 0 else None
+
+
+def _device_memory_bytes(device: torch.device) -> tuple[int | None, str]:
+    """The memory a device budget may not exceed, and what it is, for messages."""
+    if device.type == "cuda":
+        try:
+            total = int(torch.cuda.get_device_properties(device).total_memory)
+        except (RuntimeError, AssertionError):  # the driver cannot say: the budget stays unbounded
+            return None, str(device)
+        return total, f"the total memory of {device} ({_fmt_size(total)})"
+    host = host_memory_bytes()
+    return host, f"this machine's physical memory ({_fmt_size(host or 0)}), which the cpu virtual device lives in"
+
+
+def _fmt_size(n: int) -> str:
+    if n >= 1 << 60:  # past float's range for the longest digit strings
+        return f"about 10^{len(str(n)) - 1} bytes"
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _at_most(n: int, limit: tuple[int | None, str], key: str, raw: object) -> int:
+    total, what = limit
+    if total is not None and n > total:
+        raise ConfigError(key, f"{raw!r} is {_fmt_size(n)}, more than {what}; give at most that")
     return n
 
 
@@ -326,15 +387,35 @@ _ADAM_HYPERPARAMS: dict[str, Callable[[object, str], Any]] = {
 }
 
 
-def validate_param_group(group: Mapping[str, Any], where: str) -> dict[str, Any]:
+def validate_param_group(
+    group: Mapping[str, Any], where: str, *, decoupled: bool = False, defaults: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """A torch-style parameter group with its ``lr``/``betas``/``eps``/``weight_decay``
     checked as the config's are (``where`` names the group in errors, e.g.
-    ``param_groups[1]``); returns a copy with ``betas`` as a tuple. Other keys pass."""
+    ``param_groups[1]``); returns a copy with ``betas`` as a tuple. Other keys pass.
+    With ``decoupled`` (AdamW) the group's decay, its values over ``defaults``, is checked
+    too (:func:`check_decoupled_decay`)."""
     out = dict(group)
     for k, check in _ADAM_HYPERPARAMS.items():
         if k in out:
             out[k] = check(out[k], f"{where}.{k}")
+    if decoupled:
+        merged = {**(defaults or {}), **out}
+        if "lr" in merged and "weight_decay" in merged:
+            check_decoupled_decay(merged["lr"], merged["weight_decay"], f"{where}.weight_decay")
     return out
+
+
+def check_decoupled_decay(lr: float, weight_decay: float, key: str) -> None:
+    """AdamW multiplies every weight by ``1 - lr * weight_decay`` at each step: at 1 or
+    more that zeroes the weights or flips their sign each step (``lr 1e30`` or
+    ``weight_decay 1e9`` trained to inf/NaN losses), which is never a setting."""
+    if lr * weight_decay >= 1:
+        raise ConfigError(
+            key,
+            f"lr x weight_decay is {lr:g} x {weight_decay:g} = {lr * weight_decay:g}; AdamW multiplies each weight by "
+            "1 - lr x weight_decay every step, so the product must be below 1 (typical: lr 1e-4..1e-3, weight_decay 0.01..0.1)",
+        )
 
 
 def _parse_optimizer(section: object) -> AdamConfig:
@@ -346,7 +427,7 @@ def _parse_optimizer(section: object) -> AdamConfig:
     params = _mapping(sec.get("params", {}), "optimizer.params")
     _check_keys(params, set(_ADAM_HYPERPARAMS), "optimizer.params.")
     defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01 if kind == "AdamW" else 0.0}
-    p = validate_param_group({**defaults, **params}, "optimizer.params")
+    p = validate_param_group({**defaults, **params}, "optimizer.params", decoupled=kind == "AdamW")
     return AdamConfig(decoupled=kind == "AdamW", lr=p["lr"], betas=p["betas"], eps=p["eps"], weight_decay=p["weight_decay"])
 
 
@@ -422,8 +503,9 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
     precision = Precision.BF16 if bf16_on else Precision.FP16 if fp16_on else Precision.FP32
 
     device = _parse_device(cfg.get("device"), local_rank)
+    device_limit = _device_memory_bytes(device)  # Note [sizes the machine could hold]
     budget_raw = cfg.get("device_memory_budget")
-    budget = None if budget_raw is None else parse_bytes(budget_raw)
+    budget = None if budget_raw is None else _at_most(parse_bytes(budget_raw), device_limit, "device_memory_budget", budget_raw)
     if device.type == "cpu" and budget is None:
         raise ConfigError(
             "device_memory_budget",
@@ -444,9 +526,15 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
         if isinstance(raw_bw, str) and raw_bw.strip().lower().endswith("/s"):
             raw_bw = raw_bw.strip()[:-2]
         bandwidth = float(parse_bytes(raw_bw, "device_link_bandwidth"))
+        if not _MIN_LINK_BANDWIDTH <= bandwidth <= _MAX_LINK_BANDWIDTH:
+            raise ConfigError(
+                "device_link_bandwidth",
+                f"{cfg['device_link_bandwidth']!r} is not a link's speed: give 1MB/s to 100TB/s "
+                "(a PCIe 4 x16 link moves about 25GB/s)",
+            )
 
     window_raw = cfg.get("prefetch_window", "auto")
-    window = None if window_raw == "auto" else parse_bytes(window_raw, "prefetch_window")
+    window = None if window_raw == "auto" else _at_most(parse_bytes(window_raw, "prefetch_window"), device_limit, "prefetch_window", window_raw)
     if window is not None and window <= 0:
         raise ConfigError("prefetch_window", f"got {window_raw!r}; expected {_TOP_KEYS['prefetch_window']} (> 0)")
 
@@ -459,7 +547,16 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
     reduce_dtype = reduce_dtypes[reduce_raw.lower()]
 
     chunk_raw = cfg.get("default_chunk_size", "auto")
-    chunk_size = None if chunk_raw == "auto" else _integer(chunk_raw, "default_chunk_size", lo=1)
+    chunk_size = None
+    if chunk_raw != "auto":
+        chunk_size = _integer(chunk_raw, "default_chunk_size", lo=1)
+        total, what = device_limit
+        if total is not None and chunk_size * precision.dtype.itemsize > total:
+            raise ConfigError(
+                "default_chunk_size",
+                f"{chunk_raw!r} elements of {precision.value} are {_fmt_size(chunk_size * precision.dtype.itemsize)}, "
+                f"more than {what}: one chunk must fit on the device",
+            )
 
     policy_raw = cfg.get("eviction_policy", EvictionPolicyName.FURTHEST_NEXT_USE.value)
     try:

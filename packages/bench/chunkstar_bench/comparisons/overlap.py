@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from chunkstar.config import host_memory_bytes
 from chunkstar_bench.comparisons.rounds import Pooled, Row, Target, Verdict, text_table, verdict_table
 from chunkstar_bench.runner import RunSpec
 from chunkstar_bench.zoo import get, n_params
@@ -41,7 +42,7 @@ _BATCH, _SEQ, _THREADS = 4, 128, 1
 NON_MODEL_BYTES = 200_000_000
 """Room the pressured budgets leave for activations and temporaries: the warm-up non-model
 peak of this model and batch, measured at ~186 MB (``chunkstar-free`` notes what it measured)."""
-_FREE_BUDGET = 16 * 2**30
+_FREE_BUDGET = min(16 * 2**30, host_memory_bytes() or 16 * 2**30)  # all resident, and at most what the host has
 _MIB = 2**20
 
 

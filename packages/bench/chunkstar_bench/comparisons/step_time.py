@@ -46,6 +46,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from chunkstar.config import host_memory_bytes
 from chunkstar_bench.comparisons.rounds import BUSY_CORES, Pooled, Row, Target, Verdict, text_table, verdict_table
 from chunkstar_bench.runner import RunRecord, RunSpec
 from chunkstar_bench.zoo import get, n_params
@@ -92,7 +93,7 @@ class StepTimeSettings:
     seed: int = 0
     threads: int | None = None
     """torch threads in every run; None: the cores."""
-    free_budget_bytes: int = 16 * _GIB
+    free_budget_bytes: int = min(16 * _GIB, host_memory_bytes() or 16 * _GIB)  # the cpu device is host memory
     """``chunkstar``'s device budget (far above the model data)."""
     pressure_fraction: float = 0.6
     """``chunkstar-pressure``: room for chunks as this fraction of the bf16 parameter bytes. 0.6, not 0.5:

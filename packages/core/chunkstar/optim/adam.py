@@ -44,6 +44,7 @@ parameters whose ``.grad`` is None.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -54,9 +55,13 @@ from chunkstar.chunk.layout import TensorSlot
 from chunkstar.chunk.lists import CHUNK_LISTS, ChunkList
 from chunkstar.chunk.state import TensorState
 from chunkstar.chunk.store import ChunkStore
+from chunkstar.config import check_decoupled_decay
 from chunkstar.device.copy_engine import CopyEvent
 from chunkstar.distributed.comm import Comm
+from chunkstar.errors import ChunkStateError
 from chunkstar.events import MoveReason, Tier
+
+_log = logging.getLogger("chunkstar")
 
 if TYPE_CHECKING:
     from chunkstar.runtime.engine import ChunkEngine
@@ -132,6 +137,10 @@ class ChunkAdam(torch.optim.Optimizer):
             for p in group["params"]:
                 self._group_of[engine.index_of(p)] = g
         self.skipped_steps = 0
+        self._warned_skip = False
+        # the engine's micro-step count when a step last applied gradients (None: none since the
+        # last zero_grad or load): a step at the same count would have torch.optim step again
+        self._applied_at: int | None = None
         self.last_grad_norm: float | None = None
         """The global gradient norm of the last step (before clipping, the fp16 loss scale
         divided out), or None when that step did not measure it (Note [norm only when
@@ -166,9 +175,20 @@ class ChunkAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         eng = self._engine
+        if self._applied_at == eng.micro_step:
+            raise ChunkStateError(
+                "optimizer.step() again with no backward since the last step: the gradients live in the parameter "
+                "chunks and that step consumed them, while torch.optim would apply the same gradients a second time; "
+                "run a backward before each step (or call optimizer.zero_grad() first, after which a step changes "
+                "nothing, as in torch.optim)"
+            )
+        if self._decoupled:  # a scheduler may have raised lr since the config was checked
+            for i, g in enumerate(self.param_groups):
+                check_decoupled_decay(g["lr"], g["weight_decay"], f"param_groups[{i}] at step {self.step_count + 1}")
         eng.begin_optimizer_step()
         try:
-            self._step()
+            if self._step():
+                self._applied_at = eng.micro_step
             self.step_count += 1
         finally:
             eng.end_optimizer_step()
@@ -179,6 +199,7 @@ class ChunkAdam(torch.optim.Optimizer):
         some are still pending (no step was taken), drop them and restore the
         parameter values from the fp32 masters."""
         self._engine.drop_pending_grads()
+        self._applied_at = None  # a step now has no gradients, as torch.optim's after zero_grad
 
     # ------------------------------------------------------------------ gradient pipeline
     def take_gradients(self, chunk_id: int) -> None:
@@ -237,7 +258,8 @@ class ChunkAdam(torch.optim.Optimizer):
         return self._order[1]
 
     # ------------------------------------------------------------------ step
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One step; whether it applied gradients (not: none pending, or skipped)."""
         eng = self._engine
         mgr = self._store
         scaler = eng.scaler
@@ -248,7 +270,7 @@ class ChunkAdam(torch.optim.Optimizer):
                 grad_slots.setdefault(s.chunk_id, []).append(s)
         if not grad_slots and not comm.distributed:
             self.forget_gradients()
-            return
+            return False
 
         # pass 1: place, then (only when the step needs it: Note [norm only when needed]) the
         # global gradient norm
@@ -260,11 +282,18 @@ class ChunkAdam(torch.optim.Optimizer):
         if self._needs_norm():
             total = self._global_norm(grad_slots)  # 0-dim fp32, CPU
             total_f = float(total)
-            if not math.isfinite(total_f):  # fp16 overflow
+            if not math.isfinite(total_f):  # fp16 overflow, or a non-finite loss or gradient
                 self.skipped_steps += 1
+                if not scaler.enabled and not self._warned_skip:  # fp16 skips as its scale finds its level
+                    self._warned_skip = True
+                    _log.warning(
+                        "chunkstar: optimizer step %d skipped: the global gradient norm is %s (a non-finite loss or "
+                        "gradient; too high a learning rate?); engine.stats()['skipped_steps'] counts skipped steps, "
+                        "and later ones are not logged", self.step_count + 1, total_f,
+                    )  # fmt: skip
                 eng.restore_params_from_master(grad_slots)
                 scaler.update(overflow=True)
-                return
+                return False
             self.last_grad_norm = total_f / scaler.scale
             if clip > 0 or scaler.enabled:
                 # torch.nn.utils.clip_grad_norm_'s coefficient, applied with the same op order; an
@@ -291,6 +320,7 @@ class ChunkAdam(torch.optim.Optimizer):
                 self._steps[s.index] += 1
                 mgr.set_state(s.index, TensorState.HOLD)
         scaler.update(overflow=False)
+        return bool(grad_slots) or comm.distributed  # alike on every rank, as the next step's refusal must be
 
     def _global_norm(self, grad_slots: dict[int, list[TensorSlot]]) -> torch.Tensor:
         """The global norm of the gradients in ``grad_slots`` (placed), every rank's: the norm
@@ -576,6 +606,7 @@ class ChunkAdam(torch.optim.Optimizer):
                         self._steps[s.index] = int(st["step"])
         self._engine.scaler.load_state_dict(state_dict["loss_scaler"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self._applied_at = None
 
     def scalar_state(self) -> dict[str, Any]:
         """The optimizer's state apart from its chunks, JSON-ready (a checkpoint shard
@@ -605,3 +636,4 @@ class ChunkAdam(torch.optim.Optimizer):
         self._steps = [int(n) if mgr.own(s.chunk_id) else 0 for s, n in zip(mgr.slots, state["steps"])]
         self.skipped_steps = int(state["skipped_steps"])
         self.step_count = int(state["step_count"])
+        self._applied_at = None

@@ -430,6 +430,14 @@ class ChunkEngine:
         except BaseException:
             it.abort()
             raise
+        if self._gradients.arrived == 0 and self._trains_anything():
+            # no engine hook ran: the loss does not depend on this engine's parameters
+            it.abort()
+            raise ChunkStateError(
+                "engine.backward(loss): no gradient reached this engine's parameters, so the loss was not computed "
+                "from its forward (another model's output, a tensor detached from the engine's, or a forward run "
+                "under torch.no_grad()); compute the loss from engine(...)'s output"
+            )
         it.end_backward()
 
     def train(self, mode: bool = True) -> ChunkEngine:
@@ -481,6 +489,10 @@ class ChunkEngine:
 
     def drop_pending_grads(self) -> None:
         self._gradients.drop_pending()
+
+    def _trains_anything(self) -> bool:
+        mgr = self.mgr
+        return any(not mgr.frozen(c) for c in range(mgr.layout.n_chunks))
 
     def _has_pending_grads(self) -> bool:
         return self._gradients.has_pending()
@@ -662,6 +674,10 @@ class ChunkEngine:
             "warmup_non_model_peak_bytes": self.schedule.warmup_non_model_peak,  # the largest so far
             "moments_per_micro_step": mgr.trace.n_moments,
             "micro_steps": self.micro_step,
+            # optimizer.step() calls, and those skipped for a non-finite gradient norm (fp16 overflow,
+            # or in any precision a NaN/inf loss when the norm is measured: clipping, measure_grad_norm)
+            "optimizer_steps": self.optimizer.step_count if self.optimizer is not None else 0,
+            "skipped_steps": self.optimizer.skipped_steps if self.optimizer is not None else 0,
             "stage": self.mgr.stage.value,
             "schedule": self.schedule.phase.value,
             "replans": self.schedule.replans,

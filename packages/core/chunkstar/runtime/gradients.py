@@ -71,10 +71,12 @@ class Gradients:
         self.root_task: int | None = None
         # called when a gradient arrives outside the backward stage: a plain loss.backward() began
         self.on_plain_backward: Callable[[], None] = lambda: None
+        self.arrived = 0  # gradients the running backward delivered (none: its loss is not the engine's)
 
     def begin_backward(self) -> None:
         self.boundary = self.since_step + 1 >= self.accumulation_steps
         self.root_task = None
+        self.arrived = 0
 
     def note_task(self) -> bool:
         """Record the running backward's graph task if none is yet; whether the caller runs
@@ -92,6 +94,7 @@ class Gradients:
             return
         if self.cursor.stage is not Stage.BWD:
             self.on_plain_backward()  # Note [plain backward]
+        self.arrived += 1
         if self.factor != 1.0:
             grad = grad * self.factor
         mgr = self.mgr
