@@ -20,6 +20,7 @@ from chunkstar.chunk.lists import CHUNK_LISTS, ChunkList
 from chunkstar.chunk.state import ChunkLocation, TensorState
 from chunkstar.placement import eviction
 from chunkstar.placement.eviction import NEVER, ResidentChunk
+from chunkstar.memory.tracer import ScheduleMode
 from chunkstar.runtime.chunk_manager import ChunkManager
 
 from ._models import CASES, DTYPES, engine_config, eviction_budget, train_engine
@@ -36,7 +37,7 @@ def _reference_candidates(mgr: ChunkManager, protect: set[Any]) -> list[Resident
             if name == ChunkList.PARAM and (mgr.pinned(c.chunk_id) or not mgr.own(c.chunk_id)):
                 continue
             next_use = None
-            if name == ChunkList.PARAM and mgr.trace.frozen and mgr.on_schedule and not mgr.safe_mode:
+            if name == ChunkList.PARAM and mgr.mode is ScheduleMode.FOLLOWING:
                 after = -1 if mgr.stage.value in ("optim", "idle") else mgr.moment
                 next_use = mgr.trace.next_use(c.chunk_id, after)
             out.append(ResidentChunk(key, c.nbytes, next_use, mgr._last_use.get(key, 0)))

@@ -22,6 +22,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import chunkstar
+from chunkstar.memory.tracer import ScheduleMode
 
 BATCH = 2
 
@@ -86,13 +87,13 @@ def test_an_evaluation_on_larger_inputs_is_planned_with_the_largest_peak() -> No
         optimizer.zero_grad()
     cursor = engine.mgr._cur
     seen: list[bool] = []
-    hook = engine.module.transformer.h[1].register_forward_pre_hook(lambda *_: seen.append(cursor.evaluation_follows))
+    hook = engine.module.transformer.h[1].register_forward_pre_hook(lambda *_: seen.append(cursor.mode is ScheduleMode.EVALUATING_ALONG))
     with torch.no_grad():
         engine(input_ids=ids, labels=ids)  # the traced inputs: budgeted moment by moment
         engine(input_ids=torch.cat([ids, ids]), labels=torch.cat([ids, ids]))  # twice the batch: the largest peak
     hook.remove()
     assert seen == [True, False]
-    assert not cursor.evaluation_follows and cursor.on_schedule
+    assert cursor.mode is ScheduleMode.FOLLOWING
 
 
 def test_a_parameter_too_big_for_its_moment_does_not_suggest_smaller_chunks() -> None:

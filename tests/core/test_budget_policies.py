@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from chunkstar.memory.budget import device_capacity, minimum_budget, room_target
+from chunkstar.memory.budget import chunk_budget, device_capacity, minimum_budget, room_target
 from chunkstar.memory.host_heap import (
     NO_HEAP, plan_heap_release, release_after_step, release_at_moment, release_at_turn,
 )  # fmt: skip
-from chunkstar.memory.tracer import MemoryTrace, MomentRecord
+from chunkstar.memory.tracer import MemoryTrace, MomentRecord, ScheduleMode
 from chunkstar.placement.gathered import groups_to_release
 
 
@@ -19,9 +19,26 @@ def test_capacity_is_the_budget_on_cpu_and_the_smaller_of_budget_and_gpu_on_cuda
 
 
 def test_warm_up_makes_room_down_to_nothing_in_model_passes_only() -> None:
-    assert room_target(700, safe_mode=True, in_model_pass=True) == 0
-    assert room_target(700, safe_mode=True, in_model_pass=False) == 700  # optimizer step, between steps
-    assert room_target(700, safe_mode=False, in_model_pass=True) == 700
+    for untrusted in (ScheduleMode.TRACING, ScheduleMode.EVALUATING_UNTRACED):
+        assert room_target(700, untrusted, in_model_pass=True) == 0
+        assert room_target(700, untrusted, in_model_pass=False) == 700  # optimizer step, between steps
+    for trusted in (ScheduleMode.FOLLOWING, ScheduleMode.EVALUATING_ALONG, ScheduleMode.EVALUATING_OFF):
+        assert room_target(700, trusted, in_model_pass=True) == 700
+
+
+def test_the_chunk_budget_reads_the_figure_each_mode_trusts() -> None:
+    at_moment = lambda: 300  # noqa: E731
+    budget = lambda mode, live, in_pass=True: chunk_budget(1000, live, mode, in_pass, at_moment, 450)  # noqa: E731
+    assert budget(ScheduleMode.TRACING, 100) == 900  # live only
+    assert budget(ScheduleMode.EVALUATING_UNTRACED, 100) == 900
+    assert budget(ScheduleMode.FOLLOWING, 100) == 700  # the traced moment's, whatever is live
+    assert budget(ScheduleMode.FOLLOWING, 400) == 700
+    assert budget(ScheduleMode.EVALUATING_ALONG, 100) == 700  # the larger of live and the moment's
+    assert budget(ScheduleMode.EVALUATING_ALONG, 400) == 600
+    assert budget(ScheduleMode.EVALUATING_OFF, 100) == 550  # the larger of live and the trace's largest
+    assert budget(ScheduleMode.EVALUATING_OFF, 500) == 500
+    for mode in ScheduleMode:  # the optimizer step and between steps: live
+        assert budget(mode, 100, in_pass=False) == 900
 
 
 def test_minimum_budget_adds_the_slack_back_and_rounds_up() -> None:

@@ -11,8 +11,11 @@ with made-up numbers.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
-__all__ = ["device_capacity", "minimum_budget", "room_target"]
+from chunkstar.memory.tracer import ScheduleMode
+
+__all__ = ["chunk_budget", "device_capacity", "minimum_budget", "room_target"]
 
 
 def device_capacity(budget: int | None, slack: float, usable: int | None = None) -> int:
@@ -28,15 +31,38 @@ def device_capacity(budget: int | None, slack: float, usable: int | None = None)
     return int(full * (1.0 - slack))
 
 
-def room_target(budget: int, safe_mode: bool, in_model_pass: bool) -> int:
+def chunk_budget(
+    capacity: int, live: int, mode: ScheduleMode, in_model_pass: bool, traced_at_moment: Callable[[], int], traced_max: int
+) -> int:
+    """Bytes chunks may occupy on the device during the running moment (Note [budget per
+    moment]): the capacity less the non-model bytes expected in it. ``live``: the non-model
+    bytes measured now; ``traced_at_moment``: the frozen trace's figure for the running
+    moment (read only when the mode budgets by it); ``traced_max``: its largest. Outside
+    forward and backward (the optimizer step, between steps) and with no trace to trust,
+    the live figure; a training pass on the trace, its moment's figure; an evaluation
+    along the traced forward, the larger of the two (Note [evaluation budgets] in
+    runtime/schedule.py); any other evaluation, the larger of live and the largest."""
+    if not in_model_pass or not mode.trusts_trace:
+        non_model = live
+    elif mode is ScheduleMode.FOLLOWING:
+        non_model = traced_at_moment()
+    elif mode is ScheduleMode.EVALUATING_ALONG:
+        non_model = max(live, traced_at_moment())
+    else:  # EVALUATING_OFF
+        non_model = max(live, traced_max)
+    return capacity - non_model
+
+
+def room_target(budget: int, mode: ScheduleMode, in_model_pass: bool) -> int:
     """Chunk bytes to make room down to when a moment begins (Note [budget per moment]).
 
-    During a warm-up pass (or off the traced schedule) the budget only knows the
-    non-model memory *now*, not what the module is about to allocate, so in forward
-    and backward the device keeps nothing but what the moment needs: the target is 0
-    and every other movable chunk goes. That costs moves in the first micro-steps
-    only and leaves the activations all the room there is."""
-    return 0 if safe_mode and in_model_pass else budget
+    With no trace to trust (a warm-up pass, an iteration off the traced schedule, an
+    evaluation among them) the budget only knows the non-model memory *now*, not what
+    the module is about to allocate, so in forward and backward the device keeps
+    nothing but what the moment needs: the target is 0 and every other movable chunk
+    goes. That costs moves in the first micro-steps only and leaves the activations
+    all the room there is."""
+    return 0 if not mode.trusts_trace and in_model_pass else budget
 
 
 def minimum_budget(chunk_bytes: int, non_model: int, slack: float) -> int:

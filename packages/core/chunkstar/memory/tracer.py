@@ -33,7 +33,7 @@ from typing import Iterator
 
 from chunkstar.errors import ChunkStateError
 
-__all__ = ["GROWTH_MARGIN", "MomentRecord", "MemoryTrace", "TracePhase", "check_phase_transition"]
+__all__ = ["GROWTH_MARGIN", "MomentRecord", "MemoryTrace", "ScheduleMode", "TracePhase", "check_phase_transition"]
 
 GROWTH_MARGIN = 0.1
 """Activation bytes may exceed the traced figure by this fraction before the
@@ -49,6 +49,39 @@ class TracePhase(enum.Enum):
     """This iteration left the schedule: it finishes as in warm-up, and the next one re-traces."""
     UNSCHEDULED = "unscheduled"
     """The run changed shape too often to schedule: every iteration runs as in warm-up, for good."""
+
+
+class ScheduleMode(enum.Enum):
+    """How the running moments relate to the warm-up trace (Note [iteration] and Note
+    [evaluation budgets] in runtime/schedule.py). The schedule derives it from its phase,
+    the running iteration and the evaluations in flight, and is the only writer."""
+
+    TRACING = "tracing"
+    """A training pass (or the time between passes) with no trace to trust: a warm-up pass,
+    an iteration that left the schedule, a run gone unscheduled. Budgets are measured live
+    and a moment keeps only its own chunks on the device."""
+    FOLLOWING = "following"
+    """A training pass (or the time between passes) on the frozen trace: its next uses,
+    per-moment budgets, prefetch and clean host copies hold."""
+    EVALUATING_ALONG = "evaluating-along"
+    """An evaluation forward numbered as the traced forward's moments, each budgeted with
+    its traced moment's peak (and the live figure, if larger)."""
+    EVALUATING_OFF = "evaluating-off"
+    """An evaluation forward the frozen trace does not describe (inside an iteration, larger
+    inputs, another path): budgeted with the trace's largest peak (or the live figure)."""
+    EVALUATING_UNTRACED = "evaluating-untraced"
+    """An evaluation forward with no trace to trust (before the trace froze, inside an
+    iteration off the schedule): budgets live, only the moment's chunks kept."""
+
+    @property
+    def training(self) -> bool:
+        """The moments are a training pass's (the schedule's own), not an evaluation's."""
+        return self is ScheduleMode.TRACING or self is ScheduleMode.FOLLOWING
+
+    @property
+    def trusts_trace(self) -> bool:
+        """The frozen trace describes the running moments well enough to budget by."""
+        return self is not ScheduleMode.TRACING and self is not ScheduleMode.EVALUATING_UNTRACED
 
 
 _P = TracePhase

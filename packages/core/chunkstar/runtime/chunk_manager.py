@@ -42,9 +42,9 @@ from chunkstar.device.pinned import PinnedBuffers
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError, DeviceMemoryError
 from chunkstar.events import ChunkAllocated, ChunkFreed, ChunkMoved, EventBus, MemorySample, MoveReason, Stage, Tier
-from chunkstar.memory.budget import minimum_budget, room_target
+from chunkstar.memory.budget import chunk_budget, minimum_budget, room_target
 from chunkstar.memory.probes import MemoryProbe
-from chunkstar.memory.tracer import MemoryTrace
+from chunkstar.memory.tracer import MemoryTrace, ScheduleMode
 from chunkstar.placement.eviction import ResidentChunk, choose_evictions
 from chunkstar.placement.prefetch import PrefetchView, Upcoming, plan_prefetch
 from chunkstar.runtime.cursor import Cursor
@@ -240,12 +240,8 @@ class ChunkManager:
         return self._cur.module
 
     @property
-    def on_schedule(self) -> bool:
-        return self._cur.on_schedule
-
-    @property
-    def safe_mode(self) -> bool:
-        return self._cur.safe_mode
+    def mode(self) -> ScheduleMode:
+        return self._cur.mode
 
     # ------------------------------------------------------------------ states
     def set_state(self, index: int, new: TensorState) -> None:
@@ -414,17 +410,13 @@ class ChunkManager:
 
     def chunk_budget(self) -> int:
         """Bytes chunks may occupy on the device during the current moment (Note [budget per moment])."""
-        live = self.probe.non_model_now(self.memory.held_bytes)
         cur = self._cur
-        if cur.stage is Stage.OPTIM or cur.stage is Stage.IDLE or not cur.trace.frozen or cur.safe_mode:
-            non_model = live
-        elif cur.on_schedule:
-            non_model = cur.trace.non_model_at(cur.moment)
-        elif cur.evaluation_follows:  # Note [evaluation budgets] (runtime/schedule.py)
-            non_model = max(live, cur.trace.non_model_at(cur.moment))
-        else:
-            non_model = max(live, cur.trace.max_non_model)
-        return self.capacity - non_model
+        trace = cur.trace
+        return chunk_budget(
+            self.capacity, self.probe.non_model_now(self.memory.held_bytes), cur.mode,
+            cur.stage is Stage.FWD or cur.stage is Stage.BWD, lambda: trace.non_model_at(cur.moment),
+            trace.max_non_model if cur.mode is ScheduleMode.EVALUATING_OFF else 0,
+        )  # fmt: skip
 
     def touch(self, key: Key) -> None:
         self._clock += 1
@@ -551,10 +543,9 @@ class ChunkManager:
         memory.reap()  # copies out that are done give their bytes back first (Note [deferred free])
         budget = self.chunk_budget()
         cur = self._cur
-        # with no frozen trace (warm-up, or an evaluation before the first step) nothing knows what
+        # with no trace to trust (warm-up, or an evaluation before the first step) nothing knows what
         # the moment will allocate: it keeps only what it needs (Note [budget per moment])
-        unknown = cur.safe_mode or not cur.trace.frozen
-        target = room_target(budget, unknown, cur.stage is Stage.FWD or cur.stage is Stage.BWD)
+        target = room_target(budget, cur.mode, cur.stage is Stage.FWD or cur.stage is Stage.BWD)
         # the device holds the resident chunks and the frees still pending (both count), and under
         # NCCL the flat buffers of collectives in flight (a gather ahead, the gradient reductions)
         target -= self.comm.scratch_bytes_in_flight

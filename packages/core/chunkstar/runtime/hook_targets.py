@@ -81,7 +81,7 @@ class HookTargets:
     def _begin_moment(self, module: str, chunk_ids: tuple[int, ...]) -> None:
         cur = self.cursor
         moment = self.schedule.begin_moment(module, chunk_ids)
-        if cur.on_schedule and release_at_moment(self.iteration.heap_plan, moment, cur.stage is Stage.FWD):
+        if cur.mode.training and release_at_moment(self.iteration.heap_plan, moment, cur.stage is Stage.FWD):
             self.iteration.release_heap_at_peak()
         if self.events.active:
             self.events.emit(MomentBegin(moment, module, cur.stage, time.perf_counter_ns()))
@@ -114,8 +114,9 @@ class HookTargets:
             )
             for i in indices:
                 mgr.set_state(i, TensorState.COMPUTE)
-            if self.comm.distributed and self.cursor.on_schedule and self.cursor.trace.frozen and self.iteration.prefetch:
-                # the trace alone decides, never this rank's memory: every rank gathers the same
+            if self.comm.distributed and self.cursor.mode.training and self.cursor.trace.frozen and self.iteration.prefetch:
+                # the trace alone decides, never this rank's memory or whether this rank's iteration
+                # left the schedule (the ranks agree on that at its end): every rank gathers the same
                 mgr.gather_ahead(self.cursor.trace.chunks_at(self.cursor.moment + 1))
             if self.iteration.prefetching():
                 mgr.prefetch(self.iteration.prefetch_window)
@@ -218,7 +219,7 @@ class HookTargets:
             if mgr.states[i] is TensorState.COMPUTE:
                 mgr.set_state(i, after)
         outs = list(output_tensors(output, refuse=mod.label))  # Note [output containers]
-        if cur.on_schedule and cur.stage is Stage.FWD:
+        if cur.mode.training and cur.stage is Stage.FWD:
             self.schedule.on_module_output(began, mod.label, sum(t.nbytes for t in outs))
         if self.comm.distributed and cur.stage is not Stage.BWD:
             self.reducer.release_after_forward(indices)
@@ -275,7 +276,7 @@ class HookTargets:
         self._access_sets[key] = tuple(sorted(set(self._access_sets[key]) | set(indices)))
         self._access_chunks[key] = self._chunk_ids(self._access_sets[key])
         chunk_ids = tuple(sorted({mgr.slots[i].chunk_id for i in indices}))
-        if self.cursor.on_schedule:
+        if self.cursor.mode.training:
             self.schedule.on_more_chunks(began, chunk_ids, f"'{label}' read {what}")
         with mgr.probe.paused(), torch.inference_mode(False):  # Note [engine tensors outside inference mode]
             mgr.make_resident(

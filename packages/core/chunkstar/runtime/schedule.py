@@ -45,9 +45,13 @@ kept at the same point. Anything else (an evaluation inside an iteration, larger
 inputs, another path) gets the trace's largest peak from there on.
 
 The schedule is also the one writer of the iteration's :class:`Cursor` (stage,
-moment, module, ``on_schedule``, ``safe_mode``, the trace): the hook targets,
-the iteration and the optimizer step move it through the methods below, and
-everyone else reads it. The schedule decides; the chunk manager acts.
+moment, module, the :class:`ScheduleMode`, the trace): the hook targets, the
+iteration and the optimizer step move it through the methods below, and
+everyone else reads it. The mode is derived in one place (``_update_mode``) from
+the schedule's own facts: whether the trace is frozen, whether the running
+iteration left it (``_safe``: it runs as in warm-up), whether an evaluation is
+in flight and whether it follows the traced forward. The schedule decides; the
+chunk manager acts.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ from chunkstar.distributed.comm import Comm
 from chunkstar.errors import DeviceMemoryError
 from chunkstar.events import EventBus, Stage, StageChanged
 from chunkstar.memory.budget import minimum_budget
-from chunkstar.memory.tracer import MemoryTrace, MomentRecord, TracePhase, check_phase_transition
+from chunkstar.memory.tracer import MemoryTrace, MomentRecord, ScheduleMode, TracePhase, check_phase_transition
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.cursor import Cursor
 
@@ -89,6 +93,11 @@ class Schedule:
         self.cursor = cursor  # the manager's, which reads it; written here only
         self.events = events
         self._untraced_depth = 0  # evaluation forwards running (not on the schedule)
+        # the facts the cursor's mode is derived from (_update_mode), besides the trace's own
+        # frozen state and the evaluations running: the iteration runs as in warm-up (a warm-up
+        # pass, one that left the schedule, unscheduled), and an evaluation follows the traced forward
+        self._safe = False
+        self._eval_follows = False
         self._saved_moment = -1  # the training iteration's moment when the first of them began
         self.comm = comm
         self.device = device
@@ -127,10 +136,11 @@ class Schedule:
         cur = self.cursor
         cur.moment += 1
         cur.module = module
-        if cur.on_schedule:
+        if cur.mode.training:
             self.on_moment(module, cur.stage.value, chunk_ids)
-        elif cur.evaluation_follows and not cur.trace.matches(cur.moment, module, Stage.FWD.value, chunk_ids):
-            cur.evaluation_follows = False  # another path than the traced forward's: the trace's maximum from here
+        elif self._eval_follows and not cur.trace.matches(cur.moment, module, Stage.FWD.value, chunk_ids):
+            self._eval_follows = False  # another path than the traced forward's: the trace's maximum from here
+            self._update_mode()
         return cur.moment
 
     def begin_untraced(self, input_bytes: int | None = None, between_steps: bool = False) -> None:
@@ -144,12 +154,12 @@ class Schedule:
                 self.mgr.probe.acquire(_METER)
             cur = self.cursor
             self._saved_moment = cur.moment
-            cur.on_schedule = False
-            cur.evaluation_follows = (
+            self._eval_follows = (
                 between_steps and self.phase is TracePhase.FROZEN and input_bytes is not None
                 and input_bytes <= cur.trace.input_bytes
             )  # fmt: skip
-            if cur.evaluation_follows:
+            self._update_mode()
+            if self._eval_follows:
                 cur.moment = -1  # numbered as the traced forward's moments, from the first
 
     def end_untraced(self) -> bool:
@@ -160,8 +170,8 @@ class Schedule:
         if self._meter_evaluation:  # between steps (an iteration in flight keeps its own hold)
             self.mgr.probe.release(_METER)
             self._meter_evaluation = False
-        self.cursor.on_schedule = True
-        self.cursor.evaluation_follows = False
+        self._eval_follows = False
+        self._update_mode()
         self.cursor.moment = self._saved_moment
         return True
 
@@ -194,7 +204,8 @@ class Schedule:
             mgr.required_peak = 0
         elif self.phase is TracePhase.UNSCHEDULED:
             mgr.probe.acquire(_UNSCHEDULED)  # no trace to read budgets from: measure live
-        cur.safe_mode = self.phase is not TracePhase.FROZEN
+        self._safe = self.phase is not TracePhase.FROZEN
+        self._update_mode()
 
     def end_iteration(self) -> None:
         """Close the iteration: merge a warm-up pass, freeze, or re-plan (all ranks alike).
@@ -226,7 +237,8 @@ class Schedule:
         elif self.phase is TracePhase.FROZEN and not self._diverged_why and cur.moment + 1 != cur.trace.n_moments:
             self.diverge(f"the iteration had {cur.moment + 1} moments, the trace {cur.trace.n_moments}")
         self._too_small = None
-        cur.safe_mode = False
+        self._safe = False
+        self._update_mode()
         # several processes: every rank takes the same decision (one all-reduce per iteration)
         flags = [float(bool(self._diverged_why)), float(self._warmup_disagrees), float(too_small[0] if too_small else 0)]
         if self.comm.distributed:
@@ -244,6 +256,7 @@ class Schedule:
                     self._outgrown = None
                 cur.trace.freeze()
                 self._set_phase(TracePhase.FROZEN)
+                self._update_mode()
                 self._on_freeze()
         elif self.phase in (TracePhase.FROZEN, TracePhase.DIVERGED) and flags[0]:
             self._retrace(self._diverged_why or "another rank left the schedule")
@@ -254,11 +267,11 @@ class Schedule:
         mgr = self.mgr
         cur = self.cursor
         self._untraced_depth = 0
-        cur.on_schedule = True
+        self._eval_follows = False
         mgr.probe.release(_WARMUP)
         mgr.probe.release(_UNSCHEDULED)
         mgr.probe.release(_METER)
-        cur.safe_mode = False
+        self._safe = False
         mgr.measuring_shortfall = False
         self._too_small = None
         self._pass_need = 0
@@ -267,6 +280,7 @@ class Schedule:
             self._warmup_disagrees = False
         elif self.phase is TracePhase.FROZEN:
             self._diverged_why = ""
+        self._update_mode()
 
     # ------------------------------------------------------------------ checks
     def on_moment(self, module: str, stage: str, chunk_ids: tuple[int, ...]) -> None:
@@ -318,7 +332,19 @@ class Schedule:
     @property
     def frozen(self) -> bool:
         """Whether budgets, eviction and prefetch follow the trace in the running iteration."""
-        return self.phase is TracePhase.FROZEN and not self.cursor.safe_mode
+        return self.phase is TracePhase.FROZEN and not self._safe
+
+    def _update_mode(self) -> None:
+        """Derive the cursor's :class:`ScheduleMode` from the facts it depends on: the one
+        place it is written (called after each of them changes)."""
+        cur = self.cursor
+        trusted = cur.trace.frozen and not self._safe
+        if not self._untraced_depth:
+            cur.mode = ScheduleMode.FOLLOWING if trusted else ScheduleMode.TRACING
+        elif not trusted:
+            cur.mode = ScheduleMode.EVALUATING_UNTRACED
+        else:
+            cur.mode = ScheduleMode.EVALUATING_ALONG if self._eval_follows else ScheduleMode.EVALUATING_OFF
 
     # ------------------------------------------------------------------ phase changes
     def _set_phase(self, new: TracePhase) -> None:
@@ -330,7 +356,8 @@ class Schedule:
         if self.phase is not TracePhase.FROZEN or self._diverged_why:
             return
         self._diverged_why = why
-        self.cursor.safe_mode = True
+        self._safe = True
+        self._update_mode()
         if not self.comm.distributed:  # with several processes the phase changes when the ranks agree
             self._set_phase(TracePhase.DIVERGED)
 
@@ -353,6 +380,7 @@ class Schedule:
         self.cursor.trace = MemoryTrace()
         self._diverged_why = ""
         self._warmup_disagrees = False
+        self._update_mode()
 
     # ------------------------------------------------------------------ budget too small
     def _close_traced_moment(self) -> None:
