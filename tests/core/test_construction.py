@@ -10,6 +10,7 @@ file or a sharded Hugging Face directory, streams into the chunks bit for bit.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -58,12 +59,12 @@ def _gpt2() -> nn.Module:
     return build_gpt2(n_layer=3)
 
 
-def _llama() -> nn.Module:
+def _llama(tie_word_embeddings: bool = False) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tie_word_embeddings,
     )  # fmt: skip
     return LlamaForCausalLM(cfg)
 
@@ -199,9 +200,11 @@ def test_pretrained_with_missing_parameters_initialises_the_rest(tmp_path: Path)
     saved = _gpt2().state_dict()
     partial = {k: v for k, v in saved.items() if ".h.2." not in k and k != "lm_head.weight"}  # tied to wte
     save_file(partial, str(tmp_path / "partial.safetensors"))
-    engine, _ = _engine(_on_meta(_gpt2), pretrained=tmp_path / "partial.safetensors")
+    with pytest.warns(UserWarning, match=r"12 of the model's 40 parameters are not in the checkpoint.*transformer\.h\.2\."):
+        engine, _ = _engine(_on_meta(_gpt2), pretrained=tmp_path / "partial.safetensors")
     report = engine.construction
-    assert report.initialised and report.not_in_checkpoint and all(".h.2." in n for n in report.not_in_checkpoint)
+    assert report.initialised and len(report.not_in_checkpoint) == 12
+    assert all(".h.2." in n for n in report.not_in_checkpoint)
     got = engine.state_dict()
     for k in partial:
         assert torch.equal(got[k], saved[k]), k
@@ -227,6 +230,81 @@ def test_pretrained_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
     save_file({k: v.contiguous() for k, v in sd.items() if k != "lm_head.weight"}, str(tmp_path / "shape.safetensors"))
     with pytest.raises(chunkstar.PretrainedError, match="transformer.wte.weight"):
         _engine(_on_meta(_gpt2), pretrained=tmp_path / "shape.safetensors")
+
+
+def _checkpoint_warnings(caught: list[warnings.WarningMessage], path: Path) -> list[str]:
+    return [str(w.message) for w in caught if str(path) in str(w.message)]
+
+
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    return T5ForConditionalGeneration(cfg)  # shared embeddings: encoder, decoder and lm_head
+
+
+def _llama_tied() -> nn.Module:
+    return _llama(tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama, _llama_tied, _bert, _t5], ids=["gpt2", "llama", "llama-tied", "bert", "t5"])
+def test_a_models_own_checkpoint_loads_without_a_warning(tmp_path: Path, build: Callable[[], nn.Module]) -> None:
+    """Note [what a checkpoint may lack]: tied parameters saved once, non-persistent buffers never
+    saved, and what Hugging Face itself lets checkpoints hold, warn of nothing."""
+    from safetensors.torch import save_file, save_model
+
+    torch.manual_seed(5)
+    model = build()
+    want = model.state_dict()
+    _save_pretrained(model, tmp_path / "hf")
+    save_model(model, str(tmp_path / "one.safetensors"))  # safetensors' own: one name per shared tensor
+    # every name of a tied tensor stored, and the buffers old GPT-2 checkpoints hold (HF ignores them)
+    every = {k: v.clone() for k, v in want.items()}
+    old_buffers = [f"transformer.h.{i}.attn.bias" for i in range(3)] if build is _gpt2 else []
+    every.update({k: torch.ones(1, 1, 32, 32) for k in old_buffers})
+    save_file(every, str(tmp_path / "every.safetensors"))
+    for path in (tmp_path / "hf", tmp_path / "one.safetensors", tmp_path / "every.safetensors"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine, _ = _engine(_on_meta(build), pretrained=path)
+        assert _checkpoint_warnings(caught, path) == [], path.name
+        report = engine.construction
+        assert not report.not_in_checkpoint and not report.initialised, path.name
+        assert report.unused_keys == (old_buffers if path.name == "every.safetensors" else []), path.name
+        got = engine.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in want.items()), path.name
+
+
+def test_a_checkpoint_that_matches_nothing_is_refused_naming_both_sides(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    sd = _gpt2().state_dict()
+    # another model's names: "model." where this one says "transformer."
+    renamed = {"model." + k.removeprefix("transformer."): v for k, v in sd.items() if k != "lm_head.weight"}
+    save_file(renamed, str(tmp_path / "other.safetensors"))
+    with pytest.raises(chunkstar.PretrainedError, match="none of the model's parameters") as err:
+        _engine(_on_meta(_gpt2), pretrained=tmp_path / "other.safetensors")
+    message = str(err.value)
+    assert "transformer.wte.weight" in message and "model.h.0." in message and "leave out pretrained=" in message
+    save_file({}, str(tmp_path / "empty.safetensors"))
+    with pytest.raises(chunkstar.PretrainedError, match="holds no tensors"):
+        _engine(_on_meta(_gpt2), pretrained=tmp_path / "empty.safetensors")
+    (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(chunkstar.PretrainedError, match="weight_map names no tensors"):
+        _engine(_on_meta(_gpt2), pretrained=tmp_path / "index")
+
+
+def test_checkpoint_tensors_the_model_has_no_place_for_are_reported_and_warned_of(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    sd = {k: v for k, v in _gpt2().state_dict().items() if k != "lm_head.weight"}
+    sd.update({"junk.weight": torch.zeros(3), "score.bias": torch.zeros(2)})
+    save_file(sd, str(tmp_path / "extra.safetensors"))
+    with pytest.warns(UserWarning, match=r"2 of the checkpoint's \d+ tensors match no parameter") as caught:
+        engine, _ = _engine(_on_meta(_gpt2), pretrained=tmp_path / "extra.safetensors")
+    assert "junk.weight" in str(caught[0].message) and "score.bias" in str(caught[0].message)
+    assert engine.construction.unused_keys == ["junk.weight", "score.bias"]
 
 
 def test_write_safetensors_streams_a_file_safetensors_reads(tmp_path: Path) -> None:
@@ -258,7 +336,10 @@ def test_lora_on_a_meta_base_loads_the_base_checkpoint_and_initialises_the_adapt
             model = LlamaForCausalLM(base.config)
         return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
 
-    engine, optimizer = _engine(lora, pretrained=tmp_path / "base")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, optimizer = _engine(lora, pretrained=tmp_path / "base")
+    assert _checkpoint_warnings(caught, tmp_path / "base") == []  # the adapters are not the base's to hold
     report = engine.construction
     assert report.initialised and not report.unused_keys
     assert report.not_in_checkpoint and all("lora_" in n for n in report.not_in_checkpoint)

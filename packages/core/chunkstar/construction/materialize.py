@@ -27,13 +27,40 @@ chunk's; never at the whole fp32 model beside its chunks.
 
 Meta buffers are rebuilt for real (Note [meta buffers]) or read from the
 checkpoint (persistent ones are in it).
+
+Note [what a checkpoint may lack]: before anything is read, the checkpoint is
+held against the model. One that matches none of its parameters is refused (a
+``PretrainedError`` naming a few names of each side, so a prefix that differs is
+visible): training would start from the initialisers, with a checkpoint the user
+believes was loaded. Someone who wants that leaves out ``pretrained=``. A partial
+match loads, and ``engine.construction`` lists what was loaded, what the
+checkpoint lacks and what of it matched nothing, with a warning for the last two
+naming how many and a few. The warning leaves out what checkpoints lack, or
+hold, on purpose, so a real checkpoint of the model warns of nothing:
+
+* a tied parameter is one parameter under several names, found under any of them
+  (``save_pretrained`` stores one), and a checkpoint tensor found under any name
+  of a parameter is used, even when another name was read;
+* buffers are not asked for (non-persistent ones are never saved; missing ones
+  keep their built or rebuilt values);
+* a PEFT adapter's parameters (a tuner layer's ``adapter_layer_names``) are not
+  in the base model's checkpoint: they are initialised, as PEFT does;
+* Hugging Face's own exceptions: the model's ``_keys_to_ignore_on_load_missing``
+  and ``_keys_to_ignore_on_load_unexpected`` patterns, and old checkpoints'
+  ``rotary_emb.inv_freq`` and ``position_ids`` buffers, as ``from_pretrained``
+  applies them.
+
+Values are not judged, but a parameter read with NaN or infinities is named in
+``engine.construction.nonfinite`` and warned about.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
+import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -63,6 +90,8 @@ class ConstructionReport:
     """Parameter names the checkpoint lacks: initialised, or kept as built."""
     unused_keys: list[str] = field(default_factory=list)
     """Checkpoint tensors that match no parameter or buffer."""
+    nonfinite: list[str] = field(default_factory=list)
+    """Parameter names read from the checkpoint with NaN or infinite values (on this rank)."""
     bytes_read: int = 0
     """Checkpoint bytes this rank read."""
     rebuilt_buffers: list[str] = field(default_factory=list)
@@ -96,6 +125,88 @@ def _prefixes(model: nn.Module) -> list[str]:
         if isinstance(p, str) and p and p not in out:
             out.append(p)
     return out
+
+
+def _patterns(model: nn.Module, attribute: str) -> list[str]:
+    """The regexes of a Hugging Face load exception list (``_keys_to_ignore_on_load_*``) of any module."""
+    out: list[str] = []
+    for m in model.modules():
+        found = getattr(m, attribute, None)
+        if isinstance(found, (list, tuple, set, frozenset)):
+            out += sorted(p for p in found if isinstance(p, str) and p not in out)
+    return out
+
+
+def _search(patterns: list[str]) -> Callable[[str], bool]:
+    if not patterns:
+        return lambda name: False
+    rx = re.compile("|".join(f"(?:{p})" for p in patterns))
+    return lambda name: rx.search(name) is not None
+
+
+def _may_lack(model: nn.Module, names_of: dict[int, list[str]]) -> Callable[[nn.Parameter], bool]:
+    """Whether a checkpoint may leave out a parameter without a warning (Note [what a checkpoint may lack])."""
+    adapters: set[int] = set()
+    for m in model.modules():
+        layers = getattr(m, "adapter_layer_names", None)  # a PEFT tuner layer's adapter submodules
+        if isinstance(layers, (list, tuple)):
+            for attr in layers:
+                sub = getattr(m, attr, None) if isinstance(attr, str) else None
+                if isinstance(sub, nn.Module):
+                    adapters.update(id(p) for p in sub.parameters())
+    ignored = _search(_patterns(model, "_keys_to_ignore_on_load_missing"))
+    return lambda p: id(p) in adapters or any(ignored(n) for n in names_of[id(p)])
+
+
+def _may_hold(model: nn.Module) -> Callable[[str], bool]:
+    """Whether a checkpoint may hold a tensor the model has no place for without a warning (as
+    ``from_pretrained`` judges: Note [what a checkpoint may lack])."""
+    patterns = _patterns(model, "_keys_to_ignore_on_load_unexpected")
+    buffers = [n for n, _ in model.named_buffers()]
+    if any(n.endswith("rotary_emb.inv_freq") for n in buffers):  # moved out of every layer
+        patterns.append(r"rotary_emb\.inv_freq")
+    if any(n.endswith("position_ids") for n in buffers):  # persistent in older versions
+        patterns.append(r"(^|\.)position_ids$")
+    return _search(patterns)
+
+
+def _held_against(
+    model: nn.Module, source: PretrainedSource, params: list[nn.Parameter], slots: Sequence[TensorSlot],
+    names_of: dict[int, list[str]], key_of: dict[int, str], used: set[str], report: ConstructionReport,
+) -> None:  # fmt: skip
+    """Refuse a checkpoint that matches no parameter, or whose tensors do not fit theirs; report
+    and warn of what it lacks and what of it matches nothing (Note [what a checkpoint may lack])."""
+    if not key_of:
+        keys = sorted(source.keys)
+        seen = "it holds no tensors" if not keys else (
+            f"none of the model's parameters is in it (the model has {[s.name for s in slots[:3]]}, "
+            f"the checkpoint {keys[:3]})"
+        )  # fmt: skip
+        raise PretrainedError(
+            f"{source.path}: {seen}; pass this model's checkpoint (names may differ only by the model's "
+            "base_model_prefix), or leave out pretrained= to train from the model's initialisation"
+        )
+    for i, key in key_of.items():
+        source.check(key, slots[i].shape, params[i].dtype, f"parameter {slots[i].name!r}")
+    report.loaded = [slots[i].name for i in sorted(key_of)]
+    report.not_in_checkpoint = [s.name for s in slots if s.index not in key_of]
+    report.unused_keys = sorted(source.keys - used)
+    may_lack = _may_lack(model, names_of)
+    lacking = [s.name for s in slots if s.index not in key_of and not may_lack(params[s.index])]
+    if lacking:
+        warnings.warn(
+            f"{source.path}: {len(lacking)} of the model's {len(slots)} parameters are not in the checkpoint and "
+            f"start from the model's initialisation, e.g. {lacking[:3]} (engine.construction.not_in_checkpoint)",
+            stacklevel=3,
+        )
+    may_hold = _may_hold(model)
+    unexpected = [k for k in report.unused_keys if not may_hold(k)]
+    if unexpected:
+        warnings.warn(
+            f"{source.path}: {len(unexpected)} of the checkpoint's {len(source.keys)} tensors match no parameter or "
+            f"buffer of the model and are not read, e.g. {unexpected[:3]} (engine.construction.unused_keys)",
+            stacklevel=3,
+        )
 
 
 def _rehome(model: nn.Module, p: nn.Parameter, place: torch.Tensor) -> nn.Parameter:
@@ -165,8 +276,13 @@ def fill_chunks(
 
     # buffers: real already, read from the checkpoint, or rebuilt (Note [meta buffers])
     meta_buffers = meta_buffer_names(model)
-    buffer_names = [n for n, _ in model.named_buffers()]
-    buffer_keys = match_names(buffer_names, source.keys, _prefixes(model)) if source is not None else {}
+    buffers = dict(model.named_buffers())
+    buffer_keys = match_names(list(buffers), source.keys, _prefixes(model)) if source is not None else {}
+    if source is not None:  # everything is checked before anything is read or rebuilt
+        for n, key in buffer_keys.items():
+            source.check(key, buffers[n].shape, buffers[n].dtype, f"buffer {n!r}")
+        used = set(matched.values()) | set(buffer_keys.values())  # a tied parameter's every name
+        _held_against(model, source, params, slots, names_of, key_of, used, report)
     to_rebuild = [n for n in meta_buffers if n not in buffer_keys]
     if to_rebuild:
         if model_func is None:
@@ -177,32 +293,28 @@ def fill_chunks(
     if source is not None:
         for n, b in list(model.named_buffers()):
             if n in buffer_keys:
-                shape = source.shape(buffer_keys[n])
-                if tuple(shape) != tuple(b.shape):
-                    raise PretrainedError(f"{source.path}: buffer '{n}' is {list(shape)} there, {list(b.shape)} in the model")
                 value = torch.empty(b.shape, dtype=b.dtype)
                 source.read_into(buffer_keys[n], value.reshape(-1))
                 _set_buffer(model, n, value)
 
     needs_init = report.meta_params > 0 and len(key_of) < len(params)
-    if source is not None:
-        for i, key in key_of.items():
-            s = slots[i]
-            if tuple(source.shape(key)) != s.shape:
-                raise PretrainedError(
-                    f"{source.path}: tensor '{key}' is {list(source.shape(key))}, the model's parameter "
-                    f"'{s.name}' {list(s.shape)}"
-                )
-        report.loaded = [slots[i].name for i in sorted(key_of)]
-        report.not_in_checkpoint = [s.name for s in slots if s.index not in key_of]
-        report.unused_keys = sorted(source.keys - set(key_of.values()) - set(buffer_keys.values()))
     job = _Fill(model, params, layout, store, allocate, key_of, source, needs_init)
     if store.on_disk(ChunkList.MASTER):
         _fill_in_waves(job, wave_bytes)
     else:
         _fill_at_once(job)
     report.initialised = needs_init
-    report.bytes_read = source.bytes_read if source is not None else 0
+    if source is not None:
+        report.bytes_read = source.bytes_read
+        name_of = {key: slots[i].name for i, key in key_of.items()}
+        report.nonfinite = sorted(name_of[k] for k in set(source.nonfinite) if k in name_of)
+        if report.nonfinite:
+            warnings.warn(
+                f"{source.path}: {len(report.nonfinite)} parameters hold NaN or infinite values in the checkpoint, "
+                f"e.g. {report.nonfinite[:3]}; they are loaded as they are, and training from them gives NaN losses "
+                "(engine.construction.nonfinite)",
+                stacklevel=2,
+            )
     return report
 
 
