@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from typing import Any, Callable
 
 import pytest
 
-from chunkstar_bench import results
+from chunkstar_bench import results, runner
 from chunkstar_bench.cli import main
 from chunkstar_bench.results import COLUMNS, SCHEMA_VERSION, ResultsDB
 from chunkstar_bench.runner import RunRecord, RunSpec
@@ -151,3 +153,155 @@ def test_run_refuses_a_name_the_suite_does_not_have(flag: str, name: str, tmp_pa
     err = capsys.readouterr().err
     assert name in err and "not in suite 'nightly'" in err
     assert not db.exists()  # nothing ran, nothing was created
+
+
+# ------------------------------------------------------------------ run: the database is checked before the first run
+
+
+def _foreign_runs_table(path: Path) -> None:
+    """A ``runs`` table of someone else's, under this schema's version number: used to train the whole suite first."""
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE runs (id INTEGER PRIMARY KEY, name TEXT)")
+        conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+
+def _truncated(path: Path) -> None:
+    db = ResultsDB(path)
+    for _ in range(100):
+        db.append(record(), suite="cpu")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+BAD_RUN_DATABASES: dict[str, tuple[Callable[[Path], Any], str]] = {
+    "directory": (lambda p: p.mkdir(), "a directory, not a results database"),
+    "text file": (lambda p: p.write_text("id,status\n1,ok\n" * 100), "not an SQLite database"),
+    "garbage": (lambda p: p.write_bytes(bytes(range(256)) * 16), "not an SQLite database"),
+    "foreign schema": (_foreign, "no chunkstar-bench schema version"),
+    "foreign runs table": (_foreign_runs_table, "lacks the columns created_utc"),
+    "missing column": (_missing_column, "lacks the columns mfu"),
+    "newer schema": (_newer, "newer than the"),
+    "truncated": (_truncated, "damaged"),
+    "fifo": (lambda p: os.mkfifo(p), "not a regular file"),
+    "under a file": (lambda p: None, "a part of the path is a file, not a folder"),
+}
+
+
+def _assert_refused_before_any_run(path: Path, expected: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    before = _snapshot(path) if path.parent.is_dir() else None
+    ran: list[str] = []
+    monkeypatch.setattr("chunkstar_bench.runner.run", lambda spec, timeout: ran.append(spec.system))
+    assert main(["run", "--suite", "nightly", "--db", str(path), "--system", "pytorch"]) == 2
+    out, err = capsys.readouterr()
+    assert ran == [] and out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"chunkstar-bench run: {path}"), err
+    assert expected in lines[0], err
+    if before is not None:
+        assert _snapshot(path) == before  # a refused file is left as it was, and no journal is left beside it
+
+
+@pytest.mark.parametrize("kind", list(BAD_RUN_DATABASES))
+def test_run_checks_the_database_before_the_first_run(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make, expected = BAD_RUN_DATABASES[kind]
+    path = tmp_path / "results.sqlite"
+    if kind == "under a file":
+        (tmp_path / "plain").write_text("a file, not a folder")
+        path = tmp_path / "plain" / "results.sqlite"
+    make(path)
+    _assert_refused_before_any_run(path, expected, capsys, monkeypatch)
+
+
+@pytest.fixture
+def read_only_db(tmp_path: Path) -> Iterator[Path]:
+    """A results file this user cannot write: mode 444, or, for root (who writes through a mode), immutable."""
+    path = tmp_path / "results.sqlite"
+    ResultsDB(path).append(record(), suite="cpu")
+    path.chmod(0o444)
+    immutable = False
+    if os.access(path, os.W_OK):
+        chattr = shutil.which("chattr")
+        immutable = chattr is not None and subprocess.run([chattr, "+i", str(path)], capture_output=True).returncode == 0
+        if not immutable:
+            path.chmod(0o644)
+            pytest.skip("this user writes through a mode of 444 and cannot make a file immutable")
+    try:
+        yield path
+    finally:
+        if immutable:
+            subprocess.run([str(shutil.which("chattr")), "-i", str(path)], check=True)
+        path.chmod(0o644)
+
+
+def test_run_on_a_read_only_database(read_only_db: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    _assert_refused_before_any_run(read_only_db, "cannot be written (a read-only file, folder or filesystem)", capsys, monkeypatch)
+
+
+def test_run_on_a_locked_database_says_so_after_a_short_wait(
+    fake_runs: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "results.sqlite"
+    ResultsDB(path).append(record(), suite="cpu")
+    monkeypatch.setattr(results, "READ_TIMEOUT_S", 0.2)
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        assert main(["run", "--suite", "nightly", "--db", str(path), "--system", "pytorch"]) == 2
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    err = capsys.readouterr().err
+    assert err == f"chunkstar-bench run: {path}: the database is locked by another process (waited 0.2 s); try again when it is done\n"
+    assert len(ResultsDB(path).runs()) == 1
+
+
+def test_run_on_a_fifo_returns_at_once_without_a_traceback(tmp_path: Path) -> None:
+    fifo = tmp_path / "results.sqlite"
+    os.mkfifo(fifo)
+    # the runner is replaced by an exit: were the check to pass, the command would stop there, not train
+    code = "import sys, chunkstar_bench.runner as r; r.run = lambda *a: sys.exit(99)\n" \
+           "from chunkstar_bench.cli import main; sys.exit(main(sys.argv[1:]))"  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code, "run", "--suite", "nightly", "--db", str(fifo), "--system", "pytorch"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"chunkstar-bench run: {fifo}: not a regular file, so not a results database"
+
+
+def test_run_sets_a_row_aside_when_appending_fails(
+    fake_runs: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "results.sqlite"
+    monkeypatch.setattr(results, "WRITE_TIMEOUT_S", 0.2)
+    holders: list[sqlite3.Connection] = []
+    fake = runner.run  # the fixture's record maker
+
+    def run_then_lock(spec: RunSpec, timeout_s: float) -> RunRecord:
+        made = fake(spec, timeout_s)
+        if spec.system == "deepspeed":  # another process takes the file for itself from the second run on
+            holder = sqlite3.connect(path, isolation_level=None)
+            holder.execute("BEGIN EXCLUSIVE")
+            holders.append(holder)
+        return made
+
+    monkeypatch.setattr("chunkstar_bench.runner.run", run_then_lock)
+    try:
+        status = main(["run", "--suite", "nightly", "--db", str(path), "--model", "cpu-small"])
+    finally:
+        for holder in holders:
+            holder.execute("ROLLBACK")
+            holder.close()
+    out, err = capsys.readouterr()
+    assert status == 2
+    aside = tmp_path / "results.sqlite.unsaved.jsonl"
+    rows = [json.loads(line) for line in aside.read_text().splitlines()]
+    stored = ResultsDB(path).runs()
+    assert len(stored) + len(rows) == 4 and len(rows) >= 1  # every measurement kept, in the file or beside it
+    assert {r["system"] for r in rows} | set(stored["system"]) == {"chunkstar", "deepspeed", "fsdp2", "pytorch"}
+    assert set(rows[0]) == {name for name, _ in COLUMNS} - {"id"}
+    assert f"{path}: the database is locked by another process" in err and str(aside) in err
+    for system in ("chunkstar", "deepspeed", "fsdp2", "pytorch"):
+        assert f"{system} " in out  # the summary table still shows every run

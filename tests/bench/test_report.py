@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,21 @@ def test_parse_size() -> None:
     assert parse_size("2G") == 2 * 10**9  # chunkstar.parse_bytes' units, the engine's own
     with pytest.raises(Exception, match="not a size"):
         parse_size("lots")
+
+
+def test_cli_report_leaves_out_a_row_it_cannot_read_and_says_which(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "r.sqlite"
+    db = ResultsDB(path)
+    db.append(record("pytorch", "cpu-small"), suite="cpu")
+    db.append(record("deepspeed", "cpu-small"), suite="cpu")
+    db.append(record("fsdp2", "cpu-small"), suite="cpu")
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE runs SET tokens_per_s = 'garbage' WHERE system = 'deepspeed'")
+        conn.execute("UPDATE runs SET config_json = 'garbage' WHERE system = 'fsdp2'")
+    assert main(["report", "--db", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert err == (
+        f"chunkstar-bench report: {path}: 2 rows cannot be read: row id 2 (tokens_per_s holds text, not a number), "
+        "row id 3 (config_json is not a JSON object); the report leaves them out\n"
+    )
+    assert "pytorch" in out and "deepspeed" not in out and "fsdp2" not in out

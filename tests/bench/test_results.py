@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkstar_bench.results import COLUMNS, SCHEMA_VERSION, ResultsDB, ResultsFileError, SchemaVersionError
+from chunkstar_bench.results import COLUMNS, SCHEMA_VERSION, BadRowsError, ResultsDB, ResultsFileError, SchemaVersionError
 from tests.bench._records import record
 
 
@@ -58,7 +58,7 @@ def test_foreign_sqlite_file_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "other.sqlite"
     with sqlite3.connect(path) as conn:
         conn.execute("CREATE TABLE things (x)")
-    with pytest.raises(SchemaVersionError, match="things"):
+    with pytest.raises(SchemaVersionError, match="no chunkstar-bench schema version"):
         ResultsDB(path)
 
 
@@ -111,3 +111,51 @@ def test_appends_from_two_connections_at_once(tmp_path: Path) -> None:
     df = ResultsDB(path).runs()
     assert len(df) == 50 and sorted(df["id"]) == list(range(1, 51))
     assert (df["suite"] == "one").sum() == 25
+
+
+def _spoil(path: Path, sql: str) -> None:
+    with sqlite3.connect(path) as conn:
+        conn.execute(sql)
+
+
+def test_rows_of_the_wrong_type_are_named_and_the_others_kept(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite"
+    db = ResultsDB(path)
+    for system in ("chunkstar", "deepspeed", "fsdp2", "pytorch"):
+        db.append(record(system), suite="cpu")
+    _spoil(path, "UPDATE runs SET step_time_s = 'garbage' WHERE id = 2")
+    _spoil(path, "UPDATE runs SET config_json = '{not json' WHERE id = 3")
+    for reader in (db, ResultsDB(path, read_only=True)):
+        with pytest.raises(BadRowsError) as caught:
+            reader.runs()
+        err = caught.value
+        assert str(err) == (
+            f"{path}: 2 rows cannot be read: row id 2 (step_time_s holds text, not a number), "
+            "row id 3 (config_json is not a JSON object)"
+        )
+        assert [(b.row_id, b.column) for b in err.bad] == [(2, "step_time_s"), (3, "config_json")]
+        good = err.good
+        assert list(good["system"]) == ["chunkstar", "pytorch"] and list(good.columns) == [name for name, _ in COLUMNS]
+        assert good["step_time_s"].dtype == float  # as from a clean file: numbers, not objects
+        assert isinstance(err, ResultsFileError)  # a caller that cannot use part of a file refuses it whole
+
+
+def test_a_text_column_holding_a_number_or_an_unknown_status_is_a_bad_row(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite"
+    cols = ", ".join(name for name, _ in COLUMNS)  # no type affinity: SQLite keeps whatever is written
+    _spoil(path, f"CREATE TABLE runs ({cols})")
+    _spoil(path, f"PRAGMA user_version = {SCHEMA_VERSION}")
+    good = ResultsDB(tmp_path / "good.sqlite")
+    good.append(record(), suite="cpu")
+    row = good.runs().iloc[0].to_dict()
+    with sqlite3.connect(path) as conn:
+        for i, change in enumerate(({}, {"status": "maybe"}, {"nprocs": None}, {"model": 7}, {"versions_json": "[1]"}), 1):
+            values = {**row, **change, "id": i}
+            conn.execute(f"INSERT INTO runs ({cols}) VALUES ({', '.join('?' for _ in values)})", [values[n] for n, _ in COLUMNS])
+    with pytest.raises(BadRowsError) as caught:
+        ResultsDB(path, read_only=True).runs()
+    assert [(b.row_id, b.column, b.problem) for b in caught.value.bad] == [
+        (2, "status", "is not one of ok, oom, error"), (3, "nprocs", "is empty"), (4, "model", "holds a number, not text"),
+        (5, "versions_json", "is not a JSON object"),
+    ]  # fmt: skip
+    assert list(caught.value.good["id"]) == [1]

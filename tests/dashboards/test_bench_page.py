@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+import sqlite3
 from pathlib import Path
 
 from streamlit.testing.v1 import AppTest
+
+from chunkstar_dashboard.text import escape_markdown
 
 from ._bench_db import COMMITS, MAXSCALE_OK
 from .conftest import APP
@@ -91,7 +95,8 @@ def test_bad_database_shows_an_error(tmp_path: Path) -> None:
     bad.write_bytes(b"not a database\n" * 100)
     at = _page(bad)
     assert not at.exception
-    assert len(at.error) == 1 and "not a readable chunkstar-bench results database" in at.error[0].value
+    assert len(at.error) == 1
+    assert escape_markdown(f"not.sqlite is not a readable chunkstar-bench results database: {bad}: not an SQLite database") == at.error[0].value
     assert not at.get("plotly_chart")
     at.text_input(key="bench_db_path").input(str(tmp_path / "missing.sqlite")).run()
     assert not at.exception and "Cannot open" in at.error[0].value
@@ -104,3 +109,17 @@ def test_profile_pages_still_work_with_the_benchmarks_page(profile_path: Path, b
     at.run()
     _assert_clean(at)
     assert at.title[0].value == "Memory timeline" and len(at.get("plotly_chart")) == 1
+
+
+def test_a_row_of_the_wrong_type_is_named_and_the_other_runs_shown(bench_db_path: Path, tmp_path: Path) -> None:
+    path = tmp_path / "edited.sqlite"
+    shutil.copyfile(bench_db_path, path)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE runs SET tokens_per_s = 'garbage' WHERE id = 5")
+    at = _page(path)
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    warning = " ".join(w.value for w in at.warning)
+    assert escape_markdown(f"{path}: 1 row cannot be read: row id 5 (tokens_per_s holds text, not a number)") in warning
+    assert {m.label: m.value for m in at.metric}["Runs"] == "62"  # the 63 rows but the bad one
+    assert len(at.get("plotly_chart")) == 3

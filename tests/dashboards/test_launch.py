@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import site
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -56,6 +57,20 @@ def test_the_shipped_config_matches_the_flags() -> None:
     # `streamlit run dashboards/app.py` reads the same file, through the link beside that entry
     entry_config = REPO / "dashboards" / ".streamlit" / "config.toml"
     assert entry_config.resolve() == (APP.parent / ".streamlit" / "config.toml").resolve()
+
+
+def test_check_listen_accepts_what_streamlit_can_bind_and_names_what_it_cannot() -> None:
+    for address in ("127.0.0.1", "localhost", "0.0.0.0"):
+        launch.check_listen(address, None)  # no --port: Streamlit finds a free one itself
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        taken.listen()
+        with pytest.raises(launch.LaunchError, match=f"^port {port} on 127.0.0.1 is in use; pick another with --port$"):
+            launch.check_listen("127.0.0.1", port)
+    launch.check_listen("127.0.0.1", port)  # and free again once closed: the check holds nothing
+    with pytest.raises(launch.LaunchError, match="^--address no-such-host.invalid: not an address of this machine"):
+        launch.check_listen("no-such-host.invalid", 8501)
 
 
 def _run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:

@@ -143,3 +143,12 @@ def test_markdown_in_profile_metadata_is_escaped(markdown_profile: Path) -> None
     for rendered in shown:
         assert _literal(markdown_profile.name) in rendered
         assert not re.search(r"<(em|a|b|i|code)[ >]", rendered)
+
+
+def test_the_path_box_never_shows_what_a_file_that_is_not_a_profile_holds(tmp_path: Path) -> None:
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$6$hunter2:19000:0:99999:7:::\n")  # /etc/shadow's shape: the server may read it, a visitor must not
+    at = AppTest.from_file(str(APP), default_timeout=60).run()
+    at.text_input(key="profile_path").input(str(secret)).run()
+    _assert_no_traceback(at)
+    assert [e.value for e in at.error] == [escape_markdown(f"shadow is not a readable chunkstar profile: {secret}: not a chunkstar profile")]

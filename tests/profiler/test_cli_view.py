@@ -8,6 +8,7 @@ timeout turns into a failure here rather than a hijacked test process.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -66,3 +67,34 @@ def test_without_streamlit_it_names_the_extra(profile: Path) -> None:
 def test_a_port_out_of_range(profile: Path) -> None:
     out = _view(str(profile), "--port", "70000")
     assert out.returncode == 2 and "--port 70000: a port is 1..65535" in out.stderr
+
+
+def test_an_address_that_does_not_resolve(profile: Path) -> None:
+    out = _view(str(profile), "--address", "no-such-host.invalid", "--no-browser")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("chunkstar-profile view: --address no-such-host.invalid: not an address of this machine")
+    assert len(out.stderr.splitlines()) == 1
+
+
+def test_an_address_of_another_machine(profile: Path) -> None:
+    out = _view(str(profile), "--address", "192.0.2.1", "--no-browser")  # TEST-NET-1: never this machine's
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1
+    assert out.stderr.startswith("chunkstar-profile view: --address 192.0.2.1: not an address of this machine")
+
+
+def test_a_port_in_use(profile: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _view(str(profile), "--port", str(port), "--no-browser")
+    assert out.returncode == 2, out.stderr  # the README's status for a bad port; Streamlit itself would exit 1
+    assert out.stderr.strip() == f"chunkstar-profile view: port {port} on 127.0.0.1 is in use; pick another with --port"
+
+
+def test_a_file_that_is_not_a_profile_is_never_quoted(tmp_path: Path) -> None:
+    secret = tmp_path / "shadow"
+    secret.write_bytes(b"root:$6$secret:19000:0:99999:7:::\n")
+    out = _view(str(secret))
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"chunkstar-profile view: {secret}: not a chunkstar profile"

@@ -8,6 +8,7 @@ around one bad member or field.
 from __future__ import annotations
 
 import io
+import json
 import re
 import tracemalloc
 import zipfile
@@ -183,3 +184,34 @@ def test_a_missing_path_is_a_format_error_and_file_not_found(tmp_path: Path) -> 
     with pytest.raises(ProfileFormatError, match=re.escape(f"{missing}: no such file")) as info:
         chunkstar_profiler.load(missing)
     assert isinstance(info.value, FileNotFoundError)
+
+
+SECRET = "hunter2-secret"
+"""Text of a file that is not a profile, which no message may repeat (the viewer's path box reads any path)."""
+
+
+def _zip_with_manifest(path: Path, manifest: bytes) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("manifest.json", manifest)
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind, make, expected",
+    [
+        ("shadow-like text", lambda p: p.write_text(f"root:{SECRET}:19000:0:99999:7:::\n"), "not a chunkstar profile"),
+        ("binary", lambda p: p.write_bytes(b"\x80\x04" + SECRET.encode()), "not a chunkstar profile"),
+        ("foreign manifest", lambda p: _zip_with_manifest(p, json.dumps({"format": SECRET}).encode()), "not a chunkstar profile"),
+        ("manifest not UTF-8", lambda p: _zip_with_manifest(p, b"\xff" + SECRET.encode()), "not UTF-8 text"),
+    ],
+)
+def test_a_file_that_is_not_a_profile_is_never_quoted(kind: str, make: Callable[[Path], Any], expected: str, tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    make(path)
+    with pytest.raises(ProfileFormatError) as info:
+        chunkstar_profiler.load(str(path))
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and expected in message, message
+    said = message[len(f"{path}: ") :]  # what the reader says about the file, after its name
+    for fragment in ("root", SECRET[:4], "\\x80", "\\xff", "0xff", "0x80"):
+        assert fragment not in said, message

@@ -8,11 +8,13 @@ another module can add one (``plan``, ``step-time``) without editing ``main``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 __all__ = ["COMMANDS", "main", "parse_size"]
 
@@ -39,8 +41,9 @@ def _register_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     from chunkstar_bench.suites import SUITES
 
     p = sub.add_parser(
-        "run", help="run a suite, one subprocess per run, appending rows to a results DB (exit status 1 when any run failed)"
-    )
+        "run", help="run a suite, one subprocess per run, appending rows to a results DB, checked first "
+        "(exit status 1 when a run failed, 2 for a bad argument or results file)",
+    )  # fmt: skip
     p.add_argument("--suite", required=True, choices=sorted(SUITES))
     p.add_argument("--db", required=True, type=Path, help="SQLite results file (created if missing)")
     p.add_argument("--hardware", help="label for this machine (default: the suite's own, 'cpu' for CPU suites)")
@@ -52,7 +55,7 @@ def _register_run(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from chunkstar_bench.report import runs_table
-    from chunkstar_bench.results import ResultsDB
+    from chunkstar_bench.results import ResultsDB, ResultsFileError, record_row, runs_frame, set_aside
     from chunkstar_bench.runner import run
     from chunkstar_bench.suites import get_suite, with_hardware
 
@@ -70,27 +73,46 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not specs:
         print(f"chunkstar-bench run: suite {args.suite!r} has no run of system {args.system} and model {args.model}", file=sys.stderr)
         return 2
-    db = ResultsDB(args.db)
-    ids: list[int] = []
+    db = ResultsDB(args.db)  # checked here, before the first run: a bad file ends the command now (main), not after the suite
+    rows: list[dict[str, Any]] = []  # this command's rows, appended or set aside
+    aside: list[str] = []  # where each row that could not be appended went
     failed: Counter[str] = Counter()
     start = time.monotonic()
     for i, spec in enumerate(specs, 1):
         _progress(f"[{i}/{len(specs)}] {spec.system} {spec.model} x{spec.nprocs} batch {spec.batch} on {spec.hardware} ...")
         record = run(spec, args.timeout)
-        ids.append(db.append(record, suite=args.suite))
+        row = record_row(record, suite=args.suite)
+        try:
+            row["id"] = db.append(record, suite=args.suite)
+        except ResultsFileError as err:  # the file failed after the check: keep the measurement, say where
+            where = set_aside(args.db, row)
+            aside.append(str(where) if where is not None else "standard output")
+            _progress(f"chunkstar-bench run: {err}; this run's row was written to {aside[-1]} instead")
+            if where is None:
+                print(json.dumps(row, sort_keys=True, default=str), flush=True)
+        rows.append(row)
         if record.status != "ok":
             failed[record.status] += 1
         what = f"{record.step_time_s:.3f} s/step, {record.tokens_per_s:,.0f} tokens/s" if record.status == "ok" else record.message
         _progress(f"[{i}/{len(specs)}] {spec.system} {spec.model}: {record.status} {what} ({record.wall_s:.0f} s)")
-    df = db.runs()
-    print(runs_table(df[df["id"].isin(ids)]))
-    print(f"\n{len(ids)} runs of suite {args.suite!r} appended to {args.db} in {time.monotonic() - start:.0f} s")
+    # the table is of this command's runs, in their order, whether stored or set aside (its ids are not shown)
+    print(runs_table(runs_frame({**row, "id": i} for i, row in enumerate(rows))))
+    saved = len(rows) - len(aside)
+    print(f"\n{saved} runs of suite {args.suite!r} appended to {args.db} in {time.monotonic() - start:.0f} s")
+    status = 0
     if failed:
         # a nightly job must fail when a run did, not only when the runner crashed
-        counts = ", ".join(f"{n} {status}" for status, n in sorted(failed.items()))
-        print(f"chunkstar-bench run: {sum(failed.values())} of {len(ids)} runs failed ({counts})", file=sys.stderr)
-        return 1
-    return 0
+        counts = ", ".join(f"{n} {kind}" for kind, n in sorted(failed.items()))
+        print(f"chunkstar-bench run: {sum(failed.values())} of {len(rows)} runs failed ({counts})", file=sys.stderr)
+        status = 1
+    if aside:
+        print(
+            f"chunkstar-bench run: {len(aside)} of {len(rows)} rows could not be appended to {args.db}; they are in "
+            f"{', '.join(sorted(set(aside)))} (one JSON row per line, the columns of the runs table)",
+            file=sys.stderr,
+        )
+        status = 2
+    return status
 
 
 # --------------------------------------------------------------------------- report
@@ -105,13 +127,14 @@ def _register_report(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from chunkstar_bench.report import report
-    from chunkstar_bench.results import ResultsDB, ResultsFileError
+    from chunkstar_bench.results import BadRowsError, ResultsDB
 
+    db = ResultsDB(args.db, read_only=True)  # read-only: a report never creates or changes a file
     try:
-        runs = ResultsDB(args.db, read_only=True).runs()  # read-only: a report never creates or changes a file
-    except ResultsFileError as err:
-        print(f"chunkstar-bench report: {err}", file=sys.stderr)
-        return 2
+        runs = db.runs()
+    except BadRowsError as err:  # the other rows still make a report; which ones are missing is said once
+        print(f"chunkstar-bench report: {err}; the report leaves them out", file=sys.stderr)
+        runs = err.good
     print(report(runs, args.hardware))
     return 0
 
@@ -225,7 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     for register in COMMANDS.values():
         register(sub)
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    from chunkstar_bench.results import ResultsFileError  # stdlib only: every command may take a --db
+
+    try:
+        return int(args.func(args))
+    except ResultsFileError as err:  # a results file a command cannot use: one line, the status of a usage error
+        print(f"chunkstar-bench {args.command}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

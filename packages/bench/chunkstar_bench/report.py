@@ -189,7 +189,7 @@ def maxscale_table(df: pd.DataFrame) -> str:
     if ms.empty:
         return "(no max-scale attempts)"
     ms = ms.copy()
-    specs = [json.loads(c)["spec"] for c in ms["config_json"]]
+    specs = [json.loads(c).get("spec", {}) for c in ms["config_json"]]
     ms["cap"] = [spec.get("host_mem_cap_bytes") for spec in specs]
     # deepspeed-nvme with its params on disk too is a different offload: its own row
     ms["system"] = [f"{system}+params" if spec.get("nvme_params") else system for system, spec in zip(ms["system"], specs)]

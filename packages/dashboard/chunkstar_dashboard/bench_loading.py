@@ -5,7 +5,9 @@ modules imported only when a page asks) and are cached by ``st.cache_data``:
 a results file by (path, mtime, size), so a database a nightly job appended
 to is read again.
 A file that is missing or not a results database becomes a ``BenchLoadError``
-whose text the page shows.
+whose text the page shows; rows whose values are not of their column's type
+(``chunkstar_bench.results.BadRowsError``) are left out, and the sentence
+naming them comes back beside the other runs for the page to show.
 """
 
 from __future__ import annotations
@@ -24,15 +26,20 @@ class BenchLoadError(Exception):
 
 
 @st.cache_data(show_spinner="Reading results...", max_entries=8)
-def _runs(path: str, mtime_ns: int, size: int) -> pd.DataFrame:
+def _runs(path: str, mtime_ns: int, size: int) -> tuple[pd.DataFrame, str | None]:
     del mtime_ns, size  # part of the cache key only
-    from chunkstar_bench.results import ResultsDB
+    from chunkstar_bench.results import BadRowsError, ResultsDB
 
-    return ResultsDB(path, read_only=True).runs()  # the dashboard never creates or changes a results file
+    db = ResultsDB(path, read_only=True)  # the dashboard never creates or changes a results file
+    try:
+        return db.runs(), None
+    except BadRowsError as err:
+        return err.good, str(err)
 
 
-def load_runs(path: str) -> pd.DataFrame:
-    """Every run in the results SQLite at ``path`` (cached); raises ``BenchLoadError`` with a readable message."""
+def load_runs(path: str) -> tuple[pd.DataFrame, str | None]:
+    """Every readable run in the results SQLite at ``path`` (cached), and a sentence naming the rows left out
+    (None when there are none); raises ``BenchLoadError`` with a readable message when the file cannot be read."""
     p = Path(path).expanduser()
     try:
         stat = p.stat()
@@ -41,12 +48,12 @@ def load_runs(path: str) -> pd.DataFrame:
     if not p.is_file():
         raise BenchLoadError(f"{path!r} is not a file.")
     try:
-        import chunkstar_bench.results  # noqa: F401
+        from chunkstar_bench.results import ResultsFileError
     except ImportError as err:
         raise BenchLoadError(f"Reading results needs the chunkstar_bench package ({err}).") from None
     try:
         return _runs(str(p.resolve()), stat.st_mtime_ns, stat.st_size)
-    except Exception as err:  # sqlite3.DatabaseError, SchemaVersionError, pandas errors
+    except ResultsFileError as err:  # the sentence names the file and what is wrong with it
         raise BenchLoadError(f"{p.name} is not a readable chunkstar-bench results database: {err}") from None
 
 

@@ -144,9 +144,8 @@ def read_profile(source: str | os.PathLike[str] | bytes, name: str | None = None
         except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError, NotImplementedError, struct.error):
             if head.startswith(b"PK"):
                 raise ProfileFormatError(f"{label}: the file is truncated or damaged (its ZIP directory cannot be read)") from None
-            raise ProfileFormatError(
-                f"{label}: not a chunkstar profile (expected a {FORMAT_NAME} ZIP container, the file starts with {head!r})"
-            ) from None
+            # never a byte of the file: the viewer's path box reads any file the server can (Note: hostile files)
+            raise ProfileFormatError(f"{label}: not a chunkstar profile") from None
         with zf:
             try:
                 manifest = _read_manifest(zf)
@@ -180,7 +179,10 @@ def _open_file(path: str) -> IO[bytes]:
 
 
 # Note: hostile files. A profile may come from anywhere (an upload to the dashboard), so
-# nothing in it is trusted before it is checked: the manifest's fields are type-checked, and
+# nothing in it is trusted before it is checked. Nor is a message allowed to quote a file
+# that has not shown itself to be a profile (its first bytes, a foreign manifest's fields):
+# the viewer's path box opens any path the server can read (/etc/shadow starts with b'root'),
+# and it may be shared with --address 0.0.0.0. The manifest's fields are type-checked, and
 # each member's size is checked against what the manifest says it holds (rows x itemsize plus
 # an NPY header) before any column is read. The ZIP directory's sizes can lie too, so columns
 # are read through the NPY header into an array of the declared shape and reading stops there:
@@ -277,11 +279,14 @@ def _read_manifest(zf: zipfile.ZipFile) -> dict[str, Any]:
         raise ProfileFormatError(f"the manifest is corrupt ({e})") from None
     try:
         manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+    except json.JSONDecodeError as e:  # its message gives a position, never the text there
         raise ProfileFormatError(f"the manifest is not valid JSON ({e})") from None
+    except UnicodeDecodeError:  # its message would quote the bytes it met
+        raise ProfileFormatError("the manifest is not valid JSON (not UTF-8 text)") from None
+    except RecursionError:
+        raise ProfileFormatError("the manifest is not valid JSON (nested too deeply)") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        fmt = manifest.get("format") if isinstance(manifest, dict) else None
-        raise ProfileFormatError(f"not a chunkstar profile (format {_short(fmt)}, expected {FORMAT_NAME!r})")
+        raise ProfileFormatError(f"a ZIP file, but not a chunkstar profile (its manifest does not say format {FORMAT_NAME!r})")
     version = manifest.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise ProfileFormatError(f"the manifest has no valid format version ({_short(version)})")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import streamlit as st
 
 from chunkstar_dashboard import bench_charts, bench_data, bench_loading
+from chunkstar_dashboard.text import escape_markdown
 
 st.title("Benchmarks")
 path = st.sidebar.text_input("Results database (SQLite)", key="bench_db_path", placeholder="results/nightly.sqlite")
@@ -21,10 +22,12 @@ published = bench_loading.load_published()
 runs = bench_data.empty_runs()
 if path and path.strip():
     try:
-        runs = bench_loading.load_runs(path.strip())
+        runs, left_out = bench_loading.load_runs(path.strip())
     except bench_loading.BenchLoadError as err:
-        st.error(str(err))
+        st.error(escape_markdown(str(err)))
         st.stop()
+    if left_out:
+        st.warning(escape_markdown(f"{left_out}. The page shows the other {len(runs):,} runs."))
 else:
     st.info(
         "No results database loaded: showing the planner's predictions and, on request, the paper's published figures. "
