@@ -125,7 +125,8 @@ def test_resume_from_checkpoint_equals_the_uninterrupted_run(runs: dict[str, Any
     ckpt = runs["out"] / "cs" / f"checkpoint-{SAVE_AT}"
     assert {"trainer_state.json", "scheduler.pt", "rng_state.pth", "model.safetensors", CHECKPOINT_DIR} <= set(os.listdir(ckpt))
     assert not (ckpt / "optimizer.pt").exists()  # the optimizer state rides in the engine's shard
-    assert os.listdir(ckpt / CHECKPOINT_DIR) == ["rank0-of-1.safetensors"]
+    published = ckpt / CHECKPOINT_DIR / (ckpt / CHECKPOINT_DIR / "latest").read_text().strip()
+    assert os.listdir(published) == ["rank0-of-1.safetensors"]
     resumed = ChunkstarTrainer(
         model=build_model(), args=training_args(str(runs["out"] / "resumed")), train_dataset=train_rows(),
         chunkstar_config=chunkstar_config(),
@@ -365,7 +366,8 @@ def test_two_processes_under_torchrun_match_one_process(runs: dict[str, Any], tm
     print(f"2 ranks vs 1 process: max |loss diff| {diff:.3g}")
     assert ranks[0]["logged"] == ranks[1]["logged"]  # the Trainer logs the mean over ranks
     ckpt = tmp_path / "run" / f"checkpoint-{SAVE_AT}"
-    assert sorted(os.listdir(ckpt / CHECKPOINT_DIR)) == ["rank0-of-2.safetensors", "rank1-of-2.safetensors"]
+    published = ckpt / CHECKPOINT_DIR / (ckpt / CHECKPOINT_DIR / "latest").read_text().strip()
+    assert sorted(os.listdir(published)) == ["rank0-of-2.safetensors", "rank1-of-2.safetensors"]
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(os.listdir(ckpt))
     saved = safetensors.torch.load_file(str(tmp_path / "final" / "model.safetensors"))
     single_saved = runs["cs"].engine.state_dict()

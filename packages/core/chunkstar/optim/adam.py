@@ -610,9 +610,10 @@ class ChunkAdam(torch.optim.Optimizer):
 
     def scalar_state(self) -> dict[str, Any]:
         """The optimizer's state apart from its chunks, JSON-ready (a checkpoint shard
-        stores it next to the moment chunks): this rank's Adam step count per
-        parameter slot (0 for other ranks' slots), the parameter groups' settings
-        and members (slot indices), the skipped steps and the steps taken."""
+        stores it next to the moment chunks): its kind ("AdamW" or "Adam": a checkpoint
+        of one does not resume the other), this rank's Adam step count per parameter
+        slot (0 for other ranks' slots), the parameter groups' settings and members
+        (slot indices), the skipped steps and the steps taken."""
         mgr = self._store
         groups = []
         for group in self.param_groups:
@@ -620,6 +621,7 @@ class ChunkAdam(torch.optim.Optimizer):
             entry["params"] = [self._engine.index_of(p) for p in group["params"]]
             groups.append(entry)
         return {
+            "kind": self._engine.config.optimizer.type_name,
             "steps": [self._steps[s.index] if mgr.own(s.chunk_id) else 0 for s in mgr.slots],
             "param_groups": groups,
             "skipped_steps": self.skipped_steps,

@@ -8,6 +8,7 @@ A static scale (``loss_scale`` > 0) never changes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from chunkstar.config import LossScaleConfig
@@ -41,7 +42,25 @@ class LossScaler:
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self.scale, "hysteresis_left": self._hysteresis_left, "clean_steps": self._clean_steps}
 
+    @staticmethod
+    def check_state_dict(sd: Any) -> None:
+        """Raise ValueError, saying what is wrong, unless ``sd`` is a :meth:`state_dict`
+        (a checkpoint's copy may be damaged: it is checked before anything is loaded)."""
+        if not isinstance(sd, dict):
+            raise ValueError(f"the loss scaler state is {type(sd).__name__}, not a map of 'scale', 'hysteresis_left', 'clean_steps'")
+        missing = [k for k in ("scale", "hysteresis_left", "clean_steps") if k not in sd]
+        if missing:
+            raise ValueError(f"the loss scaler state lacks {missing}")
+        scale = sd["scale"]
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"the loss scale is {scale!r}, not a positive finite number")
+        for k in ("hysteresis_left", "clean_steps"):
+            v = sd[k]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"the loss scaler's '{k}' is {v!r}, not a count (a whole number >= 0)")
+
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.check_state_dict(sd)
         self.scale = float(sd["scale"])
         self._hysteresis_left = int(sd["hysteresis_left"])
         self._clean_steps = int(sd["clean_steps"])

@@ -1,0 +1,43 @@
+"""Per-rank checkpoints: save, load (exact resume), and merge into one state dict.
+
+``engine.save_checkpoint(dir)`` has every rank write the chunks it owns (fp32
+master, exp_avg, exp_avg_sq; a frozen chunk's param chunk) to
+``rank{r}-of-{W}.safetensors`` in a step directory of this save,
+``dir/step-<N>-<token>/``, with, as safetensors metadata, the layout (which
+parameter sits in which chunk at which offset), the optimizer's scalar state
+(its kind, per-parameter step counts, parameter group settings such as lr,
+skipped steps), the loss scaler's state, the model's buffers, and the shard's
+identity (Note [shard identity]). Once every rank has written, rank 0 publishes
+the save by pointing ``dir/latest`` at it and removes the one it replaces, so a
+save killed at any point leaves the previous one whole (Note [multi-rank
+checkpoints] in :mod:`.directory`). Nothing is gathered: saving costs three small
+all-gathers and no rank holds more than its share.
+
+``engine.load_checkpoint(dir)`` reads this rank's shard of the published save
+back into the chunks (wherever they are, host or device), refreshes the param
+chunks from the masters, and restores the optimizer and the scaler, so training
+continues bit for bit as if it had never stopped. It needs an engine of the same
+layout, optimizer and world size; for anything else, ``chunkstar merge-checkpoint
+DIR OUT.safetensors`` (or :func:`merge_checkpoint`) reassembles every parameter
+from its owner's master chunk into a plain state dict keyed by the model's
+parameter names (tied parameters once, under their first name, as Hugging Face
+does), which ``model.load_state_dict`` of the plain model or
+``engine.load_state_dict`` of an engine of any world size loads (weights only;
+Adam starts afresh). A directory without ``latest`` is read flat (shards
+directly in it, as earlier versions wrote them).
+
+The parts: :mod:`.shard` (one rank's file: name, metadata, checked reading,
+Note [shard metadata]), :mod:`.directory` (atomic files and the publication of a
+save, Note [atomic files]), :mod:`.resume` (save and load of an engine) and
+:mod:`.merge`. Data files are safetensors, never pickle.
+"""
+
+from __future__ import annotations
+
+from chunkstar.checkpoint.merge import main_merge, merge_checkpoint
+from chunkstar.checkpoint.resume import Checkpointable, load_checkpoint, save_checkpoint
+from chunkstar.checkpoint.shard import CheckpointError, shard_name
+
+__all__ = [
+    "CheckpointError", "Checkpointable", "load_checkpoint", "main_merge", "merge_checkpoint", "save_checkpoint", "shard_name",
+]  # fmt: skip
