@@ -70,8 +70,8 @@ def _check_caches(mgr: ChunkManager) -> None:
         assert mgr._on_device[name] == on_device, name
     for cid in range(mgr.layout.n_chunks):
         states = [mgr.states[s.index] for s in mgr.slots_of(cid)]
-        assert mgr._compute_count[cid] == states.count(TensorState.COMPUTE)
-        assert mgr._fwd_count[cid] == states.count(TensorState.HOLD_AFTER_FWD)
+        assert mgr.tensors.compute_count[cid] == states.count(TensorState.COMPUTE)
+        assert mgr.tensors._fwd_count[cid] == states.count(TensorState.HOLD_AFTER_FWD)
         assert mgr.grads_in(cid) == states.count(TensorState.HOLD_AFTER_BWD)
     in_use = [s.index for s in mgr.slots if mgr.states[s.index] in (TensorState.COMPUTE, TensorState.HOLD_AFTER_FWD)]
     assert sorted(mgr.slots_in_use()) == in_use

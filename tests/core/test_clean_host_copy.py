@@ -58,7 +58,7 @@ def test_a_parameter_written_in_place_on_the_device_is_copied_back() -> None:
         param.add_(1.0)
     mgr.set_guarded(slot.index, True)
     want = param.detach().reshape(-1).clone()
-    copied = mgr.bytes_to_host
+    copied = mgr.counters.bytes_to_host
     mgr.move(key, Tier.HOST, MoveReason.EVICTION)
-    assert mgr.bytes_to_host == copied + chunk.nbytes
+    assert mgr.counters.bytes_to_host == copied + chunk.nbytes
     assert torch.equal(chunk.payload[slot.offset : slot.end], want)

@@ -73,7 +73,7 @@ def test_training_is_bit_identical_with_the_state_on_disk(
     _same_optimizer(o0, o1)
     s = e1.stats()
     # the state lives on disk: the host holds param chunks only; every step reads and writes it
-    assert e1.mgr.host_chunk_bytes == e1.mgr.bytes_of(ChunkList.PARAM)
+    assert e1.mgr.counters.host_chunk_bytes == e1.mgr.bytes_of(ChunkList.PARAM)
     assert s["disk_bytes_written"] >= STEPS * s["master_and_adam_bytes"]
     assert s["disk_bytes_read"] >= (STEPS - 1) * s["master_and_adam_bytes"]
     assert s["disk_staging_peak_bytes"] <= s["disk_staging_budget_bytes"]

@@ -83,7 +83,7 @@ def test_the_optimizer_steps_own_buffers_are_not_non_model_memory() -> None:
         train_engine(engine, optimizer, case, 2, dtype="bf16")
         assert optimizer._scratch_bufs, "no scratch buffer: the test does not exercise it"
         scratch = max(b.numel() * b.element_size() for b in optimizer._scratch_bufs.values())
-        idle = engine.memory_probe.non_model_now(engine.mgr.device_chunk_bytes)
+        idle = engine.memory_probe.non_model_now(engine.mgr.counters.device_chunk_bytes)
         assert idle < scratch // 4, (idle, scratch)
     finally:
         engine.memory_probe.release("test")

@@ -41,7 +41,7 @@ def scale(rank: int, world: int, port: int, out: str, case: str, pretrained: str
             build, rank, engine_config("fp32", budget=budget, **extra), pretrained=pretrained
         )
         result["bytes_read"] = engine.construction.bytes_read
-        result["host_chunk_bytes"] = engine.mgr.host_chunk_bytes
+        result["host_chunk_bytes"] = engine.mgr.counters.host_chunk_bytes
         result["initial"] = {k: v.sum().item() for k, v in engine.state_dict().items()}
         result["losses"] = train_slices(engine, optimizer, gpt2_batch, range(STEPS))  # one sequence per rank
         stats = engine.stats()

@@ -31,14 +31,17 @@ Note [clean host copy]: a param chunk brought to the device may keep its host
 buffer (``keep_host``). Until something writes the device payload the two
 agree, and evicting the chunk needs no copy back: the device bytes are simply
 freed (Gemini keeps such copies too). Any access to :attr:`payload` on the
-device may be a write, so it marks the host copy stale; the runtime also
-compares the parameters' version counters, which an in-place write by the
-module itself bumps (see ChunkManager.move). A stale host buffer is kept as the
-destination of the next copy back, so a chunk that travels every step does not
-allocate host memory every step.
+device may be a write, so it marks the host copy stale; so does a change of the
+``version`` the mover hands both moves (for a param chunk, the sum of its
+parameters' version counters, which an in-place write by the module itself
+bumps). Whether the copy is clean is this chunk's fact alone. A stale host buffer
+is kept as the destination of the next copy back, so a chunk that travels every
+step does not allocate host memory every step.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -87,6 +90,8 @@ class Chunk:
         # stay while the chunk is on the device (Note [clean host copy]): valid or stale
         self._host_buf: torch.Tensor | None = None
         self._host_valid = False
+        # the mover's version of the payload when the clean host copy was kept (Note [clean host copy])
+        self._host_version: int | None = None
         # the last copy of this chunk's payload, until someone has waited on it (Note [pending copy])
         self._pending: CopyEvent | None = None
         # host-side work on the host payload still running (the optimizer's update)
@@ -190,7 +195,10 @@ class Chunk:
         assert self.location is ChunkLocation.HOST, repr(self)
         self._work = event
 
-    def move_to(self, tier: Tier, copies: CopyEngine, *, prefetch: bool = False, keep_host: bool = False) -> bool:
+    def move_to(
+        self, tier: Tier, copies: CopyEngine, *, prefetch: bool = False, keep_host: bool = False,
+        version: Callable[[int], int] | None = None,
+    ) -> bool:  # fmt: skip
         """Copy the payload to ``tier`` and free it in the other one, through ``copies``;
         returns whether bytes were copied (an eviction of a clean chunk copies none).
 
@@ -198,7 +206,9 @@ class Chunk:
         chunk keeps its event, and every reader of the payload waits on it first
         (:attr:`payload`, :meth:`wait_ready`). An eviction frees the device bytes
         once its copy is done (a deferred free, run by the copy engine). With
-        ``keep_host`` a move to the device keeps the host buffer as a clean copy.
+        ``keep_host`` a move to the device keeps the host buffer as a clean copy;
+        ``version(chunk_id)``, read when the copy is kept and again at the eviction, says
+        whether something wrote the payload in between (Note [clean host copy]).
         """
         if tier is Tier.DEVICE:
             check_location_transition(repr(self), self.location, ChunkLocation.DEVICE)
@@ -218,12 +228,15 @@ class Chunk:
             src = self._host_buf  # the copy engine holds the host bytes until done
             self._host_buf = src if keep_host or self._pinned is not None else None
             self._host_valid = keep_host
+            self._host_version = version(self.chunk_id) if keep_host and version is not None else None
             self._pending = copies.to_device(self._device_buf, src, prefetch=prefetch, after=self._work)
             self._work = None  # the copy lands after it
             self.location = ChunkLocation.DEVICE
             return True
         self.wait_ready()
         check_location_transition(repr(self), self.location, ChunkLocation.HOST)
+        if self._host_valid and version is not None and version(self.chunk_id) != self._host_version:
+            self._host_valid = False  # written in place since it came: the host copy is stale
         self.location = ChunkLocation.HOST
         if self._host_valid:  # clean: the host copy is the payload
             self._memory.free(self._device_buf.untyped_storage())

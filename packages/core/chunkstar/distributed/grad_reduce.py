@@ -79,7 +79,7 @@ class GroupReducer:
         used = {layout.group(mgr.slots[i].chunk_id).start for i in indices}
         needed = [layout.group(c).start for c in trace.chunks_at(mgr.moment + 1)] if trace.frozen else []
         for g in groups_to_release(used, needed, lambda g: any(mgr.pinned(k) for k in layout.group(g))):
-            mgr.release_group(g)
+            mgr.gathers.release(g)
 
     def gradient_folded(self, chunk_id: int) -> None:
         """A gradient was folded into ``chunk_id``: reduce its group once all its gradients are in."""
@@ -102,7 +102,7 @@ class GroupReducer:
         done = self._accumulated[g] = self._accumulated.get(g, 0) + 1
         need = self._need if self._need is not None else self._count_needed()
         if done >= need[g] and not any(mgr.pinned(k) for k in group):
-            mgr.release_group(group.start)
+            mgr.gathers.release(group.start)
 
     def _count_needed(self) -> list[int]:
         """Per group, the slots in HOLD_AFTER_BWD once all its gradients are in (Note [pending gradients])."""
@@ -136,8 +136,8 @@ class GroupReducer:
         self._inflight = []  # its gradients are dropped: the sums are not needed
 
     def release_all(self) -> None:
-        for g in sorted(self.mgr.gathered_groups):
-            self.mgr.release_group(g)
+        for g in sorted(self.mgr.gathers.gathered):
+            self.mgr.gathers.release(g)
 
     def _reduce(self, start: int) -> None:
         """Average the group's gradients over ranks into this rank's own chunk; drop the rest."""
@@ -162,7 +162,7 @@ class GroupReducer:
                     if mgr.states[sl.index] is TensorState.HOLD_AFTER_BWD:
                         mgr.set_state(sl.index, TensorState.HOLD)  # its owner has the gradient now
             if not any(mgr.pinned(k) for k in group):
-                mgr.release_group(start)
+                mgr.gathers.release(start)
         self._reduced.add(start)
         self._land(wait=False)
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 from chunkstar.memory.tracer import ScheduleMode
 
-__all__ = ["chunk_budget", "device_capacity", "minimum_budget", "room_target"]
+__all__ = ["chunk_budget", "device_capacity", "memory_error_advice", "minimum_budget", "room_target"]
 
 
 def device_capacity(budget: int | None, slack: float, usable: int | None = None) -> int:
@@ -69,3 +69,22 @@ def minimum_budget(chunk_bytes: int, non_model: int, slack: float) -> int:
     """The smallest ``device_memory_budget`` that holds ``chunk_bytes`` of chunks beside
     ``non_model`` bytes of non-model memory once the slack is kept free."""
     return math.ceil((chunk_bytes + non_model) / (1.0 - slack))
+
+
+def memory_error_advice(free: int, biggest: tuple[str, int] | None) -> str:
+    """What a :class:`~chunkstar.errors.DeviceMemoryError` for a moment's chunks that do not fit
+    ``free`` chunk bytes advises; ``biggest``: the largest parameter among those chunks (its
+    name and bytes), if any. A parameter larger than the free room cannot be helped by
+    smaller chunks, so the advice then leaves them out."""
+    if biggest is not None and biggest[1] > max(free, 0):
+        name, nbytes = biggest
+        return (
+            f"one parameter alone, '{name}' ({nbytes} bytes), is larger than the free chunk memory, so smaller "
+            "chunks cannot help: raise 'device_memory_budget', or lower the batch size or sequence length (or "
+            "enable activation checkpointing) to shrink the non-model memory"
+        )
+    return (
+        "raise 'device_memory_budget'; or lower the batch size or sequence length, or enable activation "
+        "checkpointing, to shrink the non-model memory; or lower 'default_chunk_size' so this moment's working "
+        "set needs fewer whole chunks"
+    )

@@ -117,7 +117,7 @@ class HookTargets:
             if self.comm.distributed and self.cursor.mode.training and self.cursor.trace.frozen and self.iteration.prefetch:
                 # the trace alone decides, never this rank's memory or whether this rank's iteration
                 # left the schedule (the ranks agree on that at its end): every rank gathers the same
-                mgr.gather_ahead(self.cursor.trace.chunks_at(self.cursor.moment + 1))
+                mgr.gathers.ahead(self.cursor.trace.chunks_at(self.cursor.moment + 1))
             if self.iteration.prefetching():
                 mgr.prefetch(self.iteration.prefetch_window)
             mgr.memory_sample()

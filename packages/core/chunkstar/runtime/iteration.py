@@ -109,7 +109,7 @@ class Iteration:
         self._heap_released = False
         phase = self.schedule.phase
         frozen = phase is TracePhase.FROZEN
-        loads = mgr.moves_by_reason[MoveReason.ACCESS.value] + mgr.moves_by_reason[MoveReason.PREFETCH.value]
+        loads = mgr.counters.moves_by_reason[MoveReason.ACCESS.value] + mgr.counters.moves_by_reason[MoveReason.PREFETCH.value]
         if self.host_heap is not None:
             self.heap_plan = plan_heap_release(
                 self.cursor.trace, warmup=phase is TracePhase.WARMUP, frozen=frozen,
@@ -311,7 +311,7 @@ class Iteration:
         self.schedule.begin_optimizer_step()
         mgr = self.mgr
         mgr.probe.drop_stale()  # a plain backward's measuring mode, stopped inside it (memory/probes.py)
-        self._bytes_before_step = mgr.bytes_to_device + mgr.bytes_to_host
+        self._bytes_before_step = mgr.counters.bytes_to_device + mgr.counters.bytes_to_host
         state_moves = any(not mgr.resident((ChunkList.MASTER, c)) for c in self.device_adam_chunks)
         if self.host_heap is not None and release_before_step(self.schedule.phase is TracePhase.WARMUP, state_moves):
             self.release_heap()  # start the step (and a move of the state to the device) from a trimmed heap
@@ -319,7 +319,7 @@ class Iteration:
     def end_optimizer_step(self) -> None:
         mgr = self.mgr
         self.gradients.step_taken()
-        moved = mgr.bytes_to_device + mgr.bytes_to_host - self._bytes_before_step
+        moved = mgr.counters.bytes_to_device + mgr.counters.bytes_to_host - self._bytes_before_step
         if self.host_heap is not None and release_after_step(moved, mgr.state_bytes()):
             self.release_heap()  # the first step after warm-up moved the state to the device
         if self.prefetching():
