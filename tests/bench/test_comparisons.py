@@ -10,7 +10,7 @@ import pytest
 
 from chunkstar_bench.cli import main
 from chunkstar_bench.comparisons import overlap, step_time
-from chunkstar_bench.comparisons.rounds import Pooled, Row, Target, judge, text_table
+from chunkstar_bench.comparisons.rounds import Pooled, Row, Target, judge, notes, text_table
 from chunkstar_bench.harness import Context
 from chunkstar_bench.results import ResultsDB
 from chunkstar_bench.runner import RunRecord
@@ -60,6 +60,17 @@ def test_targets_pass_miss_and_skip() -> None:
 
 def test_text_table_aligns_columns() -> None:
     assert text_table(["a", "bb"], [["xyz", "1"], ["q", "22"]]).splitlines() == ["a    bb", "---  --", "xyz   1", "q    22"]
+
+
+def test_notes_give_a_failure_or_the_rows_own_details_then_its_notes() -> None:
+    ran = _timed("deepspeed", [1.0])
+    ran.details["notes"] = ["used torch AdamW", "second"]
+    pooled = {
+        "ran": _pooled("ran", ran, _timed("deepspeed", [2.0])),
+        "failed": _pooled("failed", _timed("chunkstar", [1.0]), _timed("chunkstar", [], status="oom")),
+    }
+    lines = notes(pooled, lambda name, p: [f"{name}: {len(p.records)} rounds"])
+    assert lines == ["ran: 2 rounds", "ran: NOTE used torch AdamW", "ran: NOTE second", "failed: oom: MemoryError: test"]
 
 
 def test_step_time_pressure_budget_is_sized_on_the_measured_non_model_peak() -> None:

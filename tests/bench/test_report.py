@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from chunkstar_bench.cli import main, parse_size
+from chunkstar_bench.cli import main
 from chunkstar_bench.report import PUBLISHED_LABEL, maxscale_table, paper_tables, published_table, report
 from chunkstar_bench.results import ResultsDB
 from tests.bench._records import record
@@ -66,15 +66,6 @@ def test_cli_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "# Runs" in out and "cpu-small" in out and "# Max-scale search" in out
     assert main(["report", "--db", str(tmp_path / "missing.sqlite")]) == 2
-
-
-def test_parse_size() -> None:
-    assert parse_size("8GiB") == 8 * 2**30
-    assert parse_size("1.5 GB") == 1_500_000_000
-    assert parse_size("4096") == 4096
-    assert parse_size("2G") == 2 * 10**9  # chunkstar.parse_bytes' units, the engine's own
-    with pytest.raises(Exception, match="not a size"):
-        parse_size("lots")
 
 
 def test_cli_report_leaves_out_a_row_it_cannot_read_and_says_which(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -60,17 +60,9 @@ def habits(rank: int, world: int, port: int, out: str) -> None:
         # 1. nn.TransformerEncoder (MultiheadAttention reads out_proj.weight) on two ranks
         budget = eviction_budget(build_encoder(), torch.float32, 0.75)
         engine, optimizer = chunkstar.initialize_engine(build_encoder, rank, engine_config("fp32", budget=budget))
-        losses = []
-        for step in range(STEPS):
-            batch = {k: v[rank : rank + 1] for k, v in _seq_batch(step).items()}  # one sequence per rank
-            loss = _encoder_loss(engine, batch, torch.float32)
-            engine.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / world)
-        result["encoder_losses"] = losses
+        result["encoder_losses"] = train_slices(  # one sequence per rank
+            engine, optimizer, _seq_batch, range(STEPS), loss_of=lambda model, batch: _encoder_loss(model, batch, torch.float32)
+        )
         result["encoder_moves"] = engine.stats()["chunk_moves_to_host"]
 
         # 2. GPT-2: module.state_dict() is a collective; reads of another rank's parameter
@@ -79,11 +71,7 @@ def habits(rank: int, world: int, port: int, out: str) -> None:
         engine, optimizer = chunkstar.initialize_engine(
             case.build, rank, engine_config("fp32", budget=eviction_budget(case.build(), torch.float32))
         )
-        for step in range(2):
-            loss = engine(**{k: v[rank : rank + 1] for k, v in gpt2_batch(step).items()}).loss
-            engine.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
+        train_slices(engine, optimizer, gpt2_batch, range(2))  # one sequence per rank
         sd = engine.module.state_dict()
         full = engine.state_dict()
         result["module_sd_equals_engine_sd"] = sd.keys() == full.keys() and all(torch.equal(sd[k], full[k]) for k in sd)
@@ -125,19 +113,7 @@ def habits(rank: int, world: int, port: int, out: str) -> None:
         engine, optimizer = chunkstar.initialize_engine(
             case.build, rank, engine_config("fp32", budget=eviction_budget(case.build(), torch.float32), accum=ACCUM)
         )
-        losses = []
-        for step in range(ACCUM_STEPS):
-            for micro in range(ACCUM):
-                full = gpt2_batch(step * ACCUM + micro)
-                per_rank = full["input_ids"].shape[0] // world
-                loss = engine(**{k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in full.items()}).loss
-                engine.backward(loss)
-                mean = loss.detach().clone()
-                dist.all_reduce(mean)
-                losses.append(mean.item() / world)
-            optimizer.step()
-            optimizer.zero_grad()
-        result["accum_losses"] = losses
+        result["accum_losses"] = train_slices(engine, optimizer, gpt2_batch, range(ACCUM_STEPS), accum=ACCUM)
         result["accum_moves"] = engine.stats()["chunk_moves_to_host"]
 
         # 6. the smallest budget a too-small one's error names trains on two ranks: the other

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import chunkstar
 from tests.core._models import CASES, engine_config, gpt2_batch
+from tests.distributed._loop import train_slices
 
 GLOBAL_BATCH = 4
 CHUNK = 1 << 16  # the largest parameter of the tiny models: no chunk of its own, groups stay even
@@ -50,20 +51,13 @@ def train(rank: int, world: int, port: int, case: str, steps: int, budget: int, 
         engine, optimizer = chunkstar.initialize_engine(
             CASES[case].build, rank, engine_config("fp32", budget=budget, chunk_size=CHUNK)
         )
-        per_rank = GLOBAL_BATCH // world
-        losses = []
-        for step in range(steps):
+
+        def batch_of(step: int) -> dict[str, torch.Tensor]:
             if step == die_at and rank == world - 1:
-                os._exit(3)  # a rank dies without a word
-            batch = {k: v[rank * per_rank : (rank + 1) * per_rank] for k, v in full_batch(case, step).items()}
-            loss = engine(**batch).loss
-            engine.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            mean = loss.detach().clone()
-            dist.all_reduce(mean)
-            losses.append(mean.item() / world)
-        result.update(losses=losses, stats=engine.stats())
+                os._exit(3)  # a rank dies without a word, as its step ``die_at`` begins
+            return full_batch(case, step)
+
+        result.update(losses=train_slices(engine, optimizer, batch_of, range(steps)), stats=engine.stats())
         sd = engine.state_dict()  # a collective: every rank takes part
         engine.save_checkpoint(str(Path(out) / "ckpt"))  # each rank its own shard
         with torch.no_grad():  # evaluation gathers too: every rank runs it

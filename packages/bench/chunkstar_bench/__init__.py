@@ -15,7 +15,9 @@ The pieces, one concept per module:
 * searches, tables and plans on top: :mod:`~chunkstar_bench.maxscale`,
   :mod:`~chunkstar_bench.comparisons` (``step-time``, ``overlap``),
   :mod:`~chunkstar_bench.plan` (a prediction), and the CLI
-  (:mod:`~chunkstar_bench.cli`, ``chunkstar-bench``).
+  (:mod:`~chunkstar_bench.cli`, ``chunkstar-bench``);
+* shared by all of them: :mod:`~chunkstar_bench.units` (byte units, the size
+  parser) and :mod:`~chunkstar_bench.tables` (the text-table formatter).
 
 Importing this package does not import torch.
 """

@@ -9,7 +9,7 @@ line, never a crash), and writes it where the runner reads it. It decides
 nothing about suites, databases or host-memory caps (the parent watches memory
 from outside).
 
-Note: peak memory
+Note [peak memory]: what the record's peaks measure.
     Host: ``ru_maxrss`` of this rank. Device: on CUDA
     ``torch.cuda.max_memory_allocated``; on chunkstar's CPU *virtual* device the
     peak chunk bytes plus the warm-up non-model peak (both from

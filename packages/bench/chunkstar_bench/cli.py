@@ -16,18 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COMMANDS", "main", "parse_size"]
+from chunkstar_bench.units import GIB, parse_size
 
-
-def parse_size(text: str) -> int:
-    """An argparse type: ``"8GiB"`` -> bytes, by chunkstar's own :func:`chunkstar.parse_bytes`
-    (KB/MB/GB decimal, KiB/MiB/GiB binary, or a plain number)."""
-    from chunkstar import parse_bytes  # imports torch: only the commands that take a size pay for it
-
-    try:
-        return parse_bytes(text.strip(), "size")
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (say 8GiB, 6000MiB or 8589934592)") from None
+__all__ = ["COMMANDS", "main"]
 
 
 def _progress(message: str) -> None:
@@ -202,7 +193,7 @@ def _cmd_maxscale(args: argparse.Namespace) -> int:
     for r in records:
         print(f"  {r.spec.model:>10} {(r.n_params or 0) / 1e6:>8,.1f}M  {r.status:5}  {peaks(r)}  {r.message}")
     size = "none" if best is None else f"{best} ({n_params(get(best)) / 1e6:,.1f}M parameters)"
-    print(f"max-scale {args.system} under a host-memory cap of {args.cap / 2**30:.2f} GiB: largest trained = {size}")
+    print(f"max-scale {args.system} under a host-memory cap of {args.cap / GIB:.2f} GiB: largest trained = {size}")
     return 0
 
 

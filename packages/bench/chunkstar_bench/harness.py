@@ -1,13 +1,15 @@
 """What every system's training loop shares inside a benchmark child: where it runs, the batches, the clock.
 
 A system module (:mod:`chunkstar_bench.systems`) builds its model and optimizer
-and hands :func:`time_steps` a ``step(ids) -> loss``; this module supplies the
-rest: the :class:`Context` (rank, world, device, the zoo model with its fixed
-seed, the token batches), the process-group set-up (one :func:`free_port`), the
-foreign-load measurement, the CUDA peak. It is not the entry point
+and hands :func:`timed_record` a ``step(ids) -> loss`` (a torch.optim system ends
+its step with :func:`torch_optim_step`); this module supplies the rest: the
+:class:`Context` (rank, world, device, the zoo model with its fixed seed, the
+token batches), the process-group set-up (one :func:`free_port`), the clock and
+the foreign-load measurement (:func:`time_steps`), the CUDA peak, and the record
+every system returns (which it may extend). It is not the entry point
 (:mod:`chunkstar_bench.child` is) and it knows no system.
 
-Note: what one step is, for every system
+Note [what one step is]: the same for every system.
     forward + loss, backward, global-norm gradient clipping at the spec's ``clip``
     (1.0 unless a comparison turns it off with 0), an AdamW
     step (:data:`ADAMW`: lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay
@@ -16,6 +18,11 @@ Note: what one step is, for every system
     tracer warm-up; the other systems allocate optimizer state lazily); the
     reported step time is the median of the timed steps. On CUDA every step is
     bracketed by ``torch.cuda.synchronize``; on CPU kernels are synchronous.
+    Past the forward, the systems differ only where their optimizers do:
+    PyTorch and FSDP2 (torch.optim) end the step with :func:`torch_optim_step`;
+    chunkstar's optimizer clips in its own step, at the config's
+    ``gradient_clipping`` (the spec's ``clip``), and DeepSpeed's ``engine.step()``
+    clips there too and zeroes the gradients as well.
 
 The module level imports only the standard library and the torch-free parts of
 this package; torch is imported where it is used.
@@ -36,6 +43,7 @@ from chunkstar_bench.zoo import ModelSpec, build_hf, get
 
 __all__ = [
     "ADAMW", "Context", "cuda_peak", "ensure_dist_env", "free_port", "init_process_group", "progress", "time_steps",
+    "timed_record", "torch_optim_step",
 ]  # fmt: skip
 
 ADAMW: dict[str, Any] = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
@@ -122,6 +130,31 @@ def time_steps(ctx: Context, step: Callable[[Any], float], before_timed: Callabl
     busy1 = _machine_busy_s()
     other = None if busy1 is None or wall <= 0 else max(0.0, (busy1 - busy0 - (_own_cpu_s() - own0)) / wall)
     return {"step_times_s": times, "losses": losses, "other_load_cores": other, "rss_after_setup_bytes": rss_after_setup}
+
+
+def timed_record(
+    ctx: Context, step: Callable[[Any], float], optimizer: str, before_timed: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """:func:`time_steps` over ``step``, then the device peak (:func:`cuda_peak`) and ``optimizer``, what
+    the record names the optimizer: the per-rank record every system returns, to which it may add its own keys
+    (a peak of None is one the system may fill in: Note [peak memory] in :mod:`chunkstar_bench.child`)."""
+    record = time_steps(ctx, step, before_timed)
+    peak, kind = cuda_peak(ctx)
+    return {**record, "peak_device_bytes": peak, "peak_device_kind": kind, "optimizer": optimizer}
+
+
+def torch_optim_step(loss: Any, params: list[Any], optimizer: Any, clip: float) -> float:
+    """The rest of one step (Note [what one step is]) after the forward, for a ``torch.optim`` optimizer:
+    backward, global-norm clipping of ``params`` at ``clip`` (0: none), the optimizer step and the
+    gradients set to None; the loss as a float."""
+    import torch
+
+    loss.backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.item())
 
 
 def _current_rss_bytes() -> int | None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from chunkstar_bench.published import SOURCE, load_published, parse_label, published_for, system_info
 from chunkstar_bench.tables import text_table
+from chunkstar_bench.units import GIB
 from chunkstar_bench.zoo import ZOO, paper_label
 
 if TYPE_CHECKING:
@@ -31,7 +32,6 @@ __all__ = ["PUBLISHED_LABEL", "maxscale_table", "paper_tables", "published_table
 
 PUBLISHED_LABEL = SOURCE
 """The heading of every published figure (:data:`chunkstar_bench.published.SOURCE`)."""
-_GIB = 2**30
 _KEY = ["suite", "system", "model", "hardware", "nprocs", "batch", "seq_len"]
 
 
@@ -47,7 +47,7 @@ def _latest(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _gib(value: Any) -> str:
-    return "-" if value is None or value != value else f"{float(value) / _GIB:.2f}"  # NaN != NaN
+    return "-" if value is None or value != value else f"{float(value) / GIB:.2f}"  # NaN != NaN
 
 
 def _num(value: Any, fmt: str) -> str:
@@ -201,7 +201,7 @@ def maxscale_table(df: pd.DataFrame) -> str:
         first_bad = bad.iloc[0] if not bad.empty else None
         rows.append({
             "system": system, "hardware": hardware,  # the --system names, as typed
-            "host cap GiB": f"{cap / _GIB:.2f}" if cap else "none",
+            "host cap GiB": f"{cap / GIB:.2f}" if cap else "none",
             "largest trained": "none" if best is None else f"{best['model']} ({best['n_params'] / 1e6:,.1f}M)",
             "its peak RSS GiB": "-" if best is None else _gib(best["peak_host_bytes"]),
             "smallest failed": "-" if first_bad is None else f"{first_bad['model']} ({first_bad['n_params'] / 1e6:,.1f}M, {first_bad['status']})",

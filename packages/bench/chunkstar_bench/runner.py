@@ -8,7 +8,7 @@ from outside, and turns the per-rank JSON lines it prints into one
 counts, MFU). A crash, an out-of-memory or a hang in one run therefore cannot
 poison the next (DESIGN §9).
 
-Note: the host-memory cap
+Note [the host-memory cap]: one rule for every system.
     ``RLIMIT_AS`` is not usable: torch and DeepSpeed reserve far more virtual
     address space than they touch, so a cap on it fails runs that would fit.
     Instead the parent samples the resident set size of every process in the
@@ -19,7 +19,7 @@ Note: the host-memory cap
     cap means ``oom`` too. The cap is the same rule for every system, which is
     what a max-scale comparison needs.
 
-Note: the disk tier
+Note [a disk run's swap folder]: made and removed by the parent.
     A system in :data:`DISK_SYSTEMS` swaps to files. For each such run the
     parent makes a fresh folder under ``RunSpec.disk_dir`` (the system temp
     folder when None), hands it to the child in ``CHUNKSTAR_BENCH_DISK_DIR``,
@@ -69,7 +69,7 @@ RESULT_PREFIX = "CHUNKSTAR_BENCH_RESULT "
 RESULT_DIR_ENV = "CHUNKSTAR_BENCH_RESULT_DIR"  # children write rank<r>.json there (stdout line as fallback)
 """A child's stdout line that starts with this carries one rank's JSON result."""
 DISK_DIR_ENV = "CHUNKSTAR_BENCH_DISK_DIR"
-"""The run's own swap folder, made and removed by the parent (Note [the disk tier])."""
+"""The run's own swap folder, made and removed by the parent (Note [a disk run's swap folder])."""
 
 Device = Literal["cpu", "cuda"]
 Status = Literal["ok", "oom", "error"]
@@ -309,7 +309,7 @@ def _new_record(spec: RunSpec, created: str, wall: float) -> RunRecord:
 
 
 def _make_disk_dir(spec: RunSpec) -> str | None:
-    """A fresh swap folder for a run of a disk system (Note [the disk tier]); None for the others."""
+    """A fresh swap folder for a run of a disk system (Note [a disk run's swap folder]); None for the others."""
     if spec.system not in DISK_SYSTEMS:
         return None
     parent = Path(spec.disk_dir) if spec.disk_dir is not None else Path(tempfile.gettempdir())

@@ -23,6 +23,7 @@ from typing import Any
 from chunkstar_bench.comparisons import overlap, step_time
 from chunkstar_bench.comparisons.rounds import Pooled, Row, Target, Verdict, judge, run_rows
 from chunkstar_bench.runner import RunRecord, git_commit, versions
+from chunkstar_bench.units import GIB, MIB
 
 __all__ = ["add_overlap_command", "add_step_time_command"]
 
@@ -66,7 +67,7 @@ def add_step_time_command(sub: argparse._SubParsersAction) -> None:  # type: ign
     p.add_argument("--seq", type=int, default=d.seq, help="tokens per sequence (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, help="torch threads in every run (default: the cores)")
-    p.add_argument("--free-budget-gib", type=float, default=d.free_budget_bytes / 2**30,
+    p.add_argument("--free-budget-gib", type=float, default=d.free_budget_bytes / GIB,
                    help="chunkstar's device budget without pressure (default %(default)s)")
     p.add_argument("--pressure-fraction", type=float, default=d.pressure_fraction,
                    help="chunkstar-pressure: room for chunks, as a fraction of the bf16 parameter bytes, on top of the "
@@ -81,9 +82,9 @@ def add_step_time_command(sub: argparse._SubParsersAction) -> None:  # type: ign
         _check_counts(p, args)
         settings = step_time.StepTimeSettings(
             model=args.model, batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, seed=args.seed,
-            threads=args.threads, free_budget_bytes=int(args.free_budget_gib * 2**30),
+            threads=args.threads, free_budget_bytes=int(args.free_budget_gib * GIB),
             pressure_fraction=args.pressure_fraction, hardware=args.hardware,
-            pressure_budget_bytes=None if args.pressure_budget_mib is None else int(args.pressure_budget_mib * 2**20),
+            pressure_budget_bytes=None if args.pressure_budget_mib is None else int(args.pressure_budget_mib * MIB),
             overhead_model=args.overhead_model, overhead_batch=args.overhead_batch, overhead_seq=args.overhead_seq,
         )  # fmt: skip
         try:

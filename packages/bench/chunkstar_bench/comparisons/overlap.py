@@ -31,8 +31,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from chunkstar.config import host_memory_bytes
-from chunkstar_bench.comparisons.rounds import Pooled, Row, Target, Verdict, text_table, verdict_table
+from chunkstar_bench.comparisons.rounds import Pooled, Row, Target, Verdict, notes, text_table, verdict_table
 from chunkstar_bench.runner import RunSpec
+from chunkstar_bench.units import GIB, MIB
 from chunkstar_bench.zoo import get, n_params
 
 __all__ = ["MODEL", "NON_MODEL_BYTES", "ROW_NAMES", "TARGETS", "OverlapSettings", "report", "rows"]
@@ -42,8 +43,7 @@ _BATCH, _SEQ, _THREADS = 4, 128, 1
 NON_MODEL_BYTES = 200_000_000
 """Room the pressured budgets leave for activations and temporaries: the warm-up non-model
 peak of this model and batch, measured at ~186 MB (``chunkstar-free`` notes what it measured)."""
-_FREE_BUDGET = min(16 * 2**30, host_memory_bytes() or 16 * 2**30)  # all resident, and at most what the host has
-_MIB = 2**20
+_FREE_BUDGET = min(16 * GIB, host_memory_bytes() or 16 * GIB)  # all resident, and at most what the host has
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def report(settings: OverlapSettings, pooled: Mapping[str, Pooled], verdicts: Se
     params = n_params(model)
     head = (
         f"{MODEL} (GPT-2 hidden {model.hidden}, {model.layers} layers, vocab {model.vocab}), {params:,} parameters "
-        f"({params * 2 / _MIB:.1f} MiB in bf16); batch {_BATCH} x seq {_SEQ}; {_THREADS} torch thread; "
+        f"({params * 2 / MIB:.1f} MiB in bf16); batch {_BATCH} x seq {_SEQ}; {_THREADS} torch thread; "
         f"{settings.warmup} warm-up + {settings.steps} timed steps x {rounds} rounds; pressured budgets: "
         f"{settings.budget_fraction:g} of the bf16 parameter bytes + {NON_MODEL_BYTES / 1e6:.0f} MB non-model"
     )
@@ -125,36 +125,37 @@ def report(settings: OverlapSettings, pooled: Mapping[str, Pooled], verdicts: Se
             lines.append([p.row.label, failure.status if failure else "error", "-", "-", "-"])
             continue
         ratio = f"{p.median_s / base:.2f}x" if base else "-"
-        lines.append([p.row.label, f"{p.median_s:.3f}", ratio, f"{p.peak_host_bytes / _MIB:.0f}", f"{p.losses[-1]:.4f}"])
+        lines.append([p.row.label, f"{p.median_s:.3f}", ratio, f"{p.peak_host_bytes / MIB:.0f}", f"{p.losses[-1]:.4f}"])
     body = text_table(["system", "median s/step", "vs PyTorch", "peak RSS MiB", "last loss"], lines)
-    return "\n".join([head, "", body, "", verdict_table(verdicts), "", *_notes(pooled)])
+    return "\n".join([head, "", body, "", verdict_table(verdicts), "", *notes(pooled, _details), *_other_load(pooled)])
 
 
-def _notes(pooled: Mapping[str, Pooled]) -> list[str]:
+def _details(name: str, p: Pooled) -> list[str]:
+    """What the notes say of a row that ran: its budget and chunk moves, and ``chunkstar-free``'s measured non-model peak."""
     out: list[str] = []
-    for name, p in pooled.items():
-        if p.failure is not None:
-            out.append(f"{name}: {p.failure.status}: {p.failure.message}")
-            continue
-        first = p.records[0]
-        moves = first.details.get("chunk_moves_per_timed_step")
-        if moves is not None and first.details.get("device_budget_bytes") is not None:
-            out.append(
-                f"{name}: budget {first.details['device_budget_bytes'] / _MIB:.0f} MiB, per timed step "
-                f"{moves.get('chunk_moves_to_device', 0):.1f} chunk moves to the device, "
-                f"{moves.get('chunk_moves_to_host', 0):.1f} to the host"
-            )
-        measured = first.details.get("chunkstar_stats", {}).get("warmup_non_model_peak_bytes")
-        if name == "chunkstar-free" and measured:
-            out.append(
-                f"{name}: measured non-model peak {measured / 1e6:.0f} MB "
-                f"(the pressured budgets leave {NON_MODEL_BYTES / 1e6:.0f} MB)"
-            )
-        out.extend(f"{name}: NOTE {note}" for note in first.details.get("notes", []))
-    load = {name: p.other_load for name, p in pooled.items() if p.other_load is not None}
-    if load:
+    first = p.records[0]
+    moves = first.details.get("chunk_moves_per_timed_step")
+    if moves is not None and first.details.get("device_budget_bytes") is not None:
         out.append(
-            "other load (cores busy elsewhere during the timed steps, max over rounds): "
-            + ", ".join(f"{name} {v:.2f}" for name, v in load.items())
+            f"{name}: budget {first.details['device_budget_bytes'] / MIB:.0f} MiB, per timed step "
+            f"{moves.get('chunk_moves_to_device', 0):.1f} chunk moves to the device, "
+            f"{moves.get('chunk_moves_to_host', 0):.1f} to the host"
+        )
+    measured = first.details.get("chunkstar_stats", {}).get("warmup_non_model_peak_bytes")
+    if name == "chunkstar-free" and measured:
+        out.append(
+            f"{name}: measured non-model peak {measured / 1e6:.0f} MB "
+            f"(the pressured budgets leave {NON_MODEL_BYTES / 1e6:.0f} MB)"
         )
     return out
+
+
+def _other_load(pooled: Mapping[str, Pooled]) -> list[str]:
+    """One line of the foreign CPU load every row saw (the table has no column for it)."""
+    load = {name: p.other_load for name, p in pooled.items() if p.other_load is not None}
+    if not load:
+        return []
+    return [
+        "other load (cores busy elsewhere during the timed steps, max over rounds): "
+        + ", ".join(f"{name} {v:.2f}" for name, v in load.items())
+    ]

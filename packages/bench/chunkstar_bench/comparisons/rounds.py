@@ -9,8 +9,10 @@ on all rows alike), and pools each row's timed steps over the rounds
 (:class:`Pooled`); :func:`judge` turns the targets into PASS / MISS verdicts. A
 MISS is a finding, not an error.
 
-This module runs and pools; which rows and targets a comparison has is its own
-module's (:mod:`~chunkstar_bench.comparisons.step_time`,
+This module runs and pools, and prints what every comparison prints alike (the
+verdicts, the frame of the notes: :func:`notes`); which rows and targets a
+comparison has, and what its notes say of a row, is its own module's
+(:mod:`~chunkstar_bench.comparisons.step_time`,
 :mod:`~chunkstar_bench.comparisons.overlap`).
 """
 
@@ -19,14 +21,16 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from chunkstar_bench.runner import RunRecord, RunSpec, run
 from chunkstar_bench.tables import text_table
 
-__all__ = ["BUSY_CORES", "Pooled", "Row", "Target", "Verdict", "judge", "run_rows", "text_table", "verdict_table"]
+__all__ = [
+    "BUSY_CORES", "Pooled", "Row", "Target", "Verdict", "judge", "notes", "run_rows", "text_table", "verdict_table",
+]  # fmt: skip
 
 BUSY_CORES = 0.25
 """Foreign CPU load (cores, the most over a row's rounds) above which a comparison warns."""
@@ -165,6 +169,19 @@ def judge(targets: Sequence[Target], pooled: Mapping[str, Pooled]) -> list[Verdi
             continue
         met = value <= t.limit if t.op == "<=" else value >= t.limit if t.op == ">=" else value < t.limit
         out.append(Verdict(t, value, "PASS" if met else "MISS"))
+    return out
+
+
+def notes(pooled: Mapping[str, Pooled], details: Callable[[str, Pooled], Iterable[str]]) -> list[str]:
+    """The lines under a comparison's tables, row by row: a failed row's status and message; for a row
+    that ran, the comparison's own ``details(name, row)`` and then the NOTEs of its first record."""
+    out: list[str] = []
+    for name, p in pooled.items():
+        if p.failure is not None:
+            out.append(f"{name}: {p.failure.status}: {p.failure.message}")
+            continue
+        out.extend(details(name, p))
+        out.extend(f"{name}: NOTE {note}" for note in p.records[0].details.get("notes", []))
     return out
 
 

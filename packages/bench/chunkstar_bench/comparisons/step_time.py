@@ -47,14 +47,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from chunkstar.config import host_memory_bytes
-from chunkstar_bench.comparisons.rounds import BUSY_CORES, Pooled, Row, Target, Verdict, text_table, verdict_table
+from chunkstar_bench.comparisons.rounds import BUSY_CORES, Pooled, Row, Target, Verdict, notes, text_table, verdict_table
 from chunkstar_bench.runner import RunRecord, RunSpec
+from chunkstar_bench.units import GIB, MIB
 from chunkstar_bench.zoo import get, n_params
 
 __all__ = ["DEFAULT_ROWS", "OVERHEAD_ROWS", "ROW_NAMES", "TARGETS", "StepTimeSettings", "report", "rows"]
-
-_GIB = 2**30
-_MIB = 2**20
 
 ROW_NAMES: tuple[str, ...] = (
     "pytorch", "chunkstar", "chunkstar-pressure", "deepspeed", "fsdp2", "pytorch-overhead", "chunkstar-overhead",
@@ -93,7 +91,7 @@ class StepTimeSettings:
     seed: int = 0
     threads: int | None = None
     """torch threads in every run; None: the cores."""
-    free_budget_bytes: int = min(16 * _GIB, host_memory_bytes() or 16 * _GIB)  # the cpu device is host memory
+    free_budget_bytes: int = min(16 * GIB, host_memory_bytes() or 16 * GIB)  # the cpu device is host memory
     """``chunkstar``'s device budget (far above the model data)."""
     pressure_fraction: float = 0.6
     """``chunkstar-pressure``: room for chunks as this fraction of the bf16 parameter bytes. 0.6, not 0.5:
@@ -168,7 +166,7 @@ def _ok_cells(p: Pooled) -> list[str]:
     load = p.other_load
     return [
         "ok", f"{p.median_s:.3f}", f"{min(times):.3f}", f"{max(times):.3f}", f"{tokens / p.median_s:.0f}",
-        f"{p.peak_host_bytes / _MIB:.0f}", f"{p.losses[0]:.4f}", f"{p.losses[-1]:.4f}", "?" if load is None else f"{load:.2f}",
+        f"{p.peak_host_bytes / MIB:.0f}", f"{p.losses[0]:.4f}", f"{p.losses[-1]:.4f}", "?" if load is None else f"{load:.2f}",
     ]  # fmt: skip
 
 
@@ -181,7 +179,7 @@ def report(settings: StepTimeSettings, pooled: Mapping[str, Pooled], verdicts: S
         "chunkstar step-time benchmark"
         + ("" if settings.hardware == "cpu" else f" ({settings.hardware})"),
         f"model: {model.name} (GPT-2 hidden {model.hidden}, {model.layers} layers, {model.heads} heads, vocab "
-        f"{model.vocab}, {model.seq_len} positions), {params:,} parameters ({params * 2 / _MIB:.1f} MiB in bf16)",
+        f"{model.vocab}, {model.seq_len} positions), {params:,} parameters ({params * 2 / MIB:.1f} MiB in bf16)",
         f"batch {settings.batch} x seq {settings.seq} = {tokens} tokens/step; {settings.warmup} warm-up + "
         f"{settings.steps} timed steps" + (f" per round, {rounds} rounds pooled" if rounds > 1 else "") + f"; seed {settings.seed}",
     ]
@@ -204,31 +202,27 @@ def report(settings: StepTimeSettings, pooled: Mapping[str, Pooled], verdicts: S
             + ", ".join(f"{name} ({load:.2f} cores)" for name, load in busy.items())
             + "; those step times and ratios are not trustworthy (rerun on a quiet machine, or with --threads 1 or --rounds 3)."
         )
-    return "\n".join([*head, "", body, "", verdict_table(verdicts), "", *_notes(pooled)])
+    return "\n".join([*head, "", body, "", verdict_table(verdicts), "", *notes(pooled, _details)])
 
 
-def _notes(pooled: Mapping[str, Pooled]) -> list[str]:
+def _details(name: str, p: Pooled) -> list[str]:
+    """What the notes say of a row that ran: its budget and chunk moves, its per-round medians, optimizer and threads."""
     out: list[str] = []
-    for name, p in pooled.items():
-        if p.failure is not None:
-            out.append(f"{name}: {p.failure.status}: {p.failure.message}")
-            continue
-        first = p.records[0]
-        if first.details.get("device_budget_bytes") is not None:
-            moves = first.details.get("chunk_moves_per_timed_step", {})
-            moved = ", ".join(f"{k} {v:,.1f}" for k, v in moves.items() if not k.startswith("disk_"))
-            non_model = first.details.get("chunkstar_stats", {}).get("warmup_non_model_peak_bytes")
-            out.append(
-                f"{name}: budget {first.details['device_budget_bytes'] / _MIB:.1f} MiB"
-                + (f" (warm-up non-model peak {non_model / _MIB:.1f} MiB)" if non_model else "")
-                + f"; per timed step: {moved or 'no counters'}"
-            )
-        if len(p.records) > 1:
-            out.append(f"{name}: median per round (s): " + ", ".join(f"{r.step_time_s or 0:.3f}" for r in p.records))
-        rss = first.details.get("rss_after_setup_bytes")
+    first = p.records[0]
+    if first.details.get("device_budget_bytes") is not None:
+        moves = first.details.get("chunk_moves_per_timed_step", {})
+        moved = ", ".join(f"{k} {v:,.1f}" for k, v in moves.items() if not k.startswith("disk_"))
+        non_model = first.details.get("chunkstar_stats", {}).get("warmup_non_model_peak_bytes")
         out.append(
-            f"{name}: optimizer {first.details.get('optimizer')}; torch threads {first.details.get('torch_threads')}"
-            + (f"; RSS after set-up {rss / _MIB:.0f} MiB" if rss else "")
+            f"{name}: budget {first.details['device_budget_bytes'] / MIB:.1f} MiB"
+            + (f" (warm-up non-model peak {non_model / MIB:.1f} MiB)" if non_model else "")
+            + f"; per timed step: {moved or 'no counters'}"
         )
-        out.extend(f"{name}: NOTE {note}" for note in first.details.get("notes", []))
+    if len(p.records) > 1:
+        out.append(f"{name}: median per round (s): " + ", ".join(f"{r.step_time_s or 0:.3f}" for r in p.records))
+    rss = first.details.get("rss_after_setup_bytes")
+    out.append(
+        f"{name}: optimizer {first.details.get('optimizer')}; torch threads {first.details.get('torch_threads')}"
+        + (f"; RSS after set-up {rss / MIB:.0f} MiB" if rss else "")
+    )
     return out

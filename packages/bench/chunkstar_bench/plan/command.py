@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from chunkstar_bench.cli import parse_size
 from chunkstar_bench.plan.format import format_plan
-from chunkstar_bench.plan.model import DISK_SYSTEMS, GIB, HARDWARE, SYSTEMS, Hardware, Workload, default_systems, models_named
+from chunkstar_bench.plan.model import DISK_SYSTEMS, HARDWARE, SYSTEMS, Hardware, Workload, default_systems, models_named
 from chunkstar_bench.plan.rows import plan
 from chunkstar_bench.published import system_info
 from chunkstar_bench.results import ResultsFileError
+from chunkstar_bench.units import GIB, parse_size
 
 __all__ = ["add_plan_command", "main", "run_plan"]
 

@@ -10,8 +10,9 @@ from collections.abc import Sequence
 
 from chunkstar.config import DISK_LISTS
 
-from chunkstar_bench.plan.model import DISK_BYTES_PER_ELEMENT, DISK_SYSTEMS, GIB, Hardware, Workload
+from chunkstar_bench.plan.model import DISK_BYTES_PER_ELEMENT, DISK_SYSTEMS, Hardware, Workload
 from chunkstar_bench.plan.rows import PlanRow
+from chunkstar_bench.units import GIB, MIB
 
 __all__ = ["format_plan"]
 
@@ -44,7 +45,7 @@ def format_plan(hw: Hardware, rows: Sequence[PlanRow], workload: Workload) -> st
         budget = workload.staging_budget
         staging = (
             "auto (2 chunks of every disk list)" if budget is None
-            else f"{_fmt_gib(budget)} GiB" if budget >= GIB else f"{budget / 2**20:,.0f} MiB"
+            else f"{_fmt_gib(budget)} GiB" if budget >= GIB else f"{budget / MIB:,.0f} MiB"
         )  # fmt: skip
         head.append(
             f"  disk {_fmt_gib(hw.disk_bytes)} GiB free for chunk files; chunkstar-disk: {DISK_BYTES_PER_ELEMENT} per chunk "

@@ -80,6 +80,7 @@ from chunkstar.config import DISK_LISTS
 from chunkstar.runtime.disk_tier import default_staging_budget
 
 from chunkstar_bench import published, zoo
+from chunkstar_bench.units import GIB
 from chunkstar_bench.zoo import ModelSpec
 
 __all__ = [
@@ -101,7 +102,6 @@ __all__ = [
     "predict_max",
 ]
 
-GIB = 2**30
 SYSTEMS: tuple[str, ...] = published.PLAN_SYSTEMS
 """Systems the planner predicts for (Note [the memory model])."""
 DISK_SYSTEMS: tuple[str, ...] = tuple(s for s in SYSTEMS if published.system_info(s).disk)

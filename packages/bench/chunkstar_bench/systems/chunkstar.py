@@ -17,7 +17,7 @@ import statistics
 import tempfile
 from typing import Any
 
-from chunkstar_bench.harness import ADAMW, Context, cuda_peak, init_process_group, progress, time_steps
+from chunkstar_bench.harness import ADAMW, Context, init_process_group, progress, timed_record
 from chunkstar_bench.runner import DISK_DIR_ENV
 from chunkstar_bench.zoo import ModelSpec, build_hf, n_params
 
@@ -122,7 +122,7 @@ def run(ctx: Context) -> dict[str, Any]:
 
     # counters snapshotted after the warm-up: the per-step figures describe steady-state steps
     before: dict[str, Any] = {}
-    record = time_steps(ctx, step, before_timed=lambda: before.update(engine.stats()))
+    record = timed_record(ctx, step, "chunkstar ChunkAdam (AdamW)", before_timed=lambda: before.update(engine.stats()))
     stats = dict(engine.stats())
     moves = {
         key: (stats[key] - before.get(key, 0)) / max(ctx.spec.steps, 1)
@@ -136,16 +136,7 @@ def run(ctx: Context) -> dict[str, Any]:
         record["disk_bytes_per_s"] = disk / step_s if step_s > 0 else None
         record["disk_file_bytes"] = int(stats["disk_file_bytes"])
         # the chunk files stay until the runner measures and removes the run's folder
-    peak, kind = cuda_peak(ctx)
-    if peak is None:
-        peak = int(stats["device_chunk_bytes_peak"]) + int(stats["warmup_non_model_peak_bytes"] or 0)
-        kind = "chunkstar virtual device: device_chunk_bytes_peak + warmup_non_model_peak_bytes"
-    return {
-        **record,
-        "peak_device_bytes": peak,
-        "peak_device_kind": kind,
-        "device_budget_bytes": budget,
-        "chunkstar_stats": stats,
-        "chunk_moves_per_timed_step": moves,
-        "optimizer": "chunkstar ChunkAdam (AdamW)",
-    }
+    if record["peak_device_bytes"] is None:  # no CUDA: the virtual device's peak (Note [peak memory] in chunkstar_bench.child)
+        record["peak_device_bytes"] = int(stats["device_chunk_bytes_peak"]) + int(stats["warmup_non_model_peak_bytes"] or 0)
+        record["peak_device_kind"] = "chunkstar virtual device: device_chunk_bytes_peak + warmup_non_model_peak_bytes"
+    return {**record, "device_budget_bytes": budget, "chunkstar_stats": stats, "chunk_moves_per_timed_step": moves}

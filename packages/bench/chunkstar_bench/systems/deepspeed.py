@@ -17,7 +17,7 @@ import os
 import tempfile
 from typing import Any
 
-from chunkstar_bench.harness import ADAMW, Context, cuda_peak, ensure_dist_env, time_steps
+from chunkstar_bench.harness import ADAMW, Context, ensure_dist_env, timed_record
 from chunkstar_bench.runner import DISK_DIR_ENV
 from chunkstar_bench.zoo import ModelSpec
 
@@ -164,17 +164,8 @@ def _run_zero3(ctx: Context, *, nvme_path: str | None) -> dict[str, Any]:
         engine.step()  # clipping, optimizer step and zero_grad
         return float(loss.item())
 
-    record = time_steps(ctx, step)
-    peak, kind = cuda_peak(ctx)
-    return {
-        **record,
-        **extra,
-        "peak_device_bytes": peak,
-        "peak_device_kind": kind,
-        "optimizer": f"{type(optimizer).__name__} over {type(inner).__module__}.{type(inner).__name__}",
-        "deepspeed_config": config,
-        "notes": notes,
-    }
+    record = timed_record(ctx, step, f"{type(optimizer).__name__} over {type(inner).__module__}.{type(inner).__name__}")
+    return {**record, **extra, "deepspeed_config": config, "notes": notes}
 
 
 def run(ctx: Context) -> dict[str, Any]:

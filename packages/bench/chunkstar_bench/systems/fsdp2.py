@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chunkstar_bench.harness import ADAMW, Context, cuda_peak, init_process_group, time_steps
+from chunkstar_bench.harness import ADAMW, Context, init_process_group, timed_record, torch_optim_step
 
 __all__ = ["run"]
 
@@ -34,19 +34,6 @@ def run(ctx: Context) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(params, **ADAMW, foreach=True)
 
     def step(ids: Any) -> float:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        if ctx.spec.clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, ctx.spec.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.item())
+        return torch_optim_step(model(input_ids=ids, labels=ids).loss, params, optimizer, ctx.spec.clip)
 
-    record = time_steps(ctx, step)
-    peak, kind = cuda_peak(ctx)
-    return {
-        **record,
-        "peak_device_bytes": peak,
-        "peak_device_kind": kind,
-        "optimizer": "torch.optim.AdamW(foreach=True) over FSDP2 DTensor shards",
-    }
+    return timed_record(ctx, step, "torch.optim.AdamW(foreach=True) over FSDP2 DTensor shards")
