@@ -7,7 +7,11 @@
   the fix; ``wipe`` deletes them and nothing else;
 - a live process holding a rank lock (a real subprocess) keeps other runs out;
 - the free-space check refuses before anything is allocated, and a write that
-  hits ENOSPC says where and how much.
+  hits ENOSPC says where and how much;
+- a chunk whose bytes on disk are not those last written (overwritten with
+  0xFF, zeroed, truncated and regrown), in any piece of it, is refused when it
+  is read, naming the file and the chunk; a write that failed leaves the chunk
+  lost until a later write completes (Note [chunk checks]).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import torch
 
 from chunkstar.disk import ALIGNMENT, ChunkFiles, DiskFullError, DiskTierError, FilesState, aligned_empty, is_aligned
 from chunkstar.disk.blockio import byte_view
+
+from ._faults import file_size_limit
 
 STATE = ["master", "exp_avg", "exp_avg_sq"]
 
@@ -280,3 +286,98 @@ def test_the_page_cache_keeps_no_second_copy(tmp_path: Path, direct: bool) -> No
         after_reads = _resident_bytes(files.path("master"))
     # a little slack: the kernel may keep a page or two it is still looking at
     assert after_writes <= 64 << 10 and after_reads <= 64 << 10, (after_writes, after_reads)
+
+
+BIG = (9 << 20) + 12344
+"""A chunk read in three pieces (of 4 MiB: Note [chunk checks]), each summed while the next is
+read, the last one not a whole block."""
+
+
+def _corrupt(path: Path, how: str, offset: int, nbytes: int) -> None:
+    """Change the bytes of one slot behind the files' back."""
+    if how == "0xff":  # a stray write into the middle of the slot
+        with open(path, "r+b") as f:
+            f.seek(offset + nbytes // 2)
+            f.write(b"\xff" * 64)
+    elif how == "zeros":
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(bytes(nbytes))
+    else:  # truncated, then regrown by a later write past the end: the slot reads zeros
+        size = path.stat().st_size
+        os.truncate(path, 0)
+        os.truncate(path, size)
+
+
+@pytest.mark.parametrize("how", ["0xff", "zeros", "truncated"])
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("nbytes", [64 << 10, BIG], ids=["one-piece", "three-pieces"])
+def test_a_chunk_changed_on_disk_is_refused_naming_the_file_and_chunk(
+    tmp_path: Path, how: str, direct: bool, nbytes: int
+) -> None:
+    with _create(tmp_path, lists=["master", "exp_avg"], chunk_nbytes={0: nbytes, 1: nbytes}, direct=direct) as files:
+        srcs = {cid: _random_bits(nbytes, torch.float32, seed=cid, aligned=True) for cid in (0, 1)}
+        for cid, src in srcs.items():
+            files.write_from("exp_avg", cid, src)
+        dst = aligned_empty(nbytes, torch.float32)
+        files.read_into("exp_avg", 1, dst)  # the check passes on what was written
+        assert _bits(dst) == _bits(srcs[1])
+        manifest = json.loads((tmp_path / "chunkstar-r0.manifest.json").read_text())
+        offset = manifest["lists"]["exp_avg"]["chunks"]["1"]["offset"]
+        _corrupt(files.path("exp_avg"), how, offset, nbytes)
+        with pytest.raises(DiskTierError, match=r"chunk 1 of list 'exp_avg' .*chunkstar-r0-exp_avg\.chunks.*not the ones") as info:
+            files.read_into("exp_avg", 1, dst)
+        assert "restart from a checkpoint" in str(info.value)
+        if how != "truncated":  # the other chunk is intact
+            files.read_into("exp_avg", 0, dst)
+            assert _bits(dst) == _bits(srcs[0])
+        files.read_into("master", 1, dst)  # never written: zeros, and zeros pass
+        assert torch.count_nonzero(dst) == 0
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_write_that_failed_leaves_the_chunk_lost_until_a_write_completes(tmp_path: Path, direct: bool) -> None:
+    n = 64 << 10
+    with _create(tmp_path, lists=["master"], chunk_nbytes={0: n, 1: n}, direct=direct) as files:
+        old, new = (_random_bits(n, torch.uint8, seed=s, aligned=True) for s in (1, 2))
+        files.write_from("master", 1, old)
+        with file_size_limit(n + 4096), pytest.raises(DiskTierError, match="chunk 1 of list 'master'"):
+            files.write_from("master", 1, new)  # slot 1 is [n, 2n): some bytes of it are written, then EFBIG
+        dst = aligned_empty(n)
+        # whatever the file holds now (the old bytes, or some of the new), it is not the chunk
+        with pytest.raises(DiskTierError, match=r"chunk 1 of list 'master' .* is lost: its last write failed"):
+            files.read_into("master", 1, dst)
+        files.mark_lost("master", 0, "its write-behind was not done")
+        with pytest.raises(DiskTierError, match="chunk 0 of list 'master' .* is lost: its write-behind was not done"):
+            files.read_into("master", 0, dst)
+        files.write_from("master", 1, new)  # a write that completes supersedes the failed one
+        files.read_into("master", 1, dst)
+        assert _bits(dst) == _bits(new)
+
+
+def test_a_flipped_bit_or_two_swapped_blocks_are_seen(tmp_path: Path) -> None:
+    """What the checksum must catch beyond whole regions (Note [chunk checksum]): one bit
+    anywhere, the top bit of a word, blocks in the wrong order."""
+    n = (3 << 20) + 1000  # whole blocks and a tail
+    with _create(tmp_path, lists=["master"], chunk_nbytes={0: n}) as files:
+        src = _random_bits(n, torch.uint8, seed=7, aligned=True)
+        path, dst = files.path("master"), aligned_empty(n)
+        raw = path.read_bytes()[:n]
+        for byte, bit in [(0, 0), (4096 * 300 + 7, 7), (n - 1, 3), (8 * 1000 + 7, 7)]:  # (8k+7, 7): a word's top bit
+            files.write_from("master", 0, src)
+            with open(path, "r+b") as f:
+                f.seek(byte)
+                f.write(bytes([raw[byte] ^ (1 << bit)]))
+            with pytest.raises(DiskTierError, match="not the ones written"):
+                files.read_into("master", 0, dst)
+        files.write_from("master", 0, src)
+        with open(path, "r+b") as f:  # blocks 5 and 9 swapped
+            f.seek(5 * 4096)
+            f.write(raw[9 * 4096 : 10 * 4096])
+            f.seek(9 * 4096)
+            f.write(raw[5 * 4096 : 6 * 4096])
+        with pytest.raises(DiskTierError, match="not the ones written"):
+            files.read_into("master", 0, dst)
+        files.write_from("master", 0, src)
+        files.read_into("master", 0, dst)
+        assert _bits(dst) == _bits(src)

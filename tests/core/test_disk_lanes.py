@@ -3,8 +3,12 @@
 - transfers queue and return at once; their events wait; each lane keeps order;
 - ``after`` holds a job until the event it names is done (write-behind after an
   update), and a failure of that event fails the job;
-- a failure on an I/O thread reaches every waiter, naming the file; a full disk
-  stays a DiskFullError; ``then`` runs once the bytes are on disk, and only then;
+- a failure on an I/O thread reaches every waiter, naming the file, and the
+  lanes' ``on_failure``; a full disk stays a DiskFullError; ``then`` runs once
+  the write is over, however it ended (it gives the buffer back), and a write
+  that did not get its bytes to disk leaves the chunk lost;
+- a disk error keeps its type across the worker threads it crosses (an update
+  that waited for a read, then a copy that waited for the update);
 - random debug delays (``CHUNKSTAR_DEBUG_COPY_DELAY_MS``) are real (a missing wait
   sees the old bytes) and leave waited-for results exact.
 """
@@ -20,7 +24,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from chunkstar.device.copy_engine import DEBUG_DELAY_ENV
+from chunkstar.device.copy_engine import DEBUG_DELAY_ENV, CopyThread, HostWorker
 from chunkstar.disk import ChunkFiles, DiskFullError, DiskLanes, DiskTierError, aligned_empty
 
 NBYTES = 256 << 10  # 64 Ki fp32 per chunk
@@ -137,13 +141,19 @@ def test_random_debug_delays_are_real_and_keep_results_exact(
 def test_a_failure_on_the_io_thread_reaches_every_waiter_with_the_path(files: ChunkFiles) -> None:
     lanes = DiskLanes(files, delay=(0.0, 0.0))
     try:
-        # (1) the event a write waits for fails: the write fails, and its `then` never runs
+        # (1) the event a write waits for fails: the write is not done, its `then` still runs
+        # (the buffer must come back), and the chunk is lost: the file does not hold its bytes
+        lanes.write("master", 0, _values(0)).wait()
         gate, ran_then = Gate(), []
-        failed = lanes.write("master", 0, _values(0), after=gate, then=lambda: ran_then.append(1))
+        failed = lanes.write("master", 0, _values(1), after=gate, then=lambda: ran_then.append(1))
         gate.open(RuntimeError("the update blew up"))
-        with pytest.raises(DiskTierError, match=r"writing chunk 0 of list 'master' to .*chunkstar-r0-master\.chunks"):
+        with pytest.raises(
+            DiskTierError, match=r"writing chunk 0 of list 'master' to .*chunkstar-r0-master\.chunks: not done.*blew up"
+        ):
             failed.wait()
-        assert ran_then == []
+        assert ran_then == [1]
+        with pytest.raises(DiskTierError, match="chunk 0 of list 'master' .* is lost: its last write-behind did not"):
+            lanes.read("master", 0, aligned_empty(NBYTES, torch.float32)).wait()
 
         # (2) a real ENOSPC on the write lane, seen by two waiting threads; the lane carries on
         f = files._files["exp_avg"]  # its descriptors become /dev/full (writes fail ENOSPC)
@@ -189,3 +199,45 @@ def test_drain_waits_for_everything_queued(files: ChunkFiles) -> None:
     assert all(e.done() for e in events)
     lanes.close()
     assert files.stats.writes == len(CHUNKS) and files.stats.reads == len(CHUNKS)
+
+
+def test_every_failure_reaches_on_failure_and_the_lanes_go_on(files: ChunkFiles) -> None:
+    seen: list[BaseException] = []
+    lanes = DiskLanes(files, delay=(0.0, 0.0), on_failure=seen.append)
+    try:
+        lanes.write("master", 5, _values(5)).wait()
+        lanes.write("master", 6, _values(6)).wait()
+        os.truncate(files.path("master"), 5 * NBYTES + 4096)  # chunk 5 is cut short, 6 is gone
+        back = aligned_empty(NBYTES, torch.float32)
+        events = [lanes.read("master", c, back) for c in (5, 6)]
+        for c, e in zip((5, 6), events):
+            with pytest.raises(DiskTierError, match=f"reading chunk {c} of list 'master' .*shorter than its manifest"):
+                e.wait()
+        assert [type(e) for e in seen] == [DiskTierError, DiskTierError]
+        assert "chunk 5" in str(seen[0]) and "chunk 6" in str(seen[1])
+        lanes.read("exp_avg", 0, back).wait()  # another file: the lane goes on
+        assert len(seen) == 2
+    finally:
+        lanes.close()
+
+
+def test_a_disk_error_keeps_its_type_across_the_worker_threads(files: ChunkFiles) -> None:
+    lanes = DiskLanes(files, delay=(0.0, 0.0))
+    worker, copies = HostWorker(), CopyThread()
+    try:
+        lanes.write("master", 2, _values(2)).wait()
+        os.truncate(files.path("master"), 0)
+        dst = aligned_empty(NBYTES, torch.float32)
+        read = lanes.read("master", 2, dst)
+        update = worker.submit(read.wait)  # the update waits for its read, on the host worker
+        copy = copies.to_device(torch.empty(4), torch.ones(4), after=update)  # the next copy waits for the update
+        for event in (read, update, copy):
+            with pytest.raises(DiskTierError, match=r"reading chunk 2 of list 'master' .*chunkstar-r0-master\.chunks") as info:
+                event.wait()
+            original = info.value.__cause__
+            assert isinstance(original, DiskTierError) and str(original) == str(info.value)
+            assert isinstance(original.__cause__, EOFError)  # the failure itself, with the I/O thread's traceback
+    finally:
+        copies.close()
+        worker.close()
+        lanes.close()

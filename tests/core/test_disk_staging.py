@@ -3,6 +3,8 @@
 - concurrent takers never hold more than the budget, lent and kept together,
   and no two lent buffers overlap;
 - a take blocks until a give-back makes room, in arrival order, and times out;
+  once the pool has failed (a transfer failed), waiting and later takes raise
+  that failure, its type kept;
 - a freed buffer is reused by a take of its size; kept buffers of other sizes
   are dropped when a new one needs their room;
 - a buffer larger than the whole budget is refused, naming both sizes;
@@ -20,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from chunkstar.disk import ALIGNMENT, StagingBuffers, measure_disk_bandwidth
+from chunkstar.disk import ALIGNMENT, DiskFullError, DiskTierError, StagingBuffers, measure_disk_bandwidth
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -94,6 +96,35 @@ def test_a_take_blocks_until_a_give_back_makes_room_in_arrival_order() -> None:
     with pytest.raises(TimeoutError, match="lent out"):
         pool.take(1 * MiB, timeout=0.05)
     pool.give_back(held)
+
+
+def test_a_failed_pool_ends_every_wait_with_the_failure() -> None:
+    pool = StagingBuffers(4 * MiB)
+    held = pool.take(4 * MiB)  # lent to a write-behind that will fail
+    seen: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            pool.take(1 * MiB, timeout=10)
+        except BaseException as e:
+            seen.append(e)
+
+    threads = [threading.Thread(target=waiter) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    failure = DiskFullError("/some/dir/chunkstar-r0-master.chunks", 4 * MiB, 0, where="chunk 3 of list 'master'")
+    pool.fail(failure)
+    pool.fail(DiskTierError("a later failure"))  # the first one is kept
+    for t in threads:
+        t.join(5)
+    assert not any(t.is_alive() for t in threads), "a take still waits on a failed pool"
+    assert len(seen) == 2 and all(isinstance(e, DiskFullError) and e.__cause__ is failure for e in seen)
+    assert "chunk 3 of list 'master'" in str(seen[0]) and seen[0].path == failure.path
+    with pytest.raises(DiskFullError, match="chunk 3"):
+        pool.take(1 * MiB)  # later takes too, even with room
+    pool.give_back(held)  # buffers still come back
+    assert pool.in_use_bytes == 0 and pool.failure is failure
 
 
 def test_freed_buffers_are_reused_and_kept_ones_make_room() -> None:

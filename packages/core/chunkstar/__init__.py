@@ -105,29 +105,33 @@ def initialize_engine(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_func must return a torch.nn.Module, it returned {type(model).__name__}")
     engine = ChunkEngine(model, cfg, model_func=model_func, pretrained=pretrained)
-
-    opt = cfg.optimizer
-    defaults: dict[str, Any] = {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
-    if param_groups_fn is None:
-        groups: list[dict[str, Any]] = [{"params": list(engine.parameters())}]
-    else:
-        groups = [dict(g) for g in param_groups_fn(model)]
-        seen: set[int] = set()
-        for g in groups:
-            if "params" not in g:
-                raise ValueError("each parameter group from param_groups_fn needs a 'params' entry")
-            g["params"] = list(g["params"])
-            for p in g["params"]:
-                engine.index_of(p)
-                if id(p) in seen:
-                    raise ValueError("a parameter appears in more than one parameter group")
-                seen.add(id(p))
-        missing = [n for n, p in model.named_parameters() if id(p) not in seen]
-        if missing:
-            raise ValueError(f"param_groups_fn left out parameters: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    # the config's checks for each group's own lr/betas/eps/weight_decay (betas become a tuple)
-    groups = [validate_param_group(g, f"param_groups[{i}]", decoupled=opt.decoupled, defaults=defaults) for i, g in enumerate(groups)]
-    optimizer = ChunkAdam(engine, groups, defaults)
-    return engine, optimizer
+    try:
+        opt = cfg.optimizer
+        defaults: dict[str, Any] = {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
+        if param_groups_fn is None:
+            groups: list[dict[str, Any]] = [{"params": list(engine.parameters())}]
+        else:
+            groups = [dict(g) for g in param_groups_fn(model)]
+            seen: set[int] = set()
+            for g in groups:
+                if "params" not in g:
+                    raise ValueError("each parameter group from param_groups_fn needs a 'params' entry")
+                g["params"] = list(g["params"])
+                for p in g["params"]:
+                    engine.index_of(p)
+                    if id(p) in seen:
+                        raise ValueError("a parameter appears in more than one parameter group")
+                    seen.add(id(p))
+            missing = [n for n, p in model.named_parameters() if id(p) not in seen]
+            if missing:
+                raise ValueError(f"param_groups_fn left out parameters: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        # the config's checks for each group's own lr/betas/eps/weight_decay (betas become a tuple)
+        groups = [validate_param_group(g, f"param_groups[{i}]", decoupled=opt.decoupled, defaults=defaults) for i, g in enumerate(groups)]
+        optimizer = ChunkAdam(engine, groups, defaults)
+        engine.optimizer = optimizer  # its gradient pipeline, steps and checkpoints (the optimizer never sees the engine)
+        return engine, optimizer
+    except BaseException:
+        engine.close()  # a failed start leaves no threads, chunk files or directory lock behind
+        raise
 
 

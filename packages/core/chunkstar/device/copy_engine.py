@@ -20,6 +20,17 @@ Both CPU engines can emulate a PCIe-attached device: with a link bandwidth
 each copy takes at least ``bytes / bandwidth`` (config ``device_link_bandwidth``),
 and the debug setting ``CHUNKSTAR_DEBUG_COPY_DELAY_MS=lo-hi`` adds a random
 delay before each copy, so a missing wait shows up on CPU as a wrong result.
+
+Note [errors across workers]: a job that fails on a worker thread (a copy, an
+update, a disk transfer) fails its event, and whoever waits on the event raises
+:func:`relayed` of the error, its ``__cause__`` the original with the worker's
+traceback. chunkstar's own errors keep their type and message: they already
+say what failed and what to do, and their type is the API (``except
+DiskTierError`` must catch a disk read that failed on an I/O thread, however
+many workers the failure crossed: an update that waited for the read, then the
+copy that waited for the update). Anything else (a bug, a torch error) becomes
+a ``RuntimeError`` saying it failed on a worker thread. An error relayed again
+relays the original, so the chain is never longer than one.
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ __all__ = [
     "SerialCopies",
     "debug_delay_from_env",
     "make_copy_engine",
+    "relayed",
 ]
 
 DEBUG_DELAY_ENV = "CHUNKSTAR_DEBUG_COPY_DELAY_MS"
@@ -154,6 +166,32 @@ class SerialCopies:
         pass
 
 
+_RELAYED_FROM = "_chunkstar_relayed_from"  # the attribute of a relayed error naming its original
+
+
+def _is_chunkstar_error(error: BaseException) -> bool:
+    module = type(error).__module__
+    return module == "chunkstar" or module.startswith("chunkstar.")
+
+
+def relayed(error: BaseException, what: str = "a chunk copy or update") -> BaseException:
+    """The exception to raise in a thread that waited for a job that failed with ``error``
+    on a worker (Note [errors across workers]): a copy of a chunkstar error (same type,
+    message and attributes), else a ``RuntimeError`` saying ``what`` failed on a worker
+    thread; its ``__cause__`` is the original error, also when ``error`` was relayed before."""
+    original: BaseException = getattr(error, _RELAYED_FROM, error)
+    out: BaseException
+    if _is_chunkstar_error(original):
+        cls = type(original)
+        out = cls.__new__(cls, *original.args)  # not cls(...): an __init__ takes its own arguments
+        out.__dict__.update(original.__dict__)
+    else:
+        out = RuntimeError(f"chunkstar: {what} failed on a worker thread: {original!r}")
+    setattr(out, _RELAYED_FROM, original)
+    out.__cause__ = original
+    return out
+
+
 class _ThreadEvent:
     def __init__(self) -> None:
         self._flag = threading.Event()
@@ -162,7 +200,7 @@ class _ThreadEvent:
     def wait(self) -> None:
         self._flag.wait()
         if self.error is not None:
-            raise RuntimeError(f"chunkstar: a chunk copy or update failed on a worker thread: {self.error!r}") from self.error
+            raise relayed(self.error)  # Note [errors across workers]
 
     def order(self) -> None:
         self.wait()  # the CPU virtual device: the calling thread is the compute stream

@@ -6,10 +6,11 @@ one per (rank, list), and stream through a bounded set of host buffers during
 the optimizer step, read ahead and written behind on I/O threads. This
 package knows *how* to move a chunk's bytes to and from disk, exactly and at
 disk bandwidth; which lists go to disk, how far to read ahead and when to write
-back is the runtime's policy, and nothing here is wired into the engine yet.
+back is the runtime's policy (:mod:`chunkstar.runtime.disk_tier`).
 
 * :class:`ChunkFiles` - the files, their directory claim (lock, manifest,
-  stale files refused or wiped) and exact chunk reads and writes;
+  stale files refused or wiped) and exact chunk reads and writes, each read
+  checked against what was written (Note [chunk checks]);
 * :class:`DiskLanes` - a read lane and a write lane returning events;
 * :class:`StagingBuffers` - the bounded, reusing pool of host buffers;
 * :func:`measure_disk_bandwidth` - what the directory's disk can do;

@@ -21,8 +21,18 @@ wrong result rather than on a customer's disk.
 
 A transfer that fails raises, to everyone who waits on its event, a
 :class:`~chunkstar.disk.errors.DiskTierError` that names the file (a full disk
-stays a :class:`~chunkstar.disk.errors.DiskFullError`). The worker carries on
-with the next job: the run is failing, but its other events still resolve.
+stays a :class:`~chunkstar.disk.errors.DiskFullError`; Note [errors across
+workers] in :mod:`chunkstar.device.copy_engine`), and so does one whose
+``after`` failed: it is not done. Every failure is also handed to
+``on_failure`` on the lane thread (the runtime fails its staging pool with
+it, so that the step waiting there hears of it at once). The worker carries
+on with the next job: the run is failing, but its other events still resolve,
+so no waiter, and no :meth:`DiskLanes.close`, waits forever. A write's
+``then`` runs however the write ended (it gives the buffer back: a failed
+write must not keep it from the next taker); a write that did not put its
+bytes on disk, failed or not done, leaves the chunk lost in the files
+(Note [chunk checks] in :mod:`chunkstar.disk.files`), so nothing reads the
+file's older bytes as if they were the chunk's.
 """
 
 from __future__ import annotations
@@ -35,11 +45,21 @@ from typing import Callable
 
 import torch
 
-from chunkstar.device.copy_engine import CopyEvent, debug_delay_from_env
+from chunkstar.device.copy_engine import CopyEvent, debug_delay_from_env, relayed
 from chunkstar.disk.errors import DiskTierError
 from chunkstar.disk.files import ChunkFiles
 
 __all__ = ["DiskEvent", "DiskLanes"]
+
+
+def _as_disk_error(error: BaseException, text: str) -> BaseException:
+    """``error`` if it is a DiskTierError (it names its file), else a DiskTierError saying
+    ``text`` (what failed, and where), caused by ``error``."""
+    if isinstance(error, DiskTierError):
+        return error
+    out = DiskTierError(f"chunkstar disk tier: {text}: {error!r}")
+    out.__cause__ = error
+    return out
 
 
 class DiskEvent:
@@ -52,10 +72,8 @@ class DiskEvent:
     def wait(self) -> None:
         try:
             self._future.result()
-        except DiskTierError:
-            raise  # it already names the file
         except BaseException as e:
-            raise DiskTierError(f"chunkstar disk tier: {self._what} failed on the I/O thread: {e!r}") from e
+            raise relayed(e, self._what)  # a DiskTierError, its subclass kept (the job made it one)
 
     def done(self) -> bool:
         return self._future.done()
@@ -70,26 +88,61 @@ class _Lane:
     """One worker thread running transfers in the order they were queued, each after a
     random debug delay if one is set."""
 
-    def __init__(self, name: str, delay: tuple[float, float] | None, seed: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        delay: tuple[float, float] | None,
+        seed: int,
+        on_failure: Callable[[BaseException], None] | None,
+    ) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._delay = delay
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()  # submitters may be on several threads
+        self._on_failure = on_failure
 
-    def submit(self, fn: Callable[[], None], after: CopyEvent | None, what: str) -> DiskEvent:
+    def submit(
+        self,
+        fn: Callable[[], None],
+        after: CopyEvent | None,
+        what: str,
+        finally_: Callable[[BaseException | None], None] | None = None,
+    ) -> DiskEvent:
+        """Queue ``fn`` once ``after`` is done; ``finally_(failure)`` runs on the lane however
+        it ended (``failure``: None once ``fn`` ran to its end)."""
         pause = 0.0
         if self._delay is not None:
             with self._rng_lock:
                 pause = self._rng.uniform(*self._delay)
+        on_failure = self._on_failure
 
         def job() -> None:
-            if after is not None:
-                after.wait()
-            if pause:
-                time.sleep(pause)
-            fn()
+            failure: BaseException | None = None
+            try:
+                if after is not None:
+                    try:
+                        after.wait()
+                    except BaseException as e:
+                        raise _as_disk_error(e, f"{what}: not done, the work it waited for failed")
+                if pause:
+                    time.sleep(pause)
+                try:
+                    fn()
+                except BaseException as e:
+                    raise _as_disk_error(e, f"{what} failed on the I/O thread")
+            except BaseException as e:
+                failure = e
+                if on_failure is not None:
+                    on_failure(e)
+                raise
+            finally:
+                if finally_ is not None:
+                    finally_(failure)
 
-        return DiskEvent(self._pool.submit(job), what)
+        try:
+            return DiskEvent(self._pool.submit(job), what)
+        except RuntimeError as e:  # the executor's "cannot schedule new futures after shutdown"
+            raise DiskTierError(f"chunkstar disk tier: {what}: the I/O lanes are closed ({e})") from e
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)  # queued transfers finish: a write-behind is not dropped
@@ -99,19 +152,27 @@ class DiskLanes:
     """A read lane and a write lane over one :class:`ChunkFiles` (see the module docstring).
 
     ``delay``: a random pause of (low, high) seconds before each transfer; None takes the
-    debug setting ``CHUNKSTAR_DEBUG_COPY_DELAY_MS`` (unset: no pause)."""
+    debug setting ``CHUNKSTAR_DEBUG_COPY_DELAY_MS`` (unset: no pause). ``on_failure(error)``:
+    called on the lane thread with each transfer's failure (the DiskTierError its waiters get)."""
 
-    def __init__(self, files: ChunkFiles, *, delay: tuple[float, float] | None = None) -> None:
+    def __init__(
+        self,
+        files: ChunkFiles,
+        *,
+        delay: tuple[float, float] | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.files = files
         if delay is None:
             delay = debug_delay_from_env()
         self.delay = delay
-        self._reads = _Lane("chunkstar-disk-read", delay, seed=2)
-        self._writes = _Lane("chunkstar-disk-write", delay, seed=3)
+        self._reads = _Lane("chunkstar-disk-read", delay, 2, on_failure)
+        self._writes = _Lane("chunkstar-disk-write", delay, 3, on_failure)
 
     def read(self, list_name: str, chunk_id: int, dst: torch.Tensor, after: CopyEvent | None = None) -> DiskEvent:
         """Queue ``files.read_into(list_name, chunk_id, dst)`` once ``after`` is done; ``dst``
-        must not be read (nor written) until the event is."""
+        must not be read (nor written) until the event is. A chunk whose bytes on disk are not
+        what was last written there fails the read (the check runs before the event is done)."""
         self._check(list_name, chunk_id, dst)
         files = self.files
         what = f"reading chunk {chunk_id} of list {list_name!r} from {files.path(list_name)}"
@@ -126,18 +187,23 @@ class DiskLanes:
         then: Callable[[], None] | None = None,
     ) -> DiskEvent:
         """Queue ``files.write_from(list_name, chunk_id, src)`` once ``after`` is done (the update
-        that wrote ``src``); ``then`` runs on the write lane once the bytes are on disk and only
-        if they are (giving the buffer back, say). ``src`` must not change until the event is done."""
+        that wrote ``src``); ``then`` runs on the write lane once the job is over, whether the bytes
+        got to disk or not (giving the buffer back, say). A write not done, because ``after``
+        failed, leaves the chunk lost, as a failed write does. ``src`` must not change until the
+        event is done."""
         self._check(list_name, chunk_id, src)
         files = self.files
         what = f"writing chunk {chunk_id} of list {list_name!r} to {files.path(list_name)}"
 
-        def job() -> None:
-            files.write_from(list_name, chunk_id, src)
-            if then is not None:
-                then()
+        def over(failure: BaseException | None) -> None:
+            try:
+                if failure is not None:  # the file holds the chunk's older bytes, or some of the new
+                    files.mark_lost(list_name, chunk_id, f"its last write-behind did not complete ({failure})")
+            finally:
+                if then is not None:
+                    then()
 
-        return self._writes.submit(job, after, what)
+        return self._writes.submit(lambda: files.write_from(list_name, chunk_id, src), after, what, over)
 
     def drain(self) -> None:
         """Return once every transfer queued so far has finished (failures are raised to their

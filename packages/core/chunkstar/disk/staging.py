@@ -17,6 +17,11 @@ Requests are served in the order they arrive, so a large one is not starved
 by a stream of small ones. ``aligned=True`` makes every buffer start at a
 multiple of 4096 bytes, as ``O_DIRECT`` needs (each then costs up to 4 KiB
 more than its size, not counted in the budget). Thread-safe.
+
+A taker waits for buffers that transfers give back; once a transfer has
+failed, :meth:`~StagingBuffers.fail` makes every waiting and later
+:meth:`~StagingBuffers.take` raise that failure instead of waiting (the run
+is failing: the step must hear of it, not wait for room that may never come).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 
 import torch
 
+from chunkstar.device.copy_engine import relayed
 from chunkstar.disk.blockio import aligned_empty
 from chunkstar.errors import _fmt as _fmt_bytes
 
@@ -48,6 +54,7 @@ class StagingBuffers:
         self._queue: collections.deque[object] = collections.deque()  # waiting takers, first come first served
         self._in_use = 0
         self._kept_bytes = 0
+        self._failure: BaseException | None = None  # what take raises once the pool has failed
         self.peak_in_use_bytes = 0
         self.allocations = 0
         """Buffers allocated so far (a take served by a kept buffer allocates none)."""
@@ -66,7 +73,8 @@ class StagingBuffers:
 
     def take(self, nbytes: int, dtype: torch.dtype = torch.uint8, *, timeout: float | None = None) -> torch.Tensor:
         """A 1-D host tensor of ``nbytes`` bytes of ``dtype`` (uninitialised, or a previous
-        chunk's bytes), once the budget has room for it; ``TimeoutError`` after ``timeout`` s."""
+        chunk's bytes), once the budget has room for it; ``TimeoutError`` after ``timeout`` s,
+        and the failure given to :meth:`fail` (relayed: its type kept) once there is one."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         if nbytes <= 0 or nbytes % itemsize:
             raise ValueError(f"take: {nbytes} bytes is not a positive whole number of {dtype} elements")
@@ -81,7 +89,11 @@ class StagingBuffers:
         with self._cond:
             self._queue.append(token)
             try:
-                while not (self._queue[0] is token and self._in_use + nbytes <= self.budget_bytes):
+                while True:
+                    if self._failure is not None:
+                        raise relayed(self._failure)
+                    if self._queue[0] is token and self._in_use + nbytes <= self.budget_bytes:
+                        break
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise TimeoutError(
@@ -135,6 +147,20 @@ class StagingBuffers:
             self._kept.move_to_end(nbytes)  # the sizes in use now are dropped last
             self._kept_bytes += nbytes
             self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """Make every :meth:`take`, waiting now or later, raise ``error`` (the first one given
+        is kept). Buffers still come back by :meth:`give_back`."""
+        with self._cond:
+            if self._failure is None:
+                self._failure = error
+            self._cond.notify_all()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error given to :meth:`fail`, None while the pool works."""
+        with self._cond:
+            return self._failure
 
     def release_kept(self) -> None:
         """Free the kept buffers (lent ones stay lent)."""

@@ -25,8 +25,20 @@ hold no host or device bytes. Host memory is only a staging area of
 The same arithmetic runs on the same values in the same order as without the
 disk tier, so results are bit-identical. The files are a cache of this run,
 not a checkpoint (``save_checkpoint`` writes the real thing): they are deleted
-when the engine is closed or collected, and a later run refuses or wipes files
-a dead run left (Note [directory claim] in :mod:`chunkstar.disk.claim`).
+when the engine is closed or collected, or when its start fails once they
+exist (:meth:`DiskTier.discard`: the same call, corrected, must not find them
+stale), and a later run refuses or wipes files a dead run left (Note
+[directory claim] in :mod:`chunkstar.disk.claim`).
+
+Failures: every chunk read is checked against what was written (Note [chunk
+checks] in :mod:`chunkstar.disk.files`). A transfer that fails fails its
+event, raising a :class:`~chunkstar.disk.DiskTierError` that names the file
+and the chunk in whoever waits on it, its type kept across the worker threads
+(Note [errors across workers] in :mod:`chunkstar.device.copy_engine`); it
+also fails the staging pool, so the step, which waits there for buffers,
+raises it at once, and so does every later stage-in: the state on disk is no
+longer whole, and the run cannot go on. A buffer comes back on every path (a
+failed write-behind's too), so no wait is left without an end.
 
 This module is the mechanism; the chunk store (the manager) decides which
 chunks to stage and when.
@@ -36,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 import weakref
 from typing import Callable, Iterator, Mapping
 
@@ -78,11 +91,6 @@ class DiskTier:
         self._on_move = on_move
         self.lists = tuple(chunks)
         sizes = {name.value: {cid: c.nbytes for cid, c in per.items()} for name, per in chunks.items()}
-        self.files = ChunkFiles.create(
-            cfg.path, run_tag=run_tag, rank=rank, lists=[n.value for n in self.lists], chunk_nbytes=sizes,
-            on_stale="wipe" if cfg.on_stale == "wipe" else "refuse", direct=cfg.direct,
-        )  # fmt: skip
-        self.lanes = DiskLanes(self.files)
         any_list = next(iter(sizes.values()), {})
         self.budget = cfg.staging_budget or default_staging_budget(any_list, len(self.lists))
         # one chunk id's state, every disk list at once: an update needs all of them staged
@@ -92,14 +100,20 @@ class DiskTier:
                 f"disk.staging_budget is {self.budget} bytes, less than the state of one chunk ({one} bytes: "
                 f"{', '.join(n.value for n in self.lists)}), which an update stages at once: raise it to at least "
                 f"that (twice that lets reads run ahead of the updates), or lower default_chunk_size"
-            )
+            )  # before any file exists: a refused start leaves nothing behind
         self.staging = StagingBuffers(self.budget, aligned=True)
+        self.files = ChunkFiles.create(
+            cfg.path, run_tag=run_tag, rank=rank, lists=[n.value for n in self.lists], chunk_nbytes=sizes,
+            on_stale="wipe" if cfg.on_stale == "wipe" else "refuse", direct=cfg.direct,
+        )  # fmt: skip
+        # a failed transfer fails the pool: the step waiting in take raises it (Note [disk tier])
+        self.lanes = DiskLanes(self.files, on_failure=self.staging.fail)
+        # the files go at a clean end of the engine (close), when it is collected, or at a failed start
+        self._finalizer = weakref.finalize(self, _close, self.lanes, self.files)
         self.stage_ins = 0
         self.stage_outs = 0
         self.clean_stage_outs = 0  # staged out without a write (nothing changed)
         self.wait_s = 0.0  # main-thread seconds waiting for a staging buffer
-        # the files go at a clean end of the engine (close) or when it is collected
-        self._finalizer = weakref.finalize(self, _close, self.lanes, self.files)
 
     def on_disk(self, name: ChunkList) -> bool:
         return name in self.lists
@@ -108,9 +122,13 @@ class DiskTier:
         """DISK -> HOST: a staging buffer, filled on the read lane after the chunk's last
         write-behind; readers wait on the read as on any pending copy."""
         t0 = time.perf_counter()
-        buf = self.staging.take(chunk.nbytes, chunk.dtype)
+        buf = self.staging.take(chunk.nbytes, chunk.dtype)  # raises once a transfer has failed
         self.wait_s += time.perf_counter() - t0
-        event = self.lanes.read(chunk.list_name, chunk.chunk_id, buf, after=chunk.pending_copy)
+        try:
+            event = self.lanes.read(chunk.list_name, chunk.chunk_id, buf, after=chunk.pending_copy)
+        except BaseException:
+            self.staging.give_back(buf)
+            raise
         chunk.attach_host(buf, event)
         self.stage_ins += 1
         if self._on_move is not None:
@@ -125,13 +143,26 @@ class DiskTier:
             self._on_move(chunk, True, chunk.nbytes if write else 0, time.perf_counter_ns())
         if write:
             staging = self.staging
-            event = self.lanes.write(chunk.list_name, chunk.chunk_id, buf, after=last, then=lambda: staging.give_back(buf))
+            try:  # given back once the write is over, whether its bytes got to disk or not
+                event = self.lanes.write(
+                    chunk.list_name, chunk.chunk_id, buf, after=last, then=lambda: staging.give_back(buf)
+                )
+            except BaseException:
+                staging.give_back(buf)
+                raise
             chunk.set_disk_write(event)
             return
-        if last is not None:
-            last.wait()
+        try:
+            if last is not None:
+                last.wait()
+        except Exception as e:
+            # the read failed (or the work after it): its waiters have raised it, and the pool
+            # fails with it, so every later stage-in does; raising it here, where chunks are put
+            # back (often in a finally), would leave the next chunks out
+            self.staging.fail(e)
+        finally:
+            self.staging.give_back(buf)
         self.clean_stage_outs += 1
-        self.staging.give_back(buf)
 
     def write_now(self, chunk: Chunk, buf: torch.Tensor) -> None:
         """Write ``buf`` (a host tensor of the chunk's bytes) as the chunk's content, in this
@@ -154,6 +185,20 @@ class DiskTier:
     def close(self) -> None:
         """Finish the transfers in flight and delete this run's chunk files."""
         self._finalizer()
+
+    def discard(self) -> None:
+        """:meth:`close` for a start that failed once the tier existed: its files and lock go
+        now, so the same call, corrected, finds nothing stale (in this process or another).
+        A failure of this cleanup is a warning: the start's own error is what the caller sees."""
+        try:
+            self.close()
+        except Exception as e:
+            warnings.warn(
+                f"chunkstar disk tier: deleting the chunk files of a failed start in {self.files.directory} failed "
+                f"({e}); delete them by hand, or start with disk.on_stale 'wipe'",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def stats(self) -> dict[str, float | int]:
         s = self.files.stats

@@ -195,6 +195,22 @@ class ChunkEngine:
         model_func: Callable[[], nn.Module] | None = None,
         pretrained: str | os.PathLike[str] | None = None,
     ) -> None:
+        try:
+            self._build(model, cfg, model_func=model_func, pretrained=pretrained)
+        except BaseException:
+            mgr: ChunkManager | None = self.__dict__.get("mgr")
+            if mgr is not None and mgr.disk is not None:
+                mgr.disk.discard()  # a failed start leaves no chunk files or lock behind (Note [disk tier])
+            raise
+
+    def _build(
+        self,
+        model: nn.Module,
+        cfg: EngineConfig,
+        *,
+        model_func: Callable[[], nn.Module] | None,
+        pretrained: str | os.PathLike[str] | None,
+    ) -> None:
         self.module = model
         self.config = cfg
         self.device = cfg.device
