@@ -24,7 +24,16 @@ if TYPE_CHECKING:
     from chunkstar.events import MoveReason
     from chunkstar.memory.tracer import MemoryTrace
 
-__all__ = ["ChunkStore"]
+__all__ = ["ChunkStore", "DiskStaging"]
+
+
+class DiskStaging(Protocol):
+    """What the optimizer asks of the disk tier (:class:`chunkstar.runtime.disk_tier.DiskTier`):
+    which lists live on disk, and to stage one chunk in ahead of its update or out behind it."""
+
+    def on_disk(self, name: ChunkList) -> bool: ...
+    def stage_in(self, chunk: Chunk) -> None: ...
+    def stage_out(self, chunk: Chunk, *, write: bool) -> None: ...
 
 
 class ChunkStore(Protocol):
@@ -40,6 +49,9 @@ class ChunkStore(Protocol):
     def moment(self) -> int: ...
     @property
     def trace(self) -> MemoryTrace: ...
+    @property
+    def disk(self) -> DiskStaging | None:
+        """The disk tier, when the config has one (Note [disk tier])."""
 
     def chunk(self, which: ChunkList, chunk_id: int) -> Chunk: ...
     def chunks_of(self, which: ChunkList) -> Sequence[Chunk]: ...

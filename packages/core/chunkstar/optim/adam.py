@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -55,18 +55,42 @@ from chunkstar.chunk.layout import TensorSlot
 from chunkstar.chunk.lists import CHUNK_LISTS, ChunkList
 from chunkstar.chunk.state import TensorState
 from chunkstar.chunk.store import ChunkStore
-from chunkstar.config import check_decoupled_decay
-from chunkstar.device.copy_engine import CopyEvent
+from chunkstar.config import EngineConfig, check_decoupled_decay
+from chunkstar.device.copy_engine import CopyEvent, HostWorker, InlineWorker
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError
 from chunkstar.events import MoveReason, Tier
+from chunkstar.optim.loss_scaler import LossScaler
 
 _log = logging.getLogger("chunkstar")
 
-if TYPE_CHECKING:
-    from chunkstar.runtime.engine import ChunkEngine
+__all__ = ["ChunkAdam", "OptimizerHost", "global_grad_norm", "range_norms"]
 
-__all__ = ["ChunkAdam", "global_grad_norm", "range_norms"]
+
+class OptimizerHost(Protocol):
+    """What the optimizer needs of the engine it updates: the chunks (through the store's
+    narrow door), the processes, the config, where Adam runs (hybrid Adam's device chunks,
+    the host worker), the loss scaler, the micro-step count (Note [a step consumes its
+    gradients]), the parameters' slot indices, and the step's begin and end. It never
+    sees the engine itself."""
+
+    comm: Comm
+    config: EngineConfig
+    device: torch.device
+    scaler: LossScaler
+    host_work: HostWorker | InlineWorker
+
+    @property
+    def mgr(self) -> ChunkStore: ...
+    @property
+    def device_adam_chunks(self) -> set[int]: ...
+    @property
+    def micro_step(self) -> int: ...
+    def index_of(self, p: torch.Tensor) -> int: ...
+    def begin_optimizer_step(self) -> None: ...
+    def end_optimizer_step(self) -> None: ...
+    def drop_pending_grads(self) -> None: ...
+    def restore_params_from_master(self, slots_by_chunk: dict[int, list[TensorSlot]]) -> None: ...
 
 _FORMAT = "chunkstar.ChunkAdam/1"
 _BATCH_ELEMENTS = 1 << 22  # gradient elements per batch of fused calls on CUDA (16 MiB of fp32 copies)
@@ -126,7 +150,7 @@ def global_grad_norm(norms: list[torch.Tensor], comm: Comm, device: torch.device
 
 
 class ChunkAdam(torch.optim.Optimizer):
-    def __init__(self, engine: ChunkEngine, param_groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
+    def __init__(self, engine: OptimizerHost, param_groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
         super().__init__(param_groups, defaults)
         self._engine = engine
         self._store: ChunkStore = engine.mgr  # the chunks, through the store's narrow door only
@@ -157,7 +181,6 @@ class ChunkAdam(torch.optim.Optimizer):
         self._order: tuple[int, list[int]] | None = None  # (id of the trace, chunk ids in next-forward order)
         self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
         self._disk = engine.mgr.disk  # the disk tier, if the state lives on disk (Note [disk tier])
-        engine.optimizer = self  # engine.save_checkpoint / load_checkpoint carry this optimizer's state
 
     # ------------------------------------------------------------------ public
     @property

@@ -27,7 +27,7 @@ the update runs nor how chunks move: it only writes slots and states.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -41,12 +41,17 @@ from chunkstar.events import MoveReason, Stage
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.cursor import Cursor
 
-if TYPE_CHECKING:
-    from chunkstar.optim.adam import ChunkAdam
-
-__all__ = ["Gradients"]
+__all__ = ["GradientConsumer", "Gradients"]
 
 _PARAM = ChunkList.PARAM  # read per gradient
+
+
+class GradientConsumer(Protocol):
+    """Who takes finished gradient chunks during backward (the optimizer: Note [gradient
+    pipeline]) and forgets what it took when the gradients are dropped."""
+
+    def take_gradients(self, chunk_id: int) -> None: ...
+    def forget_gradients(self) -> None: ...
 
 
 class Gradients:
@@ -56,7 +61,7 @@ class Gradients:
         self.comm = comm
         self.reducer = reducer  # several processes only
         self.accumulation_steps = accumulation_steps
-        self.optimizer: ChunkAdam | None = None  # takes complete chunks during backward (set by the engine)
+        self.optimizer: GradientConsumer | None = None  # takes complete chunks during backward (set by the engine)
         self.since_step = 0  # micro-batches since the last optimizer step
         self.boundary = False  # the running backward is the last micro-batch before a step
         self._accumulators: dict[int, torch.Tensor] = {}  # chunk id -> 1-D fp32 host, grads of earlier micro-batches

@@ -34,22 +34,19 @@ own keys; tied parameters come back as one tensor, as in plain PyTorch.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
 
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.state import ChunkLocation, TensorState
+from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError, DeviceMemoryError
 from chunkstar.events import Stage
 from chunkstar.hooks.module_hooks import AfterBackward, output_tensors, substitute
 from chunkstar.hooks.param_guard import ReadOnlyGradient, ReadOnlySnapshot, mutated_tensors, op_name, plain, tensor_args
-
-if TYPE_CHECKING:
-    from chunkstar.runtime.engine import ChunkEngine
-    from chunkstar.runtime.hook_targets import HookTargets
-    from chunkstar.runtime.iteration import Iteration
+from chunkstar.runtime.chunk_manager import ChunkManager
 
 __all__ = ["ParamAccess", "GATHER_HINT"]
 
@@ -66,10 +63,47 @@ _NOT_DIFFERENTIABLE = frozenset(
 )  # fmt: skip
 
 
+class AccessHost(Protocol):
+    """What parameter access needs of the engine: its chunks, its parameters by slot index,
+    and the fp32 values of every chunk (several processes)."""
+
+    mgr: ChunkManager
+    comm: Comm
+
+    @property
+    def device(self) -> torch.device: ...
+    def index_of(self, p: torch.Tensor) -> int: ...
+    def param_index(self, p: torch.Tensor) -> int | None: ...
+    def parameter(self, index: int) -> nn.Parameter: ...
+    def param_view(self, index: int) -> torch.Tensor: ...
+    def full_masters(self) -> dict[int, torch.Tensor]: ...
+
+
+class ReadTargets(Protocol):
+    """What a read inside a model pass needs of the hook targets (runtime/hook_targets.py)."""
+
+    absorb_writes: Callable[[list[int]], None]
+
+    def running_module(self) -> int | None: ...
+    def attach_to_running_module(self, indices: list[int], what: str) -> None: ...
+    def access_outside_modules(self, label: str, indices: list[int], backward: bool = False) -> None: ...
+    def release_outside_modules(self, indices: list[int], prior: dict[int, TensorState], building_graph: bool) -> None: ...
+    def release_after_backward(self, indices: list[int]) -> None: ...
+    def check_writes(self, indices: Sequence[int], depth: int) -> bool: ...
+
+
+class ReadIteration(Protocol):
+    """What a read needs of the iteration (runtime/iteration.py): whether a model pass runs,
+    and to open one from a read between steps."""
+
+    def in_model_pass(self) -> bool: ...
+    def begin_from_read(self) -> None: ...
+
+
 class ParamAccess:
     """The engine's handler for guarded parameter accesses (one per engine)."""
 
-    def __init__(self, engine: ChunkEngine) -> None:
+    def __init__(self, engine: AccessHost) -> None:
         self.engine = engine
         self.mgr = engine.mgr
         self._sd_depth = 0  # nesting of module.state_dict() calls in progress
@@ -79,10 +113,10 @@ class ParamAccess:
         self._gathered: set[int] = set()  # slot indices inside gathered_parameters()
         # the engine's hook targets and iteration, which take part in reads during a model
         # pass; they are built after this object (they reset it), so the engine connects them
-        self._targets: HookTargets | None = None
-        self._iteration: Iteration | None = None
+        self._targets: ReadTargets | None = None
+        self._iteration: ReadIteration | None = None
 
-    def connect(self, targets: HookTargets, iteration: Iteration) -> None:
+    def connect(self, targets: ReadTargets, iteration: ReadIteration) -> None:
         self._targets = targets
         self._iteration = iteration
         targets.absorb_writes = self.absorb_writes
