@@ -345,6 +345,21 @@ def test_a_chunk_file_changed_between_steps_stops_training(tmp_path: Path, list_
     _within(60, engine.close)
 
 
+def test_without_verify_the_checks_are_left_out(tmp_path: Path) -> None:
+    """disk.verify=false trades the check's CPU (Note [chunk checks]) for the protection: the
+    same change of a file goes unseen, and training goes on from it."""
+    d = tmp_path / "disk"
+    engine, optimizer = chunkstar.initialize_engine(_layers, 0, _disk_config(d, verify=False))
+    _step(engine, optimizer)
+    engine.mgr.disk.drain()
+    with open(d / "chunkstar-r0-exp_avg_sq.chunks", "r+b") as f:
+        f.seek(_slot_offset(d, "exp_avg_sq", 1))
+        f.write(b"\0" * (4 * LAYER))
+    for _ in range(2):
+        _within(60, lambda: _step(engine, optimizer))
+    _within(60, engine.close)
+
+
 def _pretrained_of_another_shape(tmp_path: Path) -> Path:
     from safetensors.torch import save_file
 

@@ -104,7 +104,7 @@ class DiskTier:
         self.staging = StagingBuffers(self.budget, aligned=True)
         self.files = ChunkFiles.create(
             cfg.path, run_tag=run_tag, rank=rank, lists=[n.value for n in self.lists], chunk_nbytes=sizes,
-            on_stale="wipe" if cfg.on_stale == "wipe" else "refuse", direct=cfg.direct,
+            on_stale="wipe" if cfg.on_stale == "wipe" else "refuse", direct=cfg.direct, verify=cfg.verify,
         )  # fmt: skip
         # a failed transfer fails the pool: the step waiting in take raises it (Note [disk tier])
         self.lanes = DiskLanes(self.files, on_failure=self.staging.fail)
