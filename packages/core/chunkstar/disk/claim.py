@@ -182,6 +182,13 @@ def _who(info: Mapping[str, Any]) -> str:
 
 
 def _held_message(path: Path, holder: Mapping[str, Any], run_tag: str, rank: int) -> str:
+    if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        return (
+            f"chunkstar disk tier: {path} is held by another engine of this very process ({_who(holder)}), "
+            f"still open: two live runs must not share a disk-tier directory, and each rank of a run needs its "
+            f"own files. To fix: call close() on that engine (or drop every reference to it) before this one "
+            f"uses {path.parent}, or give this one a directory of its own."
+        )
     return (
         f"chunkstar disk tier: {path} is locked by another live process: {_who(holder)}. This run "
         f"(run tag {run_tag!r}, rank {rank}, pid {os.getpid()}) cannot use {path.parent}: two live runs must "
