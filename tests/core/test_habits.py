@@ -384,6 +384,7 @@ def test_a_loss_the_engine_did_not_produce_is_refused() -> None:
     engine(x)  # the engine's forward ran, but the loss comes from another model
     with pytest.raises(ChunkStateError, match="no gradient reached this engine's parameters"):
         engine.backward(other(torch.randn(3, WIDTH)).sum())
+    engine(x)
     with pytest.raises(ChunkStateError, match="no gradient reached"):
         engine.backward(torch.ones((), requires_grad=True) * 2)
     # the engine is usable afterwards
@@ -417,3 +418,18 @@ def test_a_scheduler_raising_adamw_decay_past_one_is_refused_at_the_step() -> No
         optimizer.step()
     optimizer.param_groups[0]["lr"] = 1e-2
     optimizer.step()
+
+
+def test_a_second_backward_with_no_forward_in_between_is_refused() -> None:
+    data = _data(2)
+    engine, optimizer = chunkstar.initialize_engine(lambda: _built(Tied), 0, _config(1 << 30))
+    x, y = data[0]
+    loss = _ce(engine(x), y)
+    engine.backward(loss)
+    with pytest.raises(ChunkStateError, match="no training forward of the engine since the last backward"):
+        engine.backward(loss)
+    optimizer.step()  # the first backward's gradients are intact
+    x, y = data[1]
+    engine.backward(_ce(engine(x), y))
+    optimizer.step()
+    assert engine.stats()["optimizer_steps"] == 2

@@ -431,6 +431,12 @@ class ChunkEngine:
             raise TypeError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}")
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: was the forward run under torch.no_grad()?")
+        if not self._iteration.open:
+            raise ChunkStateError(
+                "engine.backward(loss) with no training forward of the engine since the last backward: that "
+                "backward used up the forward's graph (and its gradients wait for optimizer.step()); run the "
+                "model again for each backward, or combine the losses of one forward into one before it"
+            )
         gas = self.config.gradient_accumulation_steps
         if gas > 1:
             loss = loss / gas
