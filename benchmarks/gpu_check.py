@@ -109,7 +109,7 @@ _SLACK = {"cuda": 0.1, "cpu": 0.0}
 _MEMORY_TOLERANCE = 0.05
 """A row FAILs when its real device peak passes its budget by more than this share."""
 
-# parity tolerances: the test suite's (tests/core/test_parity.py, tests/core/test_cuda.py)
+# parity tolerances: the test suite's (tests/core/runtime/test_parity.py, tests/core/device/test_cuda.py)
 _LOSS_RTOL = {"fp32": 1e-5, "bf16": 3e-2}
 _PARAM_RTOL, _PARAM_ATOL = 1e-5, 1e-6
 _PARITY_ROOM = 0.5

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import chunkstar
 from tests.core._models import CASES, engine_config, eviction_budget, gpt2_batch
-from tests.core.test_param_access import _encoder_loss, _seq_batch, build_encoder
+from tests.core.runtime.test_param_access import _encoder_loss, _seq_batch, build_encoder
 from tests.distributed._loop import train_slices
 
 STEPS = 3

@@ -16,7 +16,7 @@ from chunkstar.chunk.lists import CHUNK_LISTS
 from chunkstar.chunk.state import ChunkLocation, TensorState
 from chunkstar.runtime.chunk_manager import ChunkManager
 from tests.core._models import CASES, engine_config, eviction_budget, gpt2_batch
-from tests.core.test_bookkeeping_index import _reference_candidates
+from tests.core.runtime.test_bookkeeping_index import _reference_candidates
 
 STEPS = 4
 FROZEN = "transformer.h.1.mlp.c_fc.weight"  # stops requiring grad after the first two steps

@@ -26,7 +26,8 @@ def scale(rank: int, world: int, port: int, out: str, case: str, pretrained: str
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     result: dict[str, Any] = {"rank": rank}
     try:
-        from tests.core import test_construction, test_frozen
+        from tests.core.construction import test_construction
+        from tests.core.runtime import test_frozen
 
         builders: dict[str, Callable[[], torch.nn.Module]] = {
             "lora": test_frozen.build_lora_llama,

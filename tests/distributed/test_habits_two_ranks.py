@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.core._models import CASES, ModelCase, assert_losses_close, train_reference
-from tests.core.test_param_access import _encoder_loss, _seq_batch, build_encoder
+from tests.core.runtime.test_param_access import _encoder_loss, _seq_batch, build_encoder
 
 from ._habits_worker import ACCUM, ACCUM_STEPS, COMPILED_STEPS, STEPS, habits
 from ._spawn import run_ranks

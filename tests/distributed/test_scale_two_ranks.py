@@ -20,7 +20,7 @@ pytest.importorskip("peft")
 
 
 def test_lora_on_two_ranks_matches_one_process(tmp_path: Path) -> None:
-    from tests.core.test_frozen import build_lora_llama
+    from tests.core.runtime.test_frozen import build_lora_llama
 
     results = run_ranks(scale, tmp_path, "lora")
     assert len(results) == WORLD and all("error" not in r for r in results), results
@@ -39,7 +39,7 @@ def test_lora_on_two_ranks_matches_one_process(tmp_path: Path) -> None:
 
 
 def _meta_reference() -> tuple[dict[str, torch.Tensor], list[float]]:
-    from tests.core import test_construction as tc
+    from tests.core.construction import test_construction as tc
 
     def build() -> torch.nn.Module:
         return tc._plain_from_meta(tc._on_meta(tc._gpt2))
@@ -65,7 +65,7 @@ def test_meta_model_on_two_ranks_matches_one_process(tmp_path: Path, case: str) 
 
 
 def test_pretrained_on_two_ranks_each_reads_its_share(tmp_path: Path) -> None:
-    from tests.core import test_construction as tc
+    from tests.core.construction import test_construction as tc
 
     torch.manual_seed(11)
     saved = tc._gpt2()

@@ -24,7 +24,7 @@ Note [compiled units]:
   The second warm-up pass runs the compiled call (its graphs are captured then),
   so the trace keeps the larger of the eager and the compiled peaks of each
   moment: a compiled block's backward may hold more than the eager one (the
-  strict virtual device's meter saw tests/core/test_compile.py's GPT-2 under
+  strict virtual device's meter saw tests/core/hooks/test_compile.py's GPT-2 under
   inductor hold 2.49 MB against a 2.07 MB budget planned from eager peaks alone,
   first over at a block's backward), so eager peaks alone would go over the
   budget on every step. The CPU probe's dispatch mode sets

@@ -24,7 +24,7 @@ from chunkstar.memory.host_heap import HostHeap, release_moment
 from chunkstar.memory.tracer import TracePhase
 from chunkstar.optim import adam
 
-from ._models import CASES, DTYPES, engine_config, eviction_budget, train_engine
+from tests.core._models import CASES, DTYPES, engine_config, eviction_budget, train_engine
 
 STEPS = 5
 

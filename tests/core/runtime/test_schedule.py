@@ -24,7 +24,7 @@ import chunkstar
 import chunkstar_profiler
 from chunkstar.runtime.schedule import MAX_REPLANS
 
-from ._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, gpt2_batch
+from tests.core._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, gpt2_batch
 
 D = 64
 

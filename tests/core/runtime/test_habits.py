@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 import chunkstar
 from chunkstar.errors import ChunkStateError
 
-from ._budget import measured_budget
+from tests.core._budget import measured_budget
 
 VOCAB = 40
 WIDTH = 32

@@ -24,7 +24,7 @@ from torch import nn
 
 import chunkstar
 
-from ._models import CASES, DTYPES, ModelCase, assert_losses_close, engine_config, eviction_budget, train_engine, train_reference
+from tests.core._models import CASES, DTYPES, ModelCase, assert_losses_close, engine_config, eviction_budget, train_engine, train_reference
 
 STEPS = 5
 D, VOCAB, SEQ = 64, 128, 8

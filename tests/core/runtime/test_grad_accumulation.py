@@ -11,7 +11,7 @@ import pytest
 
 import chunkstar
 
-from ._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, train_engine, train_reference
+from tests.core._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, train_engine, train_reference
 
 ACCUM = 4
 STEPS = 3

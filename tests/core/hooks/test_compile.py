@@ -21,7 +21,7 @@ from torch import nn
 import chunkstar
 from chunkstar.errors import ConfigError
 
-from ._models import CASES, build_gpt2, engine_config, eviction_budget, gpt2_batch, train_engine
+from tests.core._models import CASES, build_gpt2, engine_config, eviction_budget, gpt2_batch, train_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # Dynamo's notes on the CPU
 

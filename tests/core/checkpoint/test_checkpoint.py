@@ -22,11 +22,11 @@ import chunkstar
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.state import ChunkLocation
 
-from ._models import CASES, DTYPES, ModelCase, build_gpt2, engine_config, eviction_budget, n_unique_params, train_engine
+from tests.core._models import CASES, DTYPES, ModelCase, build_gpt2, engine_config, eviction_budget, n_unique_params, train_engine
 
 SAVE_AFTER = 3
 STEPS = 6
-WORKER = Path(__file__).with_name("_resume_worker.py")
+WORKER = Path(__file__).parents[1] / "_resume_worker.py"
 
 
 def test_resume_in_new_process_is_bit_exact(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import chunkstar
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.events import MoveReason, Tier
 
-from ._models import CASES, DTYPES, engine_config, eviction_budget, train_engine
+from tests.core._models import CASES, DTYPES, engine_config, eviction_budget, train_engine
 
 
 def test_forward_evictions_under_pressure_copy_nothing_back() -> None:

@@ -30,7 +30,7 @@ import torch
 from chunkstar.disk import ALIGNMENT, ChunkFiles, DiskFullError, DiskTierError, FilesState, aligned_empty, is_aligned
 from chunkstar.disk.blockio import byte_view
 
-from ._faults import file_size_limit
+from tests.core._faults import file_size_limit
 
 STATE = ["master", "exp_avg", "exp_avg_sq"]
 

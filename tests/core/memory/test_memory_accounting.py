@@ -14,7 +14,7 @@ from torch import nn
 
 import chunkstar
 
-from ._models import CASES, DTYPES, engine_config, eviction_budget, n_unique_params, train_engine
+from tests.core._models import CASES, DTYPES, engine_config, eviction_budget, n_unique_params, train_engine
 
 BYTES_PER_PARAM = 14
 

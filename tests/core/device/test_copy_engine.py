@@ -27,7 +27,7 @@ from chunkstar.device.copy_engine import (
     debug_delay_from_env,
 )
 
-from ._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, train_engine, train_reference
+from tests.core._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, train_engine, train_reference
 
 
 def test_the_copy_thread_overlaps_and_its_events_wait() -> None:

@@ -21,8 +21,8 @@ import chunkstar
 from chunkstar.checkpoint import CheckpointError, main_merge, merge_checkpoint
 from chunkstar.cli import main as cli_main
 
-from ._faults import file_size_limit
-from ._models import CASES, build_mlp, engine_config, train_engine
+from tests.core._faults import file_size_limit
+from tests.core._models import CASES, build_mlp, engine_config, train_engine
 
 SHARD = "rank0-of-1.safetensors"
 BUDGET = 1 << 24  # roomy: these tests are about files

@@ -24,7 +24,7 @@ import torch
 
 import chunkstar
 
-from ._models import CASES, DTYPES, engine_config, eviction_budget, train_engine, train_reference
+from tests.core._models import CASES, DTYPES, engine_config, eviction_budget, train_engine, train_reference
 
 STEPS = 4
 

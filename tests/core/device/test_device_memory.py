@@ -32,7 +32,7 @@ from chunkstar.device.virtual import DeviceThread
 from chunkstar.events import Tier
 from chunkstar.memory.probes import CudaProbe
 
-from ._models import CASES, DTYPES, engine_config, eviction_budget, train_engine
+from tests.core._models import CASES, DTYPES, engine_config, eviction_budget, train_engine
 
 
 def _chunk(memory: DeviceMemory, n: int = 1 << 16) -> Chunk:

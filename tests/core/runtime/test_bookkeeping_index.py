@@ -23,7 +23,7 @@ from chunkstar.placement.eviction import NEVER, ResidentChunk
 from chunkstar.memory.tracer import ScheduleMode
 from chunkstar.runtime.chunk_manager import ChunkManager
 
-from ._models import CASES, DTYPES, engine_config, eviction_budget, train_engine
+from tests.core._models import CASES, DTYPES, engine_config, eviction_budget, train_engine
 
 
 def _reference_candidates(mgr: ChunkManager, protect: set[Any]) -> list[ResidentChunk]:

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import chunkstar
 
-from ._budget import measured_budget
+from tests.core._budget import measured_budget
 
 
 class Twice(nn.Module):

@@ -14,7 +14,7 @@ import torch
 
 import chunkstar
 
-from ._models import CASES, DTYPES, engine_config, eviction_budget
+from tests.core._models import CASES, DTYPES, engine_config, eviction_budget
 
 INITIAL_POWER = 32
 STEPS = 24

@@ -12,7 +12,7 @@ import pytest
 
 import chunkstar
 
-from ._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, n_unique_params, train_engine, train_reference
+from tests.core._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, n_unique_params, train_engine, train_reference
 
 STEPS = 6
 RTOL = {"fp32": 1e-5, "bf16": 3e-2}

@@ -18,7 +18,7 @@ import torch
 import chunkstar
 from chunkstar.errors import ChunkStateError
 
-from ._models import build_mlp, engine_config, mlp_batch, mlp_loss
+from tests.core._models import build_mlp, engine_config, mlp_batch, mlp_loss
 
 
 def _engine(tmp: Path | None = None) -> tuple[chunkstar.ChunkEngine, torch.optim.Optimizer]:
