@@ -1,7 +1,7 @@
 """Adam over one chunk: one fused ``torch._fused_adamw_`` call on a flat 4M-element chunk against
 ``torch.optim.AdamW(foreach=False)`` stepping the same 4M elements held as 100 separate tensors.
 
-This is the case for chunks in the optimizer (DESIGN §3, §6): the same
+This is the case for chunks in the optimizer (docs/design.md, 'Chunks' and 'The optimizer step'): the same
 arithmetic, one kernel launch over contiguous memory instead of a Python loop
 of per-parameter kernels.
 """

@@ -88,7 +88,7 @@ def test_a_port_in_use(profile: Path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         out = _view(str(profile), "--port", str(port), "--no-browser")
-    assert out.returncode == 2, out.stderr  # the README's status for a bad port; Streamlit itself would exit 1
+    assert out.returncode == 2, out.stderr  # docs/profiling.md's status for a bad port; Streamlit itself would exit 1
     assert out.stderr.strip() == f"chunkstar-profile view: port {port} on 127.0.0.1 is in use; pick another with --port"
 
 

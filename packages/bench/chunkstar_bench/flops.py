@@ -1,6 +1,6 @@
 """FLOP counting, TFLOPS and MFU: the only place in chunkstar where FLOPs are counted.
 
-Two counts are in use in the field (DESIGN §9), and every figure this package
+Two counts are in use in the field (docs/design.md, 'Benchmarks'), and every figure this package
 records names the one it used:
 
 * ``patrickstar`` -- ``8 * N * B * s``: PatrickStar's and ColossalAI's count

@@ -6,7 +6,7 @@ processes) in a fresh process group, echoes its progress, watches its memory
 from outside, and turns the per-rank JSON lines it prints into one
 :class:`RunRecord` with the derived metrics (tokens/s, TFLOPS under both FLOP
 counts, MFU). A crash, an out-of-memory or a hang in one run therefore cannot
-poison the next (DESIGN §9).
+poison the next (docs/design.md, 'Benchmarks').
 
 Note [the host-memory cap]: one rule for every system.
     ``RLIMIT_AS`` is not usable: torch and DeepSpeed reserve far more virtual
@@ -122,7 +122,7 @@ class RunSpec:
     nvme_params: bool = False
     """Only for ``deepspeed-nvme``: swap the bf16 parameters to disk too (``offload_param``
     to ``nvme``), not only the optimizer state and gradients. Measured here: a larger
-    model under the same cap, 1.2-1.4x the step time (README "Measured")."""
+    model under the same cap, 1.2-1.4x the step time (docs/benchmarks.md)."""
     chunkstar_overlap: bool | None = None
     """Only for the chunkstar systems: the engine's ``overlap`` (False: the serial reference
     path); None: the engine's default (True)."""

@@ -53,7 +53,7 @@ def _paper_suite(hardware: str) -> list[RunSpec]:
 
 
 def _cpu_suite(models: tuple[str, ...], systems: tuple[str, ...], steps: int) -> list[RunSpec]:
-    # warmup 2: chunkstar's tracer warm-up spans two micro-steps (README, "Measured").
+    # warmup 2: chunkstar's tracer warm-up spans two micro-steps (docs/design.md, 'The iteration').
     return [
         RunSpec(system=system, model=model, batch=4, seq_len=128, steps=steps, warmup=2, device="cpu", hardware="cpu")
         for model in models

@@ -2,7 +2,7 @@
 
 Parameters, gradients and Adam state live in fixed-size chunks that move
 between the device and the host as a warm-up memory trace and a
-furthest-next-use policy decide (see DESIGN.md). The public surface::
+furthest-next-use policy decide (see docs/design.md). The public surface::
 
     engine, optimizer = chunkstar.initialize_engine(model_func=..., local_rank=0, config={...})
     out = engine(**batch)

@@ -77,7 +77,7 @@ def check_inputs(
 # Note [Checking the address before Streamlit binds it]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Once `view` has exec'd Streamlit, a bad address is its traceback (socket.gaierror) and a
-# port in use its exit status 1, while the README promises one line and status 2. So the
+# port in use its exit status 1, while docs/profiling.md promises one line and status 2. So the
 # address and port are bound here first, the way Streamlit's own server binds them: an IPv6
 # socket when the address has a ":", IPv4 otherwise, SO_REUSEADDR on POSIX, then closed again.
 # Without --port, Streamlit looks for a free port from 8501 on, so only the address is checked

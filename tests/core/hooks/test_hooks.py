@@ -1,4 +1,4 @@
-"""The traps of DESIGN §5: modules called twice, activation checkpointing,
+"""The traps (docs/design.md, 'The traps'): modules called twice, activation checkpointing,
 no-grad evaluation, dict outputs, integer inputs, a model with no parameters.
 
 Each case trains under a budget that forces eviction and compares with plain

@@ -1,4 +1,4 @@
-"""Model data is 14 bytes per parameter in mixed precision (design §3).
+"""Model data is 14 bytes per parameter in mixed precision (docs/design.md, 'Chunks').
 
 param chunk (2) + master (4) + exp_avg (4) + exp_avg_sq (4): gradients reuse
 the param chunk, so there is no fifth list. Checked analytically from the

@@ -1,6 +1,6 @@
 """Gradient accumulation: 4 micro-batches per step equal plain PyTorch with loss / 4.
 
-Gradients normally overwrite the param chunk (design §3/§6), so accumulation
+Gradients normally overwrite the param chunk (docs/design.md, 'Chunks' and 'The optimizer step'), so accumulation
 needs a separate accumulator while micro-batches are summed; this checks that,
 with eviction on and clipping applied to the accumulated gradient.
 """

@@ -18,7 +18,7 @@ of ``n`` GPUs with ``C`` usable bytes each and ``H`` usable host bytes:
   one layer being recomputed; without, all ``L`` layers. Both add the LM head's
   logits, ``B*s*V*6`` bytes (bf16 logits and the fp32 log-softmax of the loss),
   which Korthikanti's per-layer figure leaves out and which dominates small models.
-* **chunkstar** (DESIGN §3, §7): model data is 14 bytes per *chunk element*
+* **chunkstar** (docs/design.md, 'Chunks' and 'Many processes'): model data is 14 bytes per *chunk element*
   (bf16 param/grad 2 + fp32 master 4 + exp_avg 4 + exp_avg_sq 4), and the
   elements are those of the real chunk layout (``build_layout`` with the
   ``search_chunk_size`` choice for ``n`` ranks, so packing waste and the padding
@@ -108,7 +108,7 @@ DISK_SYSTEMS: tuple[str, ...] = tuple(s for s in SYSTEMS if published.system_inf
 """Systems that need a disk (``Hardware.disk_bytes``): planned only for a node that has one."""
 
 CHUNKSTAR_BYTES_PER_ELEMENT = 2 + 4 + 4 + 4
-"""bf16 param (its gradient overwrites it) + fp32 master + exp_avg + exp_avg_sq (DESIGN §3)."""
+"""bf16 param (its gradient overwrites it) + fp32 master + exp_avg + exp_avg_sq (docs/design.md, 'Chunks')."""
 CHUNKSTAR_PARAM_BYTES_PER_ELEMENT = 2
 """The bf16 param chunk's share of those (its gradient overwrites it)."""
 DISK_BYTES_PER_ELEMENT = 4 * len(DISK_LISTS)

@@ -26,7 +26,7 @@ __all__ = ["PRESSURE_FRACTION", "chunkstar_budget_bytes", "engine_config", "run"
 PRESSURE_FRACTION = 0.6
 """Default chunkstar budget on the CPU virtual device: this share of the bf16 parameter
 bytes beside the estimated activations (0.6, not 0.5: the tied embedding and one
-block's chunk must fit together; see README "Measured")."""
+block's chunk must fit together; see docs/benchmarks.md)."""
 
 _MOVE_COUNTERS = (
     "chunk_moves_to_device", "chunk_moves_to_host", "bytes_to_device", "bytes_to_host", "disk_bytes_read",

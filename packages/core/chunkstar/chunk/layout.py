@@ -7,12 +7,12 @@ serves all four chunk lists (param, master, exp_avg, exp_avg_sq): chunk *i* of
 each list holds the same tensors at the same offsets.
 
 The layout is shard-ready: chunks form groups of ``world_size`` consecutive
-chunks and chunk *k* is owned by rank ``k % world_size`` (DESIGN §7).
+chunks and chunk *k* is owned by rank ``k % world_size`` (docs/design.md, 'Many processes').
 
 Note [frozen chunks]: parameters with ``requires_grad=False`` (LoRA base
 weights, frozen embeddings) are packed into chunks of their own, apart from the
 trainable ones, so a frozen chunk needs only its param list: no fp32 master,
-no Adam moments, no gradient traffic (DESIGN §12). The two kinds are packed as
+no Adam moments, no gradient traffic (docs/design.md, 'Chunks'). The two kinds are packed as
 two streams in registration order, each with its own open chunk (LoRA
 interleaves a frozen base weight with small trainable adapters in every layer;
 closing a chunk at every switch would make hundreds of tiny chunks), and whole

@@ -1,4 +1,4 @@
-"""The four aligned chunk lists (DESIGN §3): chunk *i* of each holds the same tensors at the same offsets.
+"""The four aligned chunk lists (docs/design.md, 'Chunks'): chunk *i* of each holds the same tensors at the same offsets.
 
 Only the name of each list lives here; the chunks themselves belong to the chunk
 store (:class:`chunkstar.runtime.chunk_manager.ChunkManager`). The values are

@@ -1,6 +1,6 @@
 """The disk tier's mechanism: chunk files, asynchronous I/O lanes, host staging buffers, a bandwidth probe.
 
-A third tier below the host (DESIGN §12): the chunks of chosen state lists
+A third tier below the host (docs/design.md, 'The disk tier'): the chunks of chosen state lists
 (fp32 master, Adam moments, optionally the params) live in preallocated files,
 one per (rank, list), and stream through a bounded set of host buffers during
 the optimizer step, read ahead and written behind on I/O threads. This

@@ -1,7 +1,7 @@
 """How fast a directory's disk writes and reads chunks: a short measurement with a temporary file.
 
 A disk-tier step is bound by disk bandwidth (24 bytes/param of state traffic
-per step, DESIGN §12), so a planner needs the figure of the disk it is given,
+per step, docs/design.md, 'The disk tier'), so a planner needs the figure of the disk it is given,
 not a published one. :func:`measure_disk_bandwidth` writes and reads back a
 temporary file in large sequential blocks with the same primitives as the
 chunk files (:mod:`chunkstar.disk.blockio`), defeating the page cache (by

@@ -1,6 +1,6 @@
 """Asynchronous chunk reads and writes: the disk tier's read-ahead lane and write-behind lane.
 
-Mechanism only (DESIGN §11-12): a :class:`DiskLanes` queues transfers of
+Mechanism only (docs/design.md, 'The data path' and 'The disk tier'): a :class:`DiskLanes` queues transfers of
 :class:`~chunkstar.disk.files.ChunkFiles` chunks on two worker threads, one
 for reads and one for writes (a disk reads and writes at once, and a write
 behind must not hold up the read ahead), each running its jobs in the order

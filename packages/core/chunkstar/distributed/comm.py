@@ -1,4 +1,4 @@
-"""Collectives over torch.distributed for chunk groups (DESIGN §7).
+"""Collectives over torch.distributed for chunk groups (docs/design.md, 'Many processes').
 
 A chunk *group* is ``world_size`` consecutive chunks of equal size; rank r
 owns chunk ``group_start + r``. Before a group is used its param chunks are

@@ -9,7 +9,7 @@ norms, keep an EMA or load new values. Outside COMPUTE a parameter's data may
 live on the other tier (its device storage is 0 bytes) or be its gradient, so
 such an op would crash or read the wrong thing.
 
-Mechanism (Note [parameter guard]): a parameter's Python class is swapped to a
+Note [parameter guard]: a parameter's Python class is swapped to a
 *guarded* subclass whenever its tensor state leaves COMPUTE, and back when it
 enters COMPUTE (a ``__class__`` assignment, ~50 ns). The guarded class defines
 ``__torch_function__``, so every torch function, method or property access

@@ -198,6 +198,12 @@ class ChunkAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         eng = self._engine
+        # Note [a step consumes its gradients]: a gradient lives in its parameter's param-chunk
+        # slot (14 bytes per parameter, not 16), and the step turns the slot back into the value,
+        # so after a step no gradient is left. torch.optim keeps p.grad, and a second step()
+        # with no backward in between applies it again; the engine cannot, so it refuses rather
+        # than differ. zero_grad() makes a step a no-op again, as torch.optim's after zero_grad.
+        # The micro-step count is alike on every rank, so the refusal is too.
         if self._applied_at == eng.micro_step:
             raise ChunkStateError(
                 "optimizer.step() again with no backward since the last step: the gradients live in the parameter "

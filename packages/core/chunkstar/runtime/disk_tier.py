@@ -1,7 +1,7 @@
 """The disk tier at run time: this rank's state chunks in files, staged through host buffers.
 
 Note [disk tier]: with config ``disk``, the chunks of the chosen state lists
-(fp32 master, exp_avg, exp_avg_sq; DESIGN §12) live in preallocated files, one
+(fp32 master, exp_avg, exp_avg_sq; docs/design.md, 'The disk tier') live in preallocated files, one
 per list (:class:`chunkstar.disk.ChunkFiles`); their location is DISK and they
 hold no host or device bytes. Host memory is only a staging area of
 ``staging_budget`` bytes (:class:`chunkstar.disk.StagingBuffers`):

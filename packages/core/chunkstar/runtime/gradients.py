@@ -1,6 +1,6 @@
 """Gradients: folding each finished gradient into its parameter's slot, and accumulation.
 
-Gradients reuse the param chunk (DESIGN §3): when autograd has run every use of
+Gradients reuse the param chunk (docs/design.md, 'Chunks'): when autograd has run every use of
 a parameter its post-accumulate-grad hook fires :meth:`Gradients.on_grad`,
 which writes the gradient over the parameter's own slot and moves the slot to
 HOLD_AFTER_BWD. With ``gradient_accumulation_steps`` > 1 the micro-batches
