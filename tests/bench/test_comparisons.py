@@ -109,7 +109,7 @@ def test_overlap_rows_reach_the_engine_config() -> None:
     config = engine_config(Context(linked), linked.chunkstar_budget)
     assert config["overlap"] is False and config["device_link_bandwidth"] == "1GB/s"
     parsed = parse_config(config)
-    assert parsed.overlap is False and parsed.device_link_bandwidth == 1e9
+    assert parsed.placement.overlap is False and parsed.placement.link_bandwidth == 1e9
 
 
 def test_step_time_table_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -168,7 +168,7 @@ def test_step_time_overhead_rows_run_their_own_workload_without_clipping() -> No
     from chunkstar.config import parse_config
 
     config = engine_config(Context(ours), 16 * 2**30)
-    assert config["gradient_clipping"] == 0.0 and parse_config(config).gradient_clipping == 0.0
+    assert config["gradient_clipping"] == 0.0 and parse_config(config).optimizer.gradient_clipping == 0.0
     with pytest.raises(ValueError, match="clip must be >= 0"):
         dataclasses.replace(plain, clip=-1.0)
 

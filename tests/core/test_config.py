@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import chunkstar
-from chunkstar.config import host_memory_bytes, validate_param_group
+from chunkstar.config import host_memory_bytes
+from chunkstar.optim.param_groups import validate_param_group
 
 NAN, INF = math.nan, math.inf
 HOST = host_memory_bytes() or 1 << 40
@@ -93,7 +94,7 @@ def test_reduce_dtype_is_fp32_unless_the_param_dtype_is_asked_for() -> None:
 
 
 def test_sizes_up_to_what_the_machine_holds_are_accepted() -> None:
-    assert chunkstar.parse_config(_config(device_memory_budget=HOST)).device_memory_budget == HOST
+    assert chunkstar.parse_config(_config(device_memory_budget=HOST)).placement.budget == HOST
     staged = chunkstar.parse_config(_config(disk={"path": "/nonexistent/chunks", "staging_budget": HOST // 2}))
     assert staged.disk is not None and staged.disk.staging_budget == HOST // 2
     # Adam (coupled) has no decay product to bound; AdamW just below 1 is a setting
@@ -114,9 +115,9 @@ def test_a_param_groups_adamw_decay_past_one_is_refused() -> None:
 
 
 def test_prefetch_window_parses() -> None:
-    assert chunkstar.parse_config(_config()).prefetch_window is None  # "auto"
-    assert chunkstar.parse_config(_config(prefetch_window="64MB")).prefetch_window == 64_000_000
-    assert chunkstar.parse_config(_config(prefetch_window=4096)).prefetch_window == 4096
+    assert chunkstar.parse_config(_config()).schedule.prefetch_window is None  # "auto"
+    assert chunkstar.parse_config(_config(prefetch_window="64MB")).schedule.prefetch_window == 64_000_000
+    assert chunkstar.parse_config(_config(prefetch_window=4096)).schedule.prefetch_window == 4096
 
 
 @pytest.mark.parametrize("what", list(BAD))
@@ -131,8 +132,8 @@ def test_sane_bounds_are_accepted() -> None:
     cfg = chunkstar.parse_config(
         _config(fp16=_fp16(initial_scale_power=63, loss_scale_window=10_000_000, hysteresis=1000, min_loss_scale=2.0**63))
     )
-    assert cfg.loss_scale.initial_scale_power == 63
-    assert chunkstar.parse_config(_config(fp16=_fp16(loss_scale=2.0**63))).loss_scale.static_scale == 2.0**63
+    assert cfg.optimizer.loss_scale.initial_scale_power == 63
+    assert chunkstar.parse_config(_config(fp16=_fp16(loss_scale=2.0**63))).optimizer.loss_scale.static_scale == 2.0**63
 
 
 def test_initial_scale_power_message_says_why() -> None:
@@ -142,16 +143,16 @@ def test_initial_scale_power_message_says_why() -> None:
 
 
 def test_device_memory_slack_defaults_and_parses(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert chunkstar.parse_config(_config()).device_memory_slack == 0.0
-    assert chunkstar.parse_config(_config(device_memory_slack=0.25)).device_memory_slack == 0.25
-    assert chunkstar.parse_config(_config(device_memory_slack=0)).device_memory_slack == 0.0
+    assert chunkstar.parse_config(_config()).placement.slack == 0.0
+    assert chunkstar.parse_config(_config(device_memory_slack=0.25)).placement.slack == 0.25
+    assert chunkstar.parse_config(_config(device_memory_slack=0)).placement.slack == 0.0
     # on CUDA the default keeps 10% free (Gemini's figure); no GPU needed to parse
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     cuda = chunkstar.parse_config({"device": "cuda"})
     assert cuda.device == torch.device("cuda", 0)
-    assert cuda.device_memory_slack == 0.1
-    assert chunkstar.parse_config({"device": "cuda", "device_memory_slack": 0.0}).device_memory_slack == 0.0
+    assert cuda.placement.slack == 0.1
+    assert chunkstar.parse_config({"device": "cuda", "device_memory_slack": 0.0}).placement.slack == 0.0
 
 
 def test_config_path_that_is_a_directory(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ def test_different_seeds_fail_on_every_rank(results: list[dict[str, Any]]) -> No
 def test_different_chunk_sizes_fail_naming_the_config_field(results: list[dict[str, Any]]) -> None:
     for r in results:
         msg = r["chunk_size"].get("error", "")
-        assert "config field 'chunk_size' (config key 'default_chunk_size') differs between rank 0 and rank 1" in msg, r
+        assert "config field 'placement.chunk_size' (config key 'default_chunk_size') differs between rank 0 and rank 1" in msg, r
         assert "initial weights differ" not in msg, msg
 
 

@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterable, Mapping
 from torch import nn
 
 from chunkstar.checkpoint import CheckpointError
-from chunkstar.config import EngineConfig, parse_bytes, parse_config, validate_param_group
+from chunkstar.config import EngineConfig, parse_bytes, parse_config
+from chunkstar.optim.param_groups import validate_param_group
 from chunkstar.construction import PretrainedError, init_weights
 from chunkstar.distributed.comm import DistributedError
 from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError

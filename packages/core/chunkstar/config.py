@@ -4,7 +4,19 @@ The user hands ``initialize_engine`` a DeepSpeed-style dict (or a path to a
 JSON file holding one). It is parsed exactly once, here, into frozen
 dataclasses; the rest of the engine reads only those. Unknown keys and bad
 values fail at once with a :class:`~chunkstar.errors.ConfigError` naming the
-key and what is allowed. This module does not touch devices beyond asking
+key and what is allowed.
+
+Note [config sections]: :class:`EngineConfig` is grouped by owner, and each
+section travels whole to the part that owns it: :class:`PlacementConfig` to the
+chunk store and its copy engine (where chunks live, how big, how they travel),
+:class:`ScheduleConfig` to the iteration (prefetch), :class:`OptimizerConfig`
+to the optimizer step (Adam's hyperparameters, clipping, accumulation, where
+Adam runs, fp16 loss scaling), :class:`DiskConfig` to the disk tier. Values
+derived from several keys are resolved here, once: hybrid Adam is off when the
+state lives on disk, the disk lists are :class:`~chunkstar.chunk.lists.ChunkList`
+members. Each field names its config key and help text in its metadata, so the
+allowed keys, their help in error messages and the rank agreement's names of
+the keys (distributed/startup.py) come from one place. This module does not touch devices beyond asking
 whether CUDA is available for the default device and how much memory the
 machine has (Note [sizes the machine could hold]).
 """
@@ -16,27 +28,39 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from fractions import Fraction
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
+from chunkstar.checks import boolean as _boolean
+from chunkstar.checks import check_keys as _check_keys
+from chunkstar.checks import integer as _integer
+from chunkstar.checks import mapping as _mapping
+from chunkstar.checks import number as _number
+from chunkstar.chunk.lists import ChunkList
 from chunkstar.errors import ConfigError
+from chunkstar.optim.param_groups import ADAM_HYPERPARAMS, validate_param_group
 
 __all__ = [
-    "AdamConfig",
+    "DISK_LISTS",
     "DiskConfig",
     "EngineConfig",
     "EvictionPolicyName",
     "LossScaleConfig",
+    "OptimizerConfig",
+    "PlacementConfig",
     "Precision",
-    "parse_config",
-    "check_decoupled_decay",
+    "ScheduleConfig",
+    "config_key",
     "host_memory_bytes",
     "parse_bytes",
-    "validate_param_group",
+    "parse_config",
 ]
+
+
+_MISSING: Any = object()
 
 
 class Precision(enum.Enum):
@@ -56,16 +80,54 @@ class EvictionPolicyName(enum.Enum):
     LRU = "lru"
 
 
-@dataclass(frozen=True)
-class AdamConfig:
-    """The optimizer: Adam (L2 penalty in the gradient) or AdamW (decoupled decay)."""
+def _key(key: str, help: str, default: Any = _MISSING, **kw: Any) -> Any:
+    """A config field: its key in the user's config and the help its errors show (Note [config sections])."""
+    if default is not _MISSING:
+        kw["default"] = default
+    return field(metadata={"key": key, "help": help}, **kw)
 
-    decoupled: bool = True
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """fp16 loss scaling with DeepSpeed's keys and meanings."""
+
+    static_scale: float = _key("fp16.loss_scale", "0 (dynamic scaling) or a fixed scale, at most 2**63", 0.0)
+    """A fixed scale, or 0 for dynamic scaling."""
+    initial_scale_power: int = _key("fp16.initial_scale_power", "an integer 0-63", 16)
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: int = _key("fp16.loss_scale_window", "an integer 1-10,000,000", 1000)
+    """Steps without overflow before the scale doubles."""
+    hysteresis: int = _key("fp16.hysteresis", "an integer 1-1000", 2)
+    """Overflows tolerated before the scale halves."""
+    min_loss_scale: float = _key("fp16.min_loss_scale", "a number > 0, at most 2**63", 1.0)
+    """The scale never drops below this."""
+
+    @property
+    def dynamic(self) -> bool:
+        return self.static_scale == 0.0
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer and what its step applies (:mod:`chunkstar.optim`): Adam (L2 penalty in
+    the gradient) or AdamW (decoupled decay), clipping, gradient accumulation, where Adam
+    runs and fp16 loss scaling."""
+
+    decoupled: bool = _key("optimizer.type", '"AdamW" (default) or "Adam"', True)
     """True for AdamW, False for Adam."""
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
+    lr: float = _key("optimizer.params.lr", "a number >= 0", 1e-3)
+    betas: tuple[float, float] = _key("optimizer.params.betas", "two numbers in [0, 1]", (0.9, 0.999))
+    eps: float = _key("optimizer.params.eps", "a number > 0", 1e-8)
+    weight_decay: float = _key("optimizer.params.weight_decay", "a number >= 0 (default 0.01 for AdamW, 0 for Adam)", 0.01)
+    gradient_clipping: float = _key("gradient_clipping", "a number >= 0", 0.0)
+    """Max global L2 norm of the gradients; 0 disables clipping."""
+    accumulation_steps: int = _key("gradient_accumulation_steps", "an integer >= 1", 1)
+    """engine.backward divides the loss by this; the user steps every N micro-batches."""
+    hybrid_adam: bool = _key("hybrid_adam", "true or false", True)
+    """Run Adam on the device for the chunks that fit in the margin after the warm-up peak;
+    resolved off when the state lives on disk (it is updated on the host there)."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """fp16 loss scaling (its defaults unless fp16 is enabled)."""
 
     @property
     def type_name(self) -> str:
@@ -73,23 +135,47 @@ class AdamConfig:
 
 
 @dataclass(frozen=True)
-class LossScaleConfig:
-    """fp16 loss scaling with DeepSpeed's keys and meanings."""
+class PlacementConfig:
+    """Where the chunks live and how they travel (the chunk store, its eviction policy and
+    copy engine); the engine resolves the capacity it plans with from it, once."""
 
-    static_scale: float = 0.0
-    """``loss_scale``: a fixed scale, or 0 for dynamic scaling."""
-    initial_scale_power: int = 16
-    """Dynamic scaling starts at 2**initial_scale_power."""
-    loss_scale_window: int = 1000
-    """Steps without overflow before the scale doubles."""
-    hysteresis: int = 2
-    """Overflows tolerated before the scale halves."""
-    min_loss_scale: float = 1.0
-    """The scale never drops below this."""
+    device: torch.device = _key("device", '"cpu", "cuda" or "cuda:N"')
+    """Where compute happens: ``cpu`` (a virtual device held under the budget) or ``cuda:N``."""
+    budget: int | None = _key("device_memory_budget", 'bytes as an integer, or a string like "512MB" / "1.5GiB"', None)
+    """Bytes the engine may use on the device (chunks + non-model data); None = the GPU's capacity."""
+    slack: float = _key(
+        "device_memory_slack", "a fraction in [0, 0.5) of the device capacity kept free (default 0.1 on cuda, 0 on cpu)", 0.0
+    )
+    """Fraction of the device capacity kept free for allocator fragmentation and communication
+    buffers: the engine plans with ``capacity * (1 - slack)``. ``parse_config`` defaults it to
+    0.1 on CUDA (Gemini keeps 10%) and 0.0 on the cpu virtual device."""
+    chunk_size: int | None = _key("default_chunk_size", 'an integer number of elements > 0, or "auto"', None)
+    """Elements per chunk; None means search the size that wastes least ("auto")."""
+    eviction_policy: EvictionPolicyName = _key("eviction_policy", '"furthest_next_use" or "lru"', EvictionPolicyName.FURTHEST_NEXT_USE)
+    overlap: bool = _key("overlap", "true or false", True)
+    """Chunk copies run on the device's copy engine (CUDA copy stream, the CPU virtual
+    device's copy thread) beside compute; false keeps the serial reference path."""
+    link_bandwidth: float | None = _key(
+        "device_link_bandwidth", 'bytes per second as a number or a string like "16GB/s" (cpu device only)', None
+    )
+    """CPU virtual device only: bytes per second every chunk copy takes at least, so the
+    run behaves like a device behind a PCIe link (None: copies take what memcpy takes)."""
 
-    @property
-    def dynamic(self) -> bool:
-        return self.static_scale == 0.0
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The iteration's prefetch along the warm-up trace (:mod:`chunkstar.runtime.iteration`)."""
+
+    prefetch: bool = _key("prefetch", "true or false", True)
+    """Start copies of the next moments' chunks early, evicting chunks needed later."""
+    prefetch_window: int | None = _key(
+        "prefetch_window",
+        'how far prefetch looks ahead, as the bytes of the chunks the next moments need: an integer or a string like "64MB", or "auto"',
+        None,
+    )
+    """How far prefetch looks ahead: the bytes of the distinct chunks the next moments
+    need, resident or not (so also a bound on the prefetch copies in flight). None:
+    "auto", four times the largest param chunk."""
 
 
 DISK_LISTS = ("master", "exp_avg", "exp_avg_sq")
@@ -101,97 +187,83 @@ class DiskConfig:
     """The disk tier (Note [disk tier] in :mod:`chunkstar.runtime.disk_tier`): chunks of
     ``lists`` live in files under ``path``; host memory only stages them."""
 
-    path: str
+    path: str = _key("disk.path", "a directory for the chunk files (created if missing)")
     """Directory for this run's chunk files (a cache, not a checkpoint: deleted at a clean end)."""
-    lists: tuple[str, ...] = DISK_LISTS
-    """Which of master / exp_avg / exp_avg_sq live on disk."""
-    staging_budget: int | None = None
+    lists: tuple[ChunkList, ...] = _key(
+        "disk.lists", f"a list of {', '.join(DISK_LISTS)} (default: all three)", tuple(ChunkList(n) for n in DISK_LISTS)
+    )
+    """Which of master / exp_avg / exp_avg_sq live on disk, in the lists' own order."""
+    staging_budget: int | None = _key(
+        "disk.staging_budget", 'host bytes for chunks between disk and the optimizer: an integer, a string like "1GB", or "auto"', None
+    )
     """Host bytes for chunks on their way between disk and the optimizer (None: "auto")."""
-    on_stale: str = "refuse"
+    on_stale: str = _key("disk.on_stale", '"refuse" (default) or "wipe": what to do with chunk files another run left in path', "refuse")
     """Chunk files of another (dead) run found in ``path``: "refuse" (an error naming them) or "wipe"."""
-    direct: bool = True
+    direct: bool = _key("disk.direct", "true (default) or false: O_DIRECT I/O where the filesystem allows it", True)
     """O_DIRECT reads and writes where the filesystem allows them (no page cache)."""
-    verify: bool = True
+    verify: bool = _key("disk.verify", "true (default) or false: check each chunk read against the checksum of its last write", True)
     """Check every chunk read against the checksum of its last write (Note [chunk checks] in
     :mod:`chunkstar.disk.files`): about 0.35 CPU-seconds per GB moved."""
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs to know, validated."""
+    """Everything the engine needs to know, validated, in sections by owner (Note [config sections])."""
 
-    device: torch.device
-    """Where compute happens: ``cpu`` (a virtual device held under the budget) or ``cuda:N``."""
-    device_memory_budget: int | None
-    """Bytes the engine may use on the device (chunks + non-model data); None = the GPU's capacity."""
-    device_memory_slack: float = 0.0
-    """Fraction in [0, 0.5) of the device capacity kept free for allocator fragmentation and
-    communication buffers: the engine plans with ``capacity * (1 - slack)``. ``parse_config``
-    defaults it to 0.1 on CUDA (Gemini keeps 10%) and 0.0 on the cpu virtual device."""
-    precision: Precision = Precision.FP32
+    placement: PlacementConfig
+    precision: Precision = _key("bf16.enabled / fp16.enabled", "true or false", Precision.FP32)
     """Dtype of the param chunks: ``parse_config`` gives bf16 or fp16 when the config enables
     one, fp32 otherwise (as DeepSpeed does)."""
-    optimizer: AdamConfig = field(default_factory=AdamConfig)
-    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
-    gradient_clipping: float = 0.0
-    """Max global L2 norm of the gradients; 0 disables clipping."""
-    gradient_accumulation_steps: int = 1
-    """engine.backward divides the loss by this; the user steps every N micro-batches."""
-    chunk_size: int | None = None
-    """Elements per chunk; None means search the size that wastes least ("auto")."""
-    eviction_policy: EvictionPolicyName = EvictionPolicyName.FURTHEST_NEXT_USE
-    prefetch: bool = True
-    """Start copies of the next moments' chunks early, evicting chunks needed later."""
-    prefetch_window: int | None = None
-    """How far prefetch looks ahead: the bytes of the distinct chunks the next moments
-    need, resident or not (so also a bound on the prefetch copies in flight). None:
-    "auto", four times the largest param chunk."""
-    hybrid_adam: bool = True
-    """Run Adam on the device for the chunks that fit in the margin after the warm-up peak."""
-    overlap: bool = True
-    """Chunk copies run on the device's copy engine (CUDA copy stream, the CPU virtual
-    device's copy thread) beside compute; false keeps the serial reference path."""
-    reduce_dtype: torch.dtype = torch.float32
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    reduce_dtype: torch.dtype = _key(
+        "reduce_dtype", '"fp32" (default) or the param dtype ("bf16" / "fp16" when that precision is enabled)', torch.float32
+    )
     """The dtype gradients are summed in across processes (several processes only): fp32
     by default, as FSDP2's ``reduce_dtype`` for bf16; the param dtype halves the bytes on
     the wire at the cost of rounding every partial sum. gloo always sums in fp32."""
-    device_link_bandwidth: float | None = None
-    """CPU virtual device only: bytes per second every chunk copy takes at least, so the
-    run behaves like a device behind a PCIe link (None: copies take what memcpy takes)."""
-    disk: DiskConfig | None = None
+    disk: DiskConfig | None = _key("disk", "{path, lists, staging_budget, on_stale, direct, verify}: optimizer state chunks in files under path", None)
     """The disk tier for optimizer state (None: master and Adam state stay in host memory)."""
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config as given (for run metadata)."""
 
+    @property
+    def device(self) -> torch.device:
+        """Where compute happens (``placement.device``): read by nearly every part."""
+        return self.placement.device
 
+
+def _help_of(*classes: type) -> dict[str, str]:
+    """Config key -> help text, from the fields' metadata (Note [config sections])."""
+    return {f.metadata["key"]: f.metadata["help"] for cls in classes for f in fields(cls) if "key" in f.metadata}
+
+
+_KEY_HELP = _help_of(EngineConfig, PlacementConfig, ScheduleConfig, OptimizerConfig, LossScaleConfig, DiskConfig)
+_DISK_KEYS = {k.removeprefix("disk."): v for k, v in _KEY_HELP.items() if k.startswith("disk.")}
+_FP16_KEYS = {k.removeprefix("fp16."): v for k, v in _KEY_HELP.items() if k.startswith("fp16.")}
 _TOP_KEYS = {
+    **{k: v for k, v in _KEY_HELP.items() if "." not in k and " " not in k},
     "optimizer": "{type, params}",
     "bf16": "{enabled}",
-    "fp16": "{enabled, loss_scale, initial_scale_power, loss_scale_window, hysteresis, min_loss_scale}",
-    "gradient_clipping": "a number >= 0",
-    "gradient_accumulation_steps": "an integer >= 1",
-    "default_chunk_size": 'an integer number of elements > 0, or "auto"',
-    "device": '"cpu", "cuda" or "cuda:N"',
-    "device_memory_budget": 'bytes as an integer, or a string like "512MB" / "1.5GiB"',
-    "device_memory_slack": "a fraction in [0, 0.5) of the device capacity kept free (default 0.1 on cuda, 0 on cpu)",
-    "eviction_policy": '"furthest_next_use" or "lru"',
-    "prefetch": "true or false",
-    "prefetch_window": 'how far prefetch looks ahead, as the bytes of the chunks the next moments need: an integer or a string like "64MB", or "auto"',
-    "hybrid_adam": "true or false",
-    "overlap": "true or false",
-    "device_link_bandwidth": 'bytes per second as a number or a string like "16GB/s" (cpu device only)',
-    "reduce_dtype": '"fp32" (default) or the param dtype ("bf16" / "fp16" when that precision is enabled)',
-    "disk": '{path, lists, staging_budget, on_stale, direct, verify}: optimizer state chunks in files under path',
+    "fp16": "{" + ", ".join(["enabled", *_FP16_KEYS]) + "}",
 }
 
-_DISK_KEYS = {
-    "path": "a directory for the chunk files (created if missing)",
-    "lists": f"a list of {', '.join(DISK_LISTS)} (default: all three)",
-    "staging_budget": 'host bytes for chunks between disk and the optimizer: an integer, a string like "1GB", or "auto"',
-    "on_stale": '"refuse" (default) or "wipe": what to do with chunk files another run left in path',
-    "direct": "true (default) or false: O_DIRECT I/O where the filesystem allows it",
-    "verify": "true (default) or false: check each chunk read against the checksum of its last write",
-}
+
+def config_key(cls: type, name: str) -> str | None:
+    """The user's config key of field ``name`` of section ``cls`` (None: a field no key sets)."""
+    for f in fields(cls):
+        if f.name == name:
+            key = f.metadata.get("key")
+            return key if isinstance(key, str) else None
+    raise KeyError(name)
+
+
+def _default(cls: type, name: str) -> Any:
+    """Field ``name``'s default in section ``cls``: the config's default for its key."""
+    for f in fields(cls):
+        if f.name == name:
+            return f.default
+    raise KeyError(name)
 
 
 def _parse_disk(value: object) -> DiskConfig | None:
@@ -219,19 +291,19 @@ def _parse_disk(value: object) -> DiskConfig | None:
             )
         if name not in DISK_LISTS:
             raise ConfigError("disk.lists", f"unknown list {name!r}; choose among {', '.join(DISK_LISTS)}")
-    lists = tuple(n for n in DISK_LISTS if n in lists_raw)  # in the lists' own order, once each
+    lists = tuple(ChunkList(n) for n in DISK_LISTS if n in lists_raw)  # in the lists' own order, once each
     staging_raw = sec.get("staging_budget", "auto")
     staging = None
     if staging_raw != "auto":  # host buffers: Note [sizes the machine could hold]
         host = host_memory_bytes()
         staging = _at_most(parse_bytes(staging_raw, "disk.staging_budget"),
                            (host, f"this machine's physical memory ({_fmt_size(host or 0)})"), "disk.staging_budget", staging_raw)  # fmt: skip
-    on_stale = sec.get("on_stale", "refuse")
+    on_stale = sec.get("on_stale", _default(DiskConfig, "on_stale"))
     if on_stale not in ("refuse", "wipe"):
         raise ConfigError("disk.on_stale", f"got {on_stale!r}; expected {_DISK_KEYS['on_stale']}")
     return DiskConfig(path=path, lists=lists, staging_budget=staging, on_stale=on_stale,
-                      direct=_boolean(sec.get("direct", True), "disk.direct"),
-                      verify=_boolean(sec.get("verify", True), "disk.verify"))  # fmt: skip
+                      direct=_boolean(sec.get("direct", _default(DiskConfig, "direct")), "disk.direct"),
+                      verify=_boolean(sec.get("verify", _default(DiskConfig, "verify")), "disk.verify"))  # fmt: skip
 
 # Bounds on fp16 loss scaling. A scale of 2**63 (9.2e18) already turns the fp16
 # gradients (max 65504) of any loss above ~1e-14 into inf, so a larger start only
@@ -239,7 +311,6 @@ def _parse_disk(value: object) -> DiskConfig | None:
 # fp32 (2**128) and then Python's float (2.0**1024 raises OverflowError). A window
 # longer than any run means the scale never grows, and each overflow hysteresis
 # tolerates is a skipped step: values past these are typos, not settings.
-_KEY_HELP = {**_TOP_KEYS, **{f"disk.{k}": v for k, v in _DISK_KEYS.items()}}
 _MAX_SCALE_POWER = 63
 _MAX_LOSS_SCALE = 2.0**_MAX_SCALE_POWER
 _MAX_LOSS_SCALE_WINDOW = 10_000_000
@@ -326,114 +397,28 @@ def _at_most(n: int, limit: tuple[int | None, str], key: str, raw: object) -> in
     return n
 
 
-def _check_keys(section: Mapping[str, Any], allowed: Mapping[str, str] | set[str], where: str) -> None:
-    for k in section:
-        if k not in allowed:
-            choices = ", ".join(sorted(allowed))
-            raise ConfigError(f"{where}{k}", f"unknown key; allowed here: {choices}")
-
-
-def _mapping(value: object, key: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(key, f"expected an object/dict, got {type(value).__name__}")
-    return value
-
-
-def _number(
-    value: object, key: str, *, lo: float | None = None, lo_open: bool = False, hi: float | None = None, hi_open: bool = True
-) -> float:
-    """A finite number within the bounds (NaN and inf are never a setting)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(key, f"expected a number, got {type(value).__name__} {value!r}")
-    try:
-        v = float(value)
-    except OverflowError:  # an int past float's range
-        v = math.inf
-    if not math.isfinite(v):
-        raise ConfigError(key, f"must be a finite number, got {value!r}")
-    if lo is not None and (v < lo or (lo_open and v == lo)):
-        raise ConfigError(key, f"must be {'>' if lo_open else '>='} {lo}, got {value!r}")
-    if hi is not None and (v > hi or (hi_open and v == hi)):
-        raise ConfigError(key, f"must be {'<' if hi_open else '<='} {hi}, got {value!r}")
-    return v
-
-
-def _integer(value: object, key: str, *, lo: int, hi: int | None = None, why: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        else:
-            raise ConfigError(key, f"expected an integer, got {type(value).__name__} {value!r}")
-    if value < lo:
-        raise ConfigError(key, f"must be >= {lo}, got {value!r}")
-    if hi is not None and value > hi:
-        raise ConfigError(key, f"must be <= {hi}{why}, got {value!r}")
-    return value
-
-
-def _boolean(value: object, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(key, f"expected true or false, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _betas(value: object, key: str) -> tuple[float, float]:
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise ConfigError(key, f"expected two numbers [beta1, beta2], got {value!r}")
-    return (_number(value[0], f"{key}[0]", lo=0.0, hi=1.0), _number(value[1], f"{key}[1]", lo=0.0, hi=1.0))
-
-
-# Adam's hyperparameters, the one check for the config's and for each parameter group's
-_ADAM_HYPERPARAMS: dict[str, Callable[[object, str], Any]] = {
-    "lr": lambda v, key: _number(v, key, lo=0.0),
-    "betas": _betas,
-    "eps": lambda v, key: _number(v, key, lo=0.0, lo_open=True),
-    "weight_decay": lambda v, key: _number(v, key, lo=0.0),
-}
-
-
-def validate_param_group(
-    group: Mapping[str, Any], where: str, *, decoupled: bool = False, defaults: Mapping[str, Any] | None = None
-) -> dict[str, Any]:
-    """A torch-style parameter group with its ``lr``/``betas``/``eps``/``weight_decay``
-    checked as the config's are (``where`` names the group in errors, e.g.
-    ``param_groups[1]``); returns a copy with ``betas`` as a tuple. Other keys pass.
-    With ``decoupled`` (AdamW) the group's decay, its values over ``defaults``, is checked
-    too (:func:`check_decoupled_decay`)."""
-    out = dict(group)
-    for k, check in _ADAM_HYPERPARAMS.items():
-        if k in out:
-            out[k] = check(out[k], f"{where}.{k}")
-    if decoupled:
-        merged = {**(defaults or {}), **out}
-        if "lr" in merged and "weight_decay" in merged:
-            check_decoupled_decay(merged["lr"], merged["weight_decay"], f"{where}.weight_decay")
-    return out
-
-
-def check_decoupled_decay(lr: float, weight_decay: float, key: str) -> None:
-    """AdamW multiplies every weight by ``1 - lr * weight_decay`` at each step: at 1 or
-    more that zeroes the weights or flips their sign each step (``lr 1e30`` or
-    ``weight_decay 1e9`` trained to inf/NaN losses), which is never a setting."""
-    if lr * weight_decay >= 1:
-        raise ConfigError(
-            key,
-            f"lr x weight_decay is {lr:g} x {weight_decay:g} = {lr * weight_decay:g}; AdamW multiplies each weight by "
-            "1 - lr x weight_decay every step, so the product must be below 1 (typical: lr 1e-4..1e-3, weight_decay 0.01..0.1)",
-        )
-
-
-def _parse_optimizer(section: object) -> AdamConfig:
+def _parse_optimizer(section: object, cfg: Mapping[str, Any], loss_scale: LossScaleConfig, on_disk: bool) -> OptimizerConfig:
     sec = _mapping(section, "optimizer")
     _check_keys(sec, {"type", "params"}, "optimizer.")
     kind = sec.get("type", "AdamW")
     if kind not in ("Adam", "AdamW"):
         raise ConfigError("optimizer.type", f"unsupported optimizer {kind!r}; chunkstar supports 'Adam' and 'AdamW'")
     params = _mapping(sec.get("params", {}), "optimizer.params")
-    _check_keys(params, set(_ADAM_HYPERPARAMS), "optimizer.params.")
-    defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01 if kind == "AdamW" else 0.0}
+    _check_keys(params, set(ADAM_HYPERPARAMS), "optimizer.params.")
+    defaults = {k: _default(OptimizerConfig, k) for k in ADAM_HYPERPARAMS}
+    if kind == "Adam":
+        defaults["weight_decay"] = 0.0  # torch.optim.Adam's default; AdamW's is the field's
     p = validate_param_group({**defaults, **params}, "optimizer.params", decoupled=kind == "AdamW")
-    return AdamConfig(decoupled=kind == "AdamW", lr=p["lr"], betas=p["betas"], eps=p["eps"], weight_decay=p["weight_decay"])
+    return OptimizerConfig(
+        decoupled=kind == "AdamW", lr=p["lr"], betas=p["betas"], eps=p["eps"], weight_decay=p["weight_decay"],
+        gradient_clipping=_number(cfg.get("gradient_clipping", _default(OptimizerConfig, "gradient_clipping")), "gradient_clipping", lo=0.0),
+        accumulation_steps=_integer(
+            cfg.get("gradient_accumulation_steps", _default(OptimizerConfig, "accumulation_steps")), "gradient_accumulation_steps", lo=1
+        ),
+        # resolved once: state on disk is updated on the host (Note [disk tier])
+        hybrid_adam=_boolean(cfg.get("hybrid_adam", _default(OptimizerConfig, "hybrid_adam")), "hybrid_adam") and not on_disk,
+        loss_scale=loss_scale,
+    )  # fmt: skip
 
 
 def _parse_fp16(sec: Mapping[str, Any]) -> LossScaleConfig:
@@ -569,23 +554,19 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank:
     except ValueError:
         raise ConfigError("eviction_policy", f"got {policy_raw!r}; allowed: {_TOP_KEYS['eviction_policy']}") from None
 
+    disk = _parse_disk(cfg.get("disk"))
+    placement = PlacementConfig(
+        device=device, budget=budget, slack=slack, chunk_size=chunk_size, eviction_policy=policy,
+        overlap=_boolean(cfg.get("overlap", _default(PlacementConfig, "overlap")), "overlap"), link_bandwidth=bandwidth,
+    )  # fmt: skip
     return EngineConfig(
-        device=device,
-        device_memory_budget=budget,
-        device_memory_slack=slack,
+        placement=placement,
         precision=precision,
-        optimizer=_parse_optimizer(cfg.get("optimizer", {"type": "AdamW"})),
-        loss_scale=loss_scale if fp16_on else LossScaleConfig(),
-        gradient_clipping=_number(cfg.get("gradient_clipping", 0.0), "gradient_clipping", lo=0.0),
-        gradient_accumulation_steps=_integer(cfg.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps", lo=1),
-        chunk_size=chunk_size,
-        eviction_policy=policy,
-        prefetch=_boolean(cfg.get("prefetch", True), "prefetch"),
-        prefetch_window=window,
-        hybrid_adam=_boolean(cfg.get("hybrid_adam", True), "hybrid_adam"),
-        overlap=_boolean(cfg.get("overlap", True), "overlap"),
-        device_link_bandwidth=bandwidth,
+        optimizer=_parse_optimizer(
+            cfg.get("optimizer", {"type": "AdamW"}), cfg, loss_scale if fp16_on else LossScaleConfig(), disk is not None
+        ),
+        schedule=ScheduleConfig(prefetch=_boolean(cfg.get("prefetch", _default(ScheduleConfig, "prefetch")), "prefetch"), prefetch_window=window),
         reduce_dtype=reduce_dtype,
-        disk=_parse_disk(cfg.get("disk")),
+        disk=disk,
         raw=dict(cfg),
     )

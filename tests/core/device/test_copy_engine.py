@@ -168,7 +168,7 @@ def test_the_serial_reference_path_trains_like_the_overlapped_one_bit_for_bit(
 @pytest.mark.parametrize(("value", "bps"), [("16GB/s", 16e9), ("1.5 GiB/s", 1.5 * 2**30), (8_000_000, 8e6)])
 def test_device_link_bandwidth_parses(value: object, bps: float) -> None:
     cfg = chunkstar.parse_config({"device": "cpu", "device_memory_budget": "1MB", "device_link_bandwidth": value})
-    assert cfg.device_link_bandwidth == pytest.approx(bps)
+    assert cfg.placement.link_bandwidth == pytest.approx(bps)
 
 
 @pytest.mark.parametrize("value", ["fast", 0, -5, "3 parsecs/s", 1, "1KB/s", "999TB/s", 10**30])

@@ -45,18 +45,20 @@ import dataclasses
 import enum
 import hashlib
 import uuid
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from chunkstar.chunk.layout import ChunkLayout, layout_fingerprint
-from chunkstar.config import EngineConfig
+from chunkstar.config import DiskConfig, EngineConfig, LossScaleConfig, OptimizerConfig, PlacementConfig, ScheduleConfig
 from chunkstar.distributed.comm import Comm, DistributedError
 
 __all__ = ["MAY_DIFFER", "agree_on_startup", "config_fields", "weights_checksum"]
 
-MAY_DIFFER = frozenset({"device", "device_memory_budget", "device_memory_slack", "overlap", "device_link_bandwidth", "raw"})
-"""EngineConfig fields a rank may set for itself (``device`` is compared by its type only)."""
+MAY_DIFFER = frozenset(
+    {"placement.device", "placement.budget", "placement.slack", "placement.overlap", "placement.link_bandwidth", "raw"}
+)
+"""EngineConfig fields (dotted, by section) a rank may set for itself (the device is compared by its type only)."""
 
 _BLOCK = 1 << 20  # elements per block of the weighted sum (bounds its float64 temporaries to 8 MiB)
 _REL_TOL = 1e-7  # of the absolute sums: far above float64 rounding (different hardware may sum in another
@@ -92,24 +94,28 @@ def config_fields(cfg: EngineConfig) -> list[tuple[str, str]]:
     return out
 
 
-def _config_key(field: str) -> str:
-    """The key a user writes in the config for an EngineConfig field."""
-    head, _, rest = field.partition(".")
-    if field == "chunk_size":
-        return "default_chunk_size"
-    if field == "precision":
-        return "bf16.enabled / fp16.enabled"
-    if field == "device.type":
+def _config_key(name: str) -> str:
+    """The key a user writes in the config for a dotted EngineConfig field (from the fields'
+    metadata: Note [config sections] in :mod:`chunkstar.config`)."""
+    if name == "device.type":
         return "device"
-    if field == "optimizer.decoupled":
-        return "optimizer.type"
-    if head == "optimizer":
-        return f"optimizer.params.{rest}"
-    if field == "loss_scale.static_scale":
-        return "fp16.loss_scale"
-    if head == "loss_scale":
-        return f"fp16.{rest}"
-    return field
+    obj: Any = EngineConfig
+    key: str | None = None
+    for part in name.split("."):
+        f = next((f for f in dataclasses.fields(obj) if f.name == part), None)
+        if f is None:
+            return name
+        key = f.metadata.get("key", key)
+        obj = _SECTIONS.get(part)  # the annotations are strings here (from __future__ import annotations)
+        if obj is None:
+            break
+    return key or name
+
+
+_SECTIONS: dict[str, Any] = {
+    "placement": PlacementConfig, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
+    "loss_scale": LossScaleConfig, "disk": DiskConfig,
+}
 
 
 def weights_checksum(params: Sequence[torch.Tensor]) -> torch.Tensor:

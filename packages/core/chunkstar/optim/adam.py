@@ -55,12 +55,13 @@ from chunkstar.chunk.layout import TensorSlot
 from chunkstar.chunk.lists import CHUNK_LISTS, ChunkList
 from chunkstar.chunk.state import TensorState
 from chunkstar.chunk.store import ChunkStore
-from chunkstar.config import EngineConfig, check_decoupled_decay
+from chunkstar.config import EngineConfig
 from chunkstar.device.copy_engine import CopyEvent, HostWorker, InlineWorker
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError
 from chunkstar.events import MoveReason, Tier
 from chunkstar.optim.loss_scaler import LossScaler
+from chunkstar.optim.param_groups import check_decoupled_decay
 
 _log = logging.getLogger("chunkstar")
 
@@ -189,7 +190,7 @@ class ChunkAdam(torch.optim.Optimizer):
 
     def _needs_norm(self) -> bool:
         """Whether this step measures the global gradient norm (Note [norm only when needed])."""
-        return self._engine.config.gradient_clipping > 0 or self._engine.scaler.enabled or self.measure_grad_norm
+        return self._engine.config.optimizer.gradient_clipping > 0 or self._engine.scaler.enabled or self.measure_grad_norm
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -306,7 +307,7 @@ class ChunkAdam(torch.optim.Optimizer):
         for cid in grad_slots:
             self._place(cid)
         self.last_grad_norm = None
-        clip = eng.config.gradient_clipping
+        clip = eng.config.optimizer.gradient_clipping
         factor: float | None = None  # what the gradients are multiplied by; None: nothing
         if self._needs_norm():
             total = self._global_norm(grad_slots)  # 0-dim fp32, CPU

@@ -80,13 +80,13 @@ __all__ = ["ChunkEngine"]
 def _device_capacity(cfg: EngineConfig) -> int:
     """Bytes the engine plans with (:func:`chunkstar.memory.budget.device_capacity`)."""
     usable = None if cfg.device.type == "cpu" else cuda_usable_bytes(cfg.device)
-    return device_capacity(cfg.device_memory_budget, cfg.device_memory_slack, usable)
+    return device_capacity(cfg.placement.budget, cfg.placement.slack, usable)
 
 
-def _check_inputs(model: nn.Module, cfg: EngineConfig, n_elements: int) -> None:
+def _check_inputs(model: nn.Module, cfg: EngineConfig, n_elements: int, capacity: int) -> None:
     """Refuse, before any chunk is built, a ``default_chunk_size`` the device cannot hold
     or the model cannot fill."""
-    size = cfg.chunk_size
+    size = cfg.placement.chunk_size
     if size is None:  # "auto" searches a size that fits the parameters
         return
     if size > n_elements:
@@ -96,13 +96,12 @@ def _check_inputs(model: nn.Module, cfg: EngineConfig, n_elements: int) -> None:
             f"would be mostly padding; use \"auto\" or a size <= {n_elements}",
         )
     chunk_bytes = size * cfg.precision.dtype.itemsize
-    capacity = _device_capacity(cfg)
     if chunk_bytes > capacity:
         raise ConfigError(
             "default_chunk_size",
             f"one param chunk of {size} elements x {cfg.precision.dtype.itemsize} bytes ({cfg.precision.value}) is "
             f"{chunk_bytes} bytes, more than the device can hold: {capacity} bytes (device_memory_budget "
-            f"{cfg.device_memory_budget} on {cfg.device}, less device_memory_slack {cfg.device_memory_slack}). "
+            f"{cfg.placement.budget} on {cfg.device}, less device_memory_slack {cfg.placement.slack}). "
             "Lower default_chunk_size, use \"auto\", or raise device_memory_budget",
         )
 
@@ -232,10 +231,11 @@ class ChunkEngine:
         # frozen parameters get chunks of their own with no optimizer state (Note [frozen chunks])
         frozen = [not p.requires_grad for p in self._params]
         self._frozen_params = [p for p, f in zip(self._params, frozen) if f]
-        chunk_size = cfg.chunk_size or search_chunk_size(
+        chunk_size = cfg.placement.chunk_size or search_chunk_size(
             numels, world_size=world, frozen=frozen, max_size=_disk_chunk_cap(cfg)
         )
-        _check_inputs(model, cfg, sum(numels))
+        capacity = _device_capacity(cfg)  # resolved once: the GPU's free memory is read here only
+        _check_inputs(model, cfg, sum(numels), capacity)
         _refuse_sparse_gradients(model)
         layout = build_layout(
             [n for n, _ in named], [tuple(p.shape) for p in self._params], chunk_size, world_size=world, frozen=frozen
@@ -253,19 +253,18 @@ class ChunkEngine:
             weights = origin_fingerprint(model, source) if meta or source is not None else self._params
             self.run_id = agree_on_startup(self.comm, cfg, layout, weights)
             self._optimizer: ChunkAdam | None = None
+            placement = cfg.placement
             cursor = Cursor()  # where the iteration is: the schedule writes it, the manager and the targets read it
             self.mgr = ChunkManager(
-                layout, dtype, cfg.device, _device_capacity(cfg), cfg.eviction_policy, make_probe(cfg.device),
-                self.events, self.comm, make_copy_engine(cfg.device, cfg.overlap, cfg.device_link_bandwidth), cursor,
-                cfg.device_memory_slack,
+                layout, dtype, cfg.device, capacity, placement.eviction_policy, make_probe(cfg.device), self.events,
+                self.comm, make_copy_engine(cfg.device, placement.overlap, placement.link_bandwidth), cursor, placement.slack,
             )  # fmt: skip
             self.heap_retention_bounded = False
             if cfg.disk is not None:  # Note [disk tier]: the state lists' chunks live in files
                 # host memory is what the run is sized against: glibc keeps no large freed blocks
                 self.heap_retention_bounded = bound_heap_retention()  # (Note [host heap])
-                names = [ChunkList(n) for n in cfg.disk.lists]
                 self.mgr.attach_disk(DiskTier(
-                    cfg.disk, self.mgr.disk_chunks(names), run_tag=self.run_id, rank=self.comm.rank,
+                    cfg.disk, self.mgr.disk_chunks(cfg.disk.lists), run_tag=self.run_id, rank=self.comm.rank,
                     on_move=self.mgr.on_disk_move,
                 ))  # fmt: skip
             # the chunks get their values (Note [construction]): host memory peaks at about the
@@ -293,12 +292,12 @@ class ChunkEngine:
                     mod._buffers[name] = b.to(cfg.device)
 
         self.scaler_enabled = cfg.precision is Precision.FP16
-        self.scaler = LossScaler(cfg.loss_scale, self.scaler_enabled)
+        self.scaler = LossScaler(cfg.optimizer.loss_scale, self.scaler_enabled)
         self.reducer = GroupReducer(self.mgr, self.comm, self.device, self._params, cfg.reduce_dtype)  # several processes only
         # host-side work (the optimizer's updates, gradient norms) off the compute thread
         # with overlap; in the calling thread on the serial reference path
         self.host_work: HostWorker | InlineWorker = (
-            HostWorker(debug_delay_from_env(), device=cfg.device) if cfg.overlap else InlineWorker()
+            HostWorker(debug_delay_from_env(), device=cfg.device) if cfg.placement.overlap else InlineWorker()
         )
         # the CPU virtual device runs the backward on a device thread of its own, as autograd does
         # for CUDA tensors (device/virtual.py): hooks, evictions and frees off the caller's thread
@@ -310,10 +309,10 @@ class ChunkEngine:
             self._device_baseline = torch.cuda.memory_allocated(cfg.device) - self.mgr.memory.held_bytes
             torch.cuda.reset_peak_memory_stats(cfg.device)
             self.mgr.memory.peak_bytes = 0
-        self.prefetch_window = cfg.prefetch_window or 4 * max(c.nbytes for c in self.mgr.chunks_of(ChunkList.PARAM))
+        self.prefetch_window = cfg.schedule.prefetch_window or 4 * max(c.nbytes for c in self.mgr.chunks_of(ChunkList.PARAM))
 
         # the parts: gradients, the iteration (with the schedule), the guard's handler, the hook targets
-        self._gradients = Gradients(self.mgr, cursor, self.comm, self.reducer, cfg.gradient_accumulation_steps)
+        self._gradients = Gradients(self.mgr, cursor, self.comm, self.reducer, cfg.optimizer.accumulation_steps)
         self._views = [p.data for p in self._params]  # each parameter's view into its param chunk's device tensor
         self.access = ParamAccess(self)
         self._iteration = Iteration(
@@ -437,7 +436,7 @@ class ChunkEngine:
                 "backward used up the forward's graph (and its gradients wait for optimizer.step()); run the "
                 "model again for each backward, or combine the losses of one forward into one before it"
             )
-        gas = self.config.gradient_accumulation_steps
+        gas = self.config.optimizer.accumulation_steps
         if gas > 1:
             loss = loss / gas
         if self.scaler_enabled:

@@ -55,10 +55,10 @@ class Iteration:
         self.gradients = gradients
         self.reducer = reducer
         self.access = access
-        self.accumulation_steps = cfg.gradient_accumulation_steps
-        self.prefetch = cfg.prefetch
+        self.accumulation_steps = cfg.optimizer.accumulation_steps
+        self.prefetch = cfg.schedule.prefetch
         self.prefetch_window = prefetch_window
-        self.hybrid_adam = cfg.hybrid_adam and cfg.disk is None  # state on disk is updated on the host (Note [disk tier])
+        self.hybrid_adam = cfg.optimizer.hybrid_adam  # off with the state on disk (resolved by the config)
         # the iteration and its schedule (Note [iteration] in runtime/schedule.py)
         self.schedule = Schedule(mgr, cursor, comm, cfg.device, events, on_freeze=self._plan_adam)
         self.device_adam_chunks: set[int] = set()  # chunks whose Adam runs on the device (hybrid Adam)
