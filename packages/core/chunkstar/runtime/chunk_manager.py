@@ -45,7 +45,7 @@ from chunkstar.device.pinned import PinnedBuffers
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.gather import GroupGathers
 from chunkstar.errors import ChunkStateError, DeviceMemoryError
-from chunkstar.events import EventBus, MemorySample, MoveReason, Stage, Tier
+from chunkstar.events import EventBus, MoveReason, Stage, Tier
 from chunkstar.memory.budget import chunk_budget, memory_error_advice, minimum_budget, room_target
 from chunkstar.memory.probes import MemoryProbe
 from chunkstar.memory.tracer import MemoryTrace, ScheduleMode
@@ -221,11 +221,7 @@ class ChunkManager:
     def mode(self) -> ScheduleMode:
         return self._cur.mode
 
-    def pinned_bytes(self) -> int:
-        """Bytes of param chunks in use by a running moment (they cannot move)."""
-        return sum(self._chunks[_PARAM][i].nbytes for i in range(self.layout.n_chunks) if self.pinned(i))
-
-    # ------------------------------------------------------------------ placement
+    # ------------------------------------------------------------------ ownership and first placement
     def own(self, chunk_id: int) -> bool:
         """Whether this rank owns the chunk (always, in a single process)."""
         return self.layout.owner(chunk_id) == self.comm.rank
@@ -252,18 +248,6 @@ class ChunkManager:
         """From now on the chunks of ``tier.lists`` live on disk (before any chunk is allocated)."""
         self.disk = tier
 
-    def on_disk_move(self, chunk: Chunk, to_disk: bool, nbytes: int, t_ns: int) -> None:
-        """A chunk was staged in from disk or out to it (the disk tier calls this): ``nbytes``
-        issued now, travelling on the disk tier's I/O lanes (so the move ends when issued too).
-        The file keeps its bytes when a chunk is staged in, and already has its slot when one
-        goes out."""
-        if to_disk:
-            self.counters.record(chunk.chunk_id, chunk.list_name, chunk.nbytes, src=Tier.HOST, dst=Tier.DISK,
-                                 reason=MoveReason.STAGE_OUT, copied=nbytes, had_dst=True, t0=t_ns)  # fmt: skip
-        else:
-            self.counters.record(chunk.chunk_id, chunk.list_name, chunk.nbytes, src=Tier.DISK, dst=Tier.HOST,
-                                 reason=MoveReason.STAGE_IN, copied=nbytes, kept_src=True, t0=t_ns)  # fmt: skip
-
     def on_disk(self, name: ChunkList) -> bool:
         """Whether list ``name``'s chunks live on disk (Note [disk tier])."""
         return self.disk is not None and self.disk.on_disk(name)
@@ -275,32 +259,22 @@ class ChunkManager:
     @contextlib.contextmanager
     def staged(self, keys: Iterable[Key], *, write: bool) -> Iterator[None]:
         """Inside the block, the chunks ``keys`` that live on disk are staged into host buffers
-        (their payloads readable and writable as usual); at its end they go back to disk,
-        written back with ``write``. Nothing happens for chunks in memory. One chunk at a
-        time is the rule: the keys' bytes must fit the staging budget."""
+        (their payloads readable and writable as usual), and go back to disk at its end,
+        written back with ``write`` (:meth:`DiskTier.staged`); nothing happens for chunks in
+        memory."""
         tier = self.disk
         if tier is None:
             yield
             return
         keys = list(dict.fromkeys(keys))
         chunks = [self._chunks[n][i] for n, i in keys if self._chunks[n][i].location is ChunkLocation.DISK]
-        need = sum(c.nbytes for c in chunks)
-        if need > tier.budget:
-            raise ChunkStateError(
-                f"staging {len(chunks)} chunks from disk at once needs {need} bytes, more than disk.staging_budget "
-                f"({tier.budget} bytes)"
-            )
-        done: list[Chunk] = []
-        try:
-            with self.probe.paused():
-                for c in chunks:
-                    tier.stage_in(c)
-                    done.append(c)
+        with tier.staged(chunks, write=write, quiet=self.probe.paused):  # staging buffers are model memory
             yield
-        finally:
-            with self.probe.paused():
-                for c in done:
-                    tier.stage_out(c, write=write)
+
+    # ------------------------------------------------------------------ residency and budgets
+    def pinned_bytes(self) -> int:
+        """Bytes of param chunks in use by a running moment (they cannot move)."""
+        return sum(self._chunks[_PARAM][i].nbytes for i in range(self.layout.n_chunks) if self.pinned(i))
 
     def resident(self, key: Key) -> bool:
         return self._chunks[key[0]][key[1]].location is ChunkLocation.DEVICE
@@ -458,6 +432,7 @@ class ChunkManager:
             minimum=minimum_budget(needed, max(non_model, 0), self.slack), advice=advice,
         )  # fmt: skip
 
+    # ------------------------------------------------------------------ moves
     def _versions(self, chunk_id: int) -> int:
         """Sum of the version counters of the chunk's parameters: an in-place write to a
         parameter (even by its own module, unguarded in COMPUTE) bumps its counter."""
@@ -549,25 +524,10 @@ class ChunkManager:
 
     # ------------------------------------------------------------------ accounting
     def memory_sample(self) -> None:
-        if not self.events.active:
-            return
-        non_model = self.probe.non_model_now(self.memory.held_bytes)
-        self.events.emit(
-            MemorySample(
-                Tier.DEVICE,
-                self.counters.device_chunk_bytes + non_model,
-                self.counters.device_chunk_bytes,
-                non_model,
-                self.capacity,
-                self._cur.moment,
-                time.perf_counter_ns(),
-            )
-        )
-        host = self.counters.host_chunk_bytes
-        self.events.emit(MemorySample(Tier.HOST, host, host, 0, 0, self._cur.moment, time.perf_counter_ns()))
-        if self.disk is not None:  # the chunk files: this rank's state, whatever is staged
-            files = self.disk.files.file_bytes
-            self.events.emit(MemorySample(Tier.DISK, files, files, 0, files, self._cur.moment, time.perf_counter_ns()))
+        """Samples of the device, host and disk tiers now, for the profiler (when events are on)."""
+        if self.events.active:
+            disk = self.disk.files.file_bytes if self.disk is not None else None
+            self.counters.sample(self.probe.non_model_now(self.memory.held_bytes), self.capacity, disk)
 
     def model_data_bytes(self) -> int:
         """Param chunks (all: each is gathered when used) plus this rank's state chunks."""

@@ -14,7 +14,10 @@ another.
 
 from __future__ import annotations
 
-from chunkstar.events import ChunkAllocated, ChunkFreed, ChunkMoved, EventBus, MoveReason, Tier
+import time
+
+from chunkstar.chunk.chunk import Chunk
+from chunkstar.events import ChunkAllocated, ChunkFreed, ChunkMoved, EventBus, MemorySample, MoveReason, Tier
 from chunkstar.runtime.cursor import Cursor
 
 __all__ = ["ChunkCounters"]
@@ -95,6 +98,33 @@ class ChunkCounters:
             events.emit(ChunkMoved(chunk_id, list_name, copied, src, dst, reason, cur.moment, cur.module, t0, t1))
         if src is not None and not kept_src:
             events.emit(ChunkFreed(chunk_id, list_name, src, nbytes, t1))
+
+    def record_disk(self, chunk: Chunk, to_disk: bool, nbytes: int, t_ns: int) -> None:
+        """A chunk was staged in from disk or out to it (the disk tier calls this): ``nbytes``
+        issued now, travelling on the disk tier's I/O lanes (so the move ends when issued too).
+        The file keeps its bytes when a chunk is staged in, and has its slot when one goes out."""
+        if to_disk:
+            self.record(chunk.chunk_id, chunk.list_name, chunk.nbytes, src=Tier.HOST, dst=Tier.DISK,
+                        reason=MoveReason.STAGE_OUT, copied=nbytes, had_dst=True, t0=t_ns)  # fmt: skip
+        else:
+            self.record(chunk.chunk_id, chunk.list_name, chunk.nbytes, src=Tier.DISK, dst=Tier.HOST,
+                        reason=MoveReason.STAGE_IN, copied=nbytes, kept_src=True, t0=t_ns)  # fmt: skip
+
+    def sample(self, non_model: int, capacity: int, disk_file_bytes: int | None) -> None:
+        """Memory samples of the tiers now: the device (chunks and ``non_model`` bytes beside
+        them, against ``capacity``), the host's chunk buffers, and (with the disk tier) the
+        chunk files, this rank's state whatever is staged."""
+        events = self._events
+        if not events.active:
+            return
+        moment = self._cur.moment
+        device = self.device_chunk_bytes
+        events.emit(MemorySample(Tier.DEVICE, device + non_model, device, non_model, capacity, moment, time.perf_counter_ns()))
+        host = self.host_chunk_bytes
+        events.emit(MemorySample(Tier.HOST, host, host, 0, 0, moment, time.perf_counter_ns()))
+        if disk_file_bytes is not None:
+            files = disk_file_bytes
+            events.emit(MemorySample(Tier.DISK, files, files, 0, files, moment, time.perf_counter_ns()))
 
     def _add(self, tier: Tier, nbytes: int) -> None:
         if tier is Tier.DEVICE:

@@ -118,6 +118,38 @@ class DiskTier:
     def on_disk(self, name: ChunkList) -> bool:
         return name in self.lists
 
+    @contextlib.contextmanager
+    def staged(
+        self, chunks: list[Chunk], *, write: bool, quiet: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+    ) -> Iterator[None]:
+        """Inside the block, ``chunks`` (all on disk) are staged into host buffers, their payloads
+        readable and writable as usual; at its end they go back to disk, written back with
+        ``write``. One chunk at a time is the rule: their bytes must fit the staging budget.
+        The stages run inside ``quiet()`` (the memory probe paused: staging is model memory)."""
+        need = sum(c.nbytes for c in chunks)
+        if need > self.budget:
+            raise ChunkStateError(
+                f"staging {len(chunks)} chunks from disk at once needs {need} bytes, more than disk.staging_budget "
+                f"({self.budget} bytes)"
+            )
+        done: list[Chunk] = []
+        try:
+            with quiet():
+                for c in chunks:
+                    self.stage_in(c)
+                    done.append(c)
+            yield
+        finally:
+            error: BaseException | None = None
+            with quiet():
+                for c in done:  # every chunk goes back, even after one failed (the pool fails with it)
+                    try:
+                        self.stage_out(c, write=write)
+                    except BaseException as e:
+                        error = error or e
+            if error is not None:
+                raise error
+
     def stage_in(self, chunk: Chunk) -> None:
         """DISK -> HOST: a staging buffer, filled on the read lane after the chunk's last
         write-behind; readers wait on the read as on any pending copy."""

@@ -265,7 +265,7 @@ class ChunkEngine:
                 self.heap_retention_bounded = bound_heap_retention()  # (Note [host heap])
                 self.mgr.attach_disk(DiskTier(
                     cfg.disk, self.mgr.disk_chunks(cfg.disk.lists), run_tag=self.run_id, rank=self.comm.rank,
-                    on_move=self.mgr.on_disk_move,
+                    on_move=self.mgr.counters.record_disk,
                 ))  # fmt: skip
             # the chunks get their values (Note [construction]): host memory peaks at about the
             # chunks' own bytes, never at the whole model beside them
