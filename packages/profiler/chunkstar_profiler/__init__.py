@@ -15,11 +15,10 @@ opens a profile in the viewer (``chunkstar-profile view``, with the
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 import os
 from typing import TYPE_CHECKING, Any
 
+from chunkstar_profiler._version import __version__
 from chunkstar_profiler.chrome import export_chrome_trace
 from chunkstar_profiler.fileformat import FORMAT_VERSION, ProfileFormatError, read_profile
 from chunkstar_profiler.profile import MOVE_REASONS, TIERS, Profile

@@ -46,6 +46,7 @@ from typing import IO, Any, Callable, Mapping
 import numpy as np
 from numpy.lib import format as npy_format
 
+from chunkstar_profiler._version import __version__
 from chunkstar_profiler.profile import META, TABLES, Profile, build_profile
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "ProfileFormatError", "ProfileNotFoundError", "write_profile", "read_profile"]
@@ -77,7 +78,6 @@ def write_profile(path: str | os.PathLike[str], columns: Mapping[str, Mapping[st
     path = os.fspath(path)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    from chunkstar_profiler import __version__
 
     manifest: dict[str, Any] = {
         "format": FORMAT_NAME,

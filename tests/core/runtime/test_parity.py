@@ -61,7 +61,7 @@ def test_no_decay_groups_and_a_torch_lr_scheduler_match_pytorch() -> None:
     ``torch.optim.lr_scheduler`` driving ``optimizer.param_groups``."""
     import torch
 
-    from ._models import hf_loss, gpt2_batch
+    from tests.core._models import hf_loss, gpt2_batch
 
     case = CASES["gpt2"]
     warmup = lambda step: min(1.0, (step + 1) / 3)  # noqa: E731
