@@ -20,12 +20,13 @@ from torch import nn
 
 from chunkstar.checkpoint import CheckpointError
 from chunkstar.config import EngineConfig, parse_bytes, parse_config
-from chunkstar.optim.param_groups import validate_param_group
 from chunkstar.construction import PretrainedError, init_weights
+from chunkstar.construction.pretrained import PretrainedSource
 from chunkstar.distributed.comm import DistributedError
 from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError
 from chunkstar.events import EventBus, Stage, Tier
 from chunkstar.optim.adam import ChunkAdam
+from chunkstar.optim.param_groups import validate_param_group
 from chunkstar.runtime.engine import ChunkEngine
 
 __all__ = [
@@ -102,6 +103,8 @@ def initialize_engine(
     if isinstance(local_rank, bool) or not isinstance(local_rank, int) or local_rank < 0:
         raise TypeError(f"local_rank must be a non-negative int, got {local_rank!r}")
     cfg = parse_config(config if config is not None else {}, local_rank=local_rank)
+    if pretrained is not None:
+        PretrainedSource.check_path(pretrained)  # before the model is built, which can take long
     model = model_func()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_func must return a torch.nn.Module, it returned {type(model).__name__}")

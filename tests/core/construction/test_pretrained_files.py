@@ -367,3 +367,16 @@ def test_a_malformed_index_is_a_typed_error(tmp_path: Path, index: object) -> No
     with pytest.raises(chunkstar.PretrainedError, match="model.safetensors.index.json") as err:
         PretrainedSource(tmp_path)
     assert len(str(err.value).splitlines()) == 1
+
+
+def test_a_bad_pretrained_is_refused_before_the_model_is_built(tmp_path: Path) -> None:
+    built: list[bool] = []
+
+    def build() -> torch.nn.Module:
+        built.append(True)
+        return torch.nn.Linear(4, 4)
+
+    for bad in (5, str(tmp_path / "missing")):
+        with pytest.raises(chunkstar.PretrainedError):
+            chunkstar.initialize_engine(build, 0, engine_config("fp32", budget="16MB"), pretrained=bad)  # type: ignore[arg-type]
+    assert not built, "model_func ran before pretrained= was checked"

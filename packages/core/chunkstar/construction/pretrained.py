@@ -380,6 +380,13 @@ class PretrainedSource:
     """The tensors of a safetensors checkpoint by name (shapes and dtypes from the headers),
     read one at a time. Every file is checked as it is opened (Note [reading a checkpoint])."""
 
+    @staticmethod
+    def check_path(path: object) -> None:
+        """Refuse a ``pretrained=`` that is not a path to a readable checkpoint (its type, that it
+        exists, its files) without reading any header: initialize_engine asks before it builds
+        the model, which can take long."""
+        _files_of(_as_path(path))
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = _as_path(path)
         self.files = _files_of(self.path)

@@ -600,15 +600,13 @@ class ChunkAdam(torch.optim.Optimizer):
             raise ValueError(
                 f"not a chunkstar optimizer state dict (format {state_dict.get('format')!r}, expected {_FORMAT!r})"
             )
+        LossScaler.check_state_dict(state_dict.get("loss_scaler"))  # every check before anything changes
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"state dict has {len(groups)} parameter groups, this optimizer {len(self.param_groups)}")
         for mine, theirs in zip(self.param_groups, groups):
             if [self._engine.index_of(p) for p in mine["params"]] != list(theirs["params"]):
                 raise ValueError("parameter groups of the state dict do not match this optimizer's")
-            for k, v in theirs.items():
-                if k != "params":
-                    mine[k] = tuple(v) if k == "betas" else v
         mgr = self._store
         for s in mgr.slots:
             st = state_dict["state"].get(s.index)
@@ -617,6 +615,10 @@ class ChunkAdam(torch.optim.Optimizer):
                     raise ValueError(
                         f"optimizer state '{key}' of parameter '{s.name}' has {st[key].numel()} elements, expected {s.numel}"
                     )
+        for mine, theirs in zip(self.param_groups, groups):  # checked: now the settings change
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = tuple(v) if k == "betas" else v
         with torch.no_grad():
             self._steps = [0] * len(mgr.slots)
             for cid in range(mgr.layout.n_chunks):
