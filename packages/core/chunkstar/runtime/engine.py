@@ -314,14 +314,13 @@ class ChunkEngine:
         # the parts: gradients, the iteration (with the schedule), the guard's handler, the hook targets
         self._gradients = Gradients(self.mgr, cursor, self.comm, self.reducer, cfg.optimizer.accumulation_steps)
         self._views = [p.data for p in self._params]  # each parameter's view into its param chunk's device tensor
-        self.access = ParamAccess(self)
         self._iteration = Iteration(
-            cfg, self.mgr, cursor, self.comm, self.events, self._gradients, self.reducer, self.access, self.prefetch_window
+            cfg, self.mgr, cursor, self.comm, self.events, self._gradients, self.reducer, self.prefetch_window
         )
         self._targets = HookTargets(
             self.mgr, cursor, self.comm, self.events, self._iteration, self._gradients, self.reducer, self._params
         )
-        self.access.connect(self._targets, self._iteration)
+        self.access = ParamAccess(self, self._targets, self._iteration)
         self._unhook_optimizers = _refuse_foreign_optimizers(self)
         modules, self._handles, self._units = install_hooks(model, self._index, self._targets)
         self._targets.set_modules(modules)

@@ -17,7 +17,7 @@ module's hooks do (:mod:`chunkstar.runtime.hook_targets`); gradients are
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -38,7 +38,6 @@ from chunkstar.placement.optimizer import plan_device_adam
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.cursor import Cursor
 from chunkstar.runtime.gradients import Gradients
-from chunkstar.runtime.param_access import ParamAccess
 from chunkstar.runtime.schedule import Schedule
 
 __all__ = ["Iteration"]
@@ -47,14 +46,18 @@ __all__ = ["Iteration"]
 class Iteration:
     def __init__(
         self, cfg: EngineConfig, mgr: ChunkManager, cursor: Cursor, comm: Comm, events: EventBus,
-        gradients: Gradients, reducer: GroupReducer, access: ParamAccess, prefetch_window: int,
+        gradients: Gradients, reducer: GroupReducer, prefetch_window: int,
     ) -> None:  # fmt: skip
         self.mgr = mgr
         self.cursor = cursor
         self.comm = comm
         self.gradients = gradients
         self.reducer = reducer
-        self.access = access
+        # parameter access, built after the iteration and the hook targets it reads through
+        # (runtime/param_access.py), hands these in: forget what a state_dict() or a model pass
+        # memoised, and whether a gathered_parameters() block is open
+        self.reset_reads: Callable[[], None] = lambda: None
+        self.reads_gathered: Callable[[], bool] = lambda: False
         self.accumulation_steps = cfg.optimizer.accumulation_steps
         self.prefetch = cfg.schedule.prefetch
         self.prefetch_window = prefetch_window
@@ -101,7 +104,7 @@ class Iteration:
         if self.open:
             return  # another forward of the same iteration
         self.open = True
-        self.access.reset()
+        self.reset_reads()
         self.stack.clear()
         mgr = self.mgr
         self.schedule.begin_iteration(sum(t.nbytes for t in output_tensors((args, kwargs))))
@@ -131,7 +134,7 @@ class Iteration:
 
     def begin_implicit(self) -> None:
         """A module of the model was called directly, not through the engine."""
-        if self.access.gathered_active():
+        if self.reads_gathered():
             raise ChunkStateError("the model cannot run inside engine.gathered_parameters(): leave the block first")
         self.implicit = True
         if torch.is_grad_enabled():
@@ -274,7 +277,7 @@ class Iteration:
         self.open = False
         self.implicit = False
         self.stack.clear()
-        self.access.reset()
+        self.reset_reads()
         if self.comm.distributed:
             self.reducer.reset()
         with torch.no_grad():

@@ -94,7 +94,11 @@ class ReadTargets(Protocol):
 
 class ReadIteration(Protocol):
     """What a read needs of the iteration (runtime/iteration.py): whether a model pass runs,
-    and to open one from a read between steps."""
+    and to open one from a read between steps; the access hands it back its reset and
+    whether a gathered_parameters() block is open."""
+
+    reset_reads: Callable[[], None]
+    reads_gathered: Callable[[], bool]
 
     def in_model_pass(self) -> bool: ...
     def begin_from_read(self) -> None: ...
@@ -103,7 +107,7 @@ class ReadIteration(Protocol):
 class ParamAccess:
     """The engine's handler for guarded parameter accesses (one per engine)."""
 
-    def __init__(self, engine: AccessHost) -> None:
+    def __init__(self, engine: AccessHost, targets: ReadTargets, iteration: ReadIteration) -> None:
         self.engine = engine
         self.mgr = engine.mgr
         self._sd_depth = 0  # nesting of module.state_dict() calls in progress
@@ -111,15 +115,14 @@ class ParamAccess:
         self._sd_masters: dict[int, torch.Tensor] | None = None  # gathered master chunks (several processes)
         self._sd_chunk: tuple[int, torch.Tensor] | None = None  # the last master chunk staged from disk, a copy
         self._gathered: set[int] = set()  # slot indices inside gathered_parameters()
-        # the engine's hook targets and iteration, which take part in reads during a model
-        # pass; they are built after this object (they reset it), so the engine connects them
-        self._targets: ReadTargets | None = None
-        self._iteration: ReadIteration | None = None
-
-    def connect(self, targets: ReadTargets, iteration: ReadIteration) -> None:
+        # the parts a read during a model pass goes through, built before this one (the engine
+        # builds in dependency order: gradients, iteration, hook targets, then this); they get
+        # back what they call of it
         self._targets = targets
         self._iteration = iteration
         targets.absorb_writes = self.absorb_writes
+        iteration.reset_reads = self.reset
+        iteration.reads_gathered = self.gathered_active
 
     # ------------------------------------------------------------------ dispatch
     def param_index(self, p: torch.Tensor) -> int | None:
@@ -154,7 +157,6 @@ class ParamAccess:
             return self.state_dict_value(next(iter(indices.values())))
         readable = all(self.mgr.states[i] in _READABLE for i in indices.values())
         it = self._iteration
-        assert it is not None
         if readable and not it.in_model_pass() and self._builds_graph(func, indices.values()):
             # between steps with autograd on (an L2 term computed before the forward, say):
             # the read may feed a loss, so it opens the next training iteration
@@ -194,7 +196,6 @@ class ParamAccess:
     # ------------------------------------------------------------------ forward / backward
     def _forward_read(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], indices: list[int]) -> Any:
         targets = self._targets
-        assert targets is not None
         names = ", ".join(repr(self.mgr.slots[i].name) for i in indices[:3])
         if targets.running_module() is not None:
             targets.attach_to_running_module(indices, what=f"parameter {names}")
