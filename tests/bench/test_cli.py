@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -78,17 +79,24 @@ def test_report_on_a_bad_database_is_one_line_and_exit_2(kind: str, tmp_path: Pa
     assert _snapshot(path) == before  # nothing created, nothing written (no journal, no table)
 
 
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Another process's exclusive lock on the database, for the block."""
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        yield
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
 def test_report_on_a_locked_database(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "results.sqlite"
     ResultsDB(path).append(record(), suite="cpu")
     monkeypatch.setattr(results, "READ_TIMEOUT_S", 0.2)
-    holder = sqlite3.connect(path, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    try:
+    with _locked(path):
         assert main(["report", "--db", str(path)]) == 2
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
     out, err = capsys.readouterr()
     assert out == "" and "locked by another process (waited 0.2 s)" in _one_line(err, path)
     assert main(["report", "--db", str(path)]) == 0  # the lock gone, the same file reads
@@ -245,13 +253,8 @@ def test_run_on_a_locked_database_says_so_after_a_short_wait(
     path = tmp_path / "results.sqlite"
     ResultsDB(path).append(record(), suite="cpu")
     monkeypatch.setattr(results, "READ_TIMEOUT_S", 0.2)
-    holder = sqlite3.connect(path, isolation_level=None)
-    holder.execute("BEGIN EXCLUSIVE")
-    try:
+    with _locked(path):
         assert main(["run", "--suite", "nightly", "--db", str(path), "--system", "pytorch"]) == 2
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
     err = capsys.readouterr().err
     assert err == f"chunkstar-bench run: {path}: the database is locked by another process (waited 0.2 s); try again when it is done\n"
     assert len(ResultsDB(path).runs()) == 1
