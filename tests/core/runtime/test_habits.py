@@ -416,6 +416,9 @@ def test_a_scheduler_raising_adamw_decay_past_one_is_refused_at_the_step() -> No
     optimizer.param_groups[0]["lr"] = 200.0  # x weight_decay 0.01 = 2
     with pytest.raises(chunkstar.ConfigError, match="lr x weight_decay"):
         optimizer.step()
+    optimizer.param_groups[0]["lr"] = float("nan")  # a scheduler gone wrong: every weight would be NaN
+    with pytest.raises(chunkstar.ConfigError, match=r"param_groups\[0\] at step 1.lr.*finite"):
+        optimizer.step()
     optimizer.param_groups[0]["lr"] = 1e-2
     optimizer.step()
 

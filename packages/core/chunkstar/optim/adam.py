@@ -61,7 +61,7 @@ from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError
 from chunkstar.events import MoveReason, Tier
 from chunkstar.optim.loss_scaler import LossScaler
-from chunkstar.optim.param_groups import check_decoupled_decay
+from chunkstar.optim.param_groups import ADAM_HYPERPARAMS, validate_param_group
 
 _log = logging.getLogger("chunkstar")
 
@@ -212,9 +212,13 @@ class ChunkAdam(torch.optim.Optimizer):
                 "run a backward before each step (or call optimizer.zero_grad() first, after which a step changes "
                 "nothing, as in torch.optim)"
             )
-        if self._decoupled:  # a scheduler may have raised lr since the config was checked
-            for i, g in enumerate(self.param_groups):
-                check_decoupled_decay(g["lr"], g["weight_decay"], f"param_groups[{i}] at step {self.step_count + 1}")
+        # a scheduler (or the user) may have changed a group since the config was checked: the
+        # same checks, on the values this step uses (a NaN lr would turn every weight NaN)
+        for i, g in enumerate(self.param_groups):
+            validate_param_group(
+                {k: g[k] for k in ADAM_HYPERPARAMS}, f"param_groups[{i}] at step {self.step_count + 1}",
+                decoupled=self._decoupled,
+            )  # fmt: skip
         eng.begin_optimizer_step()
         try:
             if self._step():
