@@ -144,7 +144,7 @@ def run_case(case: Case, *, rounds: int, warmup: int) -> Row:
         # measure the non-model peak without pressure, then leave the chunks half the param bytes
         probe, popt = chunkstar.initialize_engine(model_func=lambda: _model(m, w), config=config)
         _train(probe, popt, x, 3)
-        param_bytes = sum(c.nbytes for c in probe.mgr.chunks_of(ChunkList.PARAM))
+        param_bytes = sum(c.nbytes for c in probe.mgr.chunks.chunks_of(ChunkList.PARAM))
         config["device_memory_budget"] = int(probe.stats()["warmup_non_model_peak_bytes"] + param_bytes // 2)
         probe.remove_hooks()
         del probe, popt

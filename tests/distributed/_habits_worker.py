@@ -76,7 +76,7 @@ def habits(rank: int, world: int, port: int, out: str) -> None:
         full = engine.state_dict()
         result["module_sd_equals_engine_sd"] = sd.keys() == full.keys() and all(torch.equal(sd[k], full[k]) for k in sd)
         names = dict(engine.module.named_parameters())
-        foreign = next(n for n, p in names.items() if not engine.mgr.own(engine.mgr.slots[engine.index_of(p)].chunk_id))
+        foreign = next(n for n, p in names.items() if not engine.mgr.chunks.own(engine.mgr.slots[engine.index_of(p)].chunk_id))
         try:
             with torch.no_grad():
                 names[foreign].sum()

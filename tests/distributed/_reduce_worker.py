@@ -25,7 +25,7 @@ FROZEN = "transformer.h.1.mlp.c_fc.weight"  # stops requiring grad after the fir
 def index_matches(mgr: ChunkManager, result: dict[str, Any]) -> None:
     """The resident index against the chunks' locations (gathered copies of other ranks' chunks included)."""
     for name in CHUNK_LISTS:
-        scan = {c.chunk_id for c in mgr.chunks_of(name) if c.location is ChunkLocation.DEVICE}
+        scan = {c.chunk_id for c in mgr.chunks.chunks_of(name) if c.location is ChunkLocation.DEVICE}
         if mgr._on_device[name] != scan:
             result["mismatches"].append([name, sorted(mgr._on_device[name]), sorted(scan)])
 
@@ -66,7 +66,7 @@ def reduce_counters(rank: int, world: int, port: int, out: str) -> None:
         def checked_candidates(protect: set[Any], names: Any = CHUNK_LISTS) -> Any:
             got = indexed(protect, names)
             if got != [c for c in _reference_candidates(mgr, protect) if c.key[0] in names]:
-                result["mismatches"].append(["candidates", mgr.moment, [c.key for c in got]])
+                result["mismatches"].append(["candidates", mgr.cursor.moment, [c.key for c in got]])
             result["evictions"] += 1
             return got
 

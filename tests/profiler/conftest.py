@@ -46,12 +46,12 @@ def recorded_disk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
     engine, optimizer = chunkstar.initialize_engine(case.build, 0, engine_config("bf16", budget=budget, disk={"path": str(disk_dir)}))
     try:
         _step(engine, optimizer, 0)  # warm-up outside the recording
-        engine.mgr.disk.drain()
+        engine.mgr.chunks.disk.drain()
         before = engine.stats()
         with chunkstar_profiler.Profiler(engine) as prof:
             for i in range(1, 4):
                 _step(engine, optimizer, i)
-            engine.mgr.disk.drain()
+            engine.mgr.chunks.disk.drain()
         after = engine.stats()
         path = Path(prof.save(tmp_path_factory.mktemp("prof") / "disk.csprof"))
         yield {"engine": engine, "prof": prof, "path": path, "before": before, "after": after}

@@ -116,7 +116,7 @@ class Profiler:
             raise RuntimeError("a Profiler records once; make a new one for another recording")
         self._t0 = time.perf_counter_ns()
         for which in ChunkList:
-            for c in self.engine.mgr.chunks_of(which):
+            for c in self.engine.mgr.chunks.chunks_of(which):
                 if c.tier is not None:
                     self._placement_open[(which.value, c.chunk_id, c.tier.value)] = self._t0
         self._disk_at_start = _disk_stats(self.engine.stats())

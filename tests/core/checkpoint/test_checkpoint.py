@@ -95,7 +95,7 @@ def _engine(case: ModelCase, dtype: str, budget: float, extra: dict[str, object]
 
 
 def _on_device(engine: chunkstar.ChunkEngine, list_name: str) -> int:
-    return sum(c.location is ChunkLocation.DEVICE for c in engine.mgr.chunks_of(ChunkList(list_name)))
+    return sum(c.location is ChunkLocation.DEVICE for c in engine.mgr.chunks.chunks_of(ChunkList(list_name)))
 
 
 @pytest.mark.parametrize("name", list(RESUME_CONFIGS))

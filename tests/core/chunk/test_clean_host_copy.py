@@ -30,7 +30,7 @@ def test_forward_evictions_under_pressure_copy_nothing_back() -> None:
     moved = after["chunk_moves_to_host"] - before["chunk_moves_to_host"]
     copied = after["bytes_to_host"] - before["bytes_to_host"]
     assert clean > 0, "no eviction of an unmodified chunk on the frozen schedule"
-    chunk_bytes = engine.mgr.chunk(ChunkList.PARAM, 0).nbytes
+    chunk_bytes = engine.mgr.chunks.chunk(ChunkList.PARAM, 0).nbytes
     assert copied <= (moved - clean) * chunk_bytes  # clean evictions added no bytes
 
 
@@ -48,7 +48,7 @@ def test_a_parameter_written_in_place_on_the_device_is_copied_back() -> None:
     if mgr.resident(key):
         mgr.move(key, Tier.HOST, MoveReason.EVICTION)
     mgr.move(key, Tier.DEVICE, MoveReason.ACCESS)  # on the frozen schedule: keeps the host copy
-    chunk = mgr.chunk(ChunkList.PARAM, cid)
+    chunk = mgr.chunks.chunk(ChunkList.PARAM, cid)
     chunk.wait_ready()
     assert chunk.clean
     slot = mgr.slots_of(cid)[0]

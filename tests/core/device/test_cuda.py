@@ -138,11 +138,11 @@ def test_cuda_overlapped_and_serial_paths_agree_and_use_exact_pinned_buffers_and
             losses.append(loss.item())
         mgr = engine.mgr
         assert engine.stats()["moves_by_reason"]["offload"] > 0
-        assert mgr.pinned_buffers is not None
-        assert mgr.pinned_buffers.pinned_bytes == sum(c.nbytes for c in mgr.chunks_of(ChunkList.PARAM)
+        assert mgr.chunks.pinned_buffers is not None
+        assert mgr.chunks.pinned_buffers.pinned_bytes == sum(c.nbytes for c in mgr.chunks.chunks_of(ChunkList.PARAM)
                                                       if c.has_host_buffer)  # fmt: skip
         if mgr.chunk_pool is not None and mgr.chunk_pool.active:
-            resident = [c for c in mgr.chunks_of(ChunkList.PARAM) if c.tier is chunkstar.Tier.DEVICE]
+            resident = [c for c in mgr.chunks.chunks_of(ChunkList.PARAM) if c.tier is chunkstar.Tier.DEVICE]
             pool_segments = [
                 (s["address"], s["address"] + s["total_size"])
                 for s in torch.cuda.memory_snapshot()

@@ -85,7 +85,7 @@ def test_an_evaluation_on_larger_inputs_is_planned_with_the_largest_peak() -> No
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         optimizer.step()
         optimizer.zero_grad()
-    cursor = engine.mgr._cur
+    cursor = engine.mgr.cursor
     seen: list[bool] = []
     hook = engine.module.transformer.h[1].register_forward_pre_hook(lambda *_: seen.append(cursor.mode is ScheduleMode.EVALUATING_ALONG))
     with torch.no_grad():

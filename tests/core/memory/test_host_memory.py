@@ -105,7 +105,7 @@ def test_the_heap_is_released_before_each_iterations_peak(budget: str, raises_pe
     assert heap is not None
     at: list[tuple[int, int, str]] = []  # (step, moment, stage) of each release
     step = 0
-    monkeypatch.setattr(heap, "release", lambda: at.append((step, engine.mgr.moment, engine.mgr.stage.value)))
+    monkeypatch.setattr(heap, "release", lambda: at.append((step, engine.mgr.cursor.moment, engine.mgr.cursor.stage.value)))
     asked: list[tuple[int, int]] = []  # (step, margin) of each question
 
     def could_raise_peak(margin: int) -> bool:
@@ -117,12 +117,12 @@ def test_the_heap_is_released_before_each_iterations_peak(budget: str, raises_pe
     warm: list[bool] = []
     loads: list[int] = []  # param chunk loads before each step
     for step in range(STEPS):
-        records = engine.mgr.trace.records
-        peaks.append(release_moment([r.non_model_peak for r in records]) if engine.mgr.trace.passes else None)
+        records = engine.mgr.cursor.trace.records
+        peaks.append(release_moment([r.non_model_peak for r in records]) if engine.mgr.cursor.trace.passes else None)
         warm.append(engine.schedule.phase is TracePhase.WARMUP)
         loads.append(engine.stats()["moves_by_reason"]["access"] + engine.stats()["moves_by_reason"]["prefetch"])
         train_engine(engine, optimizer, case, range(step, step + 1), dtype="bf16")
-    n_forward = sum(r.stage == "fwd" for r in engine.mgr.trace.records)
+    n_forward = sum(r.stage == "fwd" for r in engine.mgr.cursor.trace.records)
     assert warm[0] and not warm[-1]
     for s in range(STEPS):
         got = [(m, st) for t, m, st in at if t == s and st != "optim"]
@@ -141,7 +141,7 @@ def test_the_heap_is_released_before_each_iterations_peak(budget: str, raises_pe
             # frozen iterations with everything resident: at the start of the traced peak moment if
             # the iteration could raise the peak RSS, asked once with the traced non-model peak
             assert [m for m, _ in got] == ([peaks[s]] if raises_peak else []), (s, at)
-            margin = max(r.non_model_peak for r in engine.mgr.trace.records)
+            margin = max(r.non_model_peak for r in engine.mgr.cursor.trace.records)
             assert [mg for t, mg in asked if t == s] == [margin], (s, asked)
     pressured = [s for s in range(1, STEPS) if not warm[s - 1] and loads[s] > loads[s - 1]]
     assert bool(pressured) == (budget != "1GB"), (budget, loads)

@@ -30,16 +30,16 @@ def _reference_candidates(mgr: ChunkManager, protect: set[Any]) -> list[Resident
     """The candidates as the manager built them before the resident index: every chunk of every list."""
     out = []
     for name in CHUNK_LISTS:
-        for c in mgr.chunks_of(name):
+        for c in mgr.chunks.chunks_of(name):
             key = (name, c.chunk_id)
             if c.location is not ChunkLocation.DEVICE or key in protect:
                 continue
-            if name == ChunkList.PARAM and (mgr.pinned(c.chunk_id) or not mgr.own(c.chunk_id)):
+            if name == ChunkList.PARAM and (mgr.pinned(c.chunk_id) or not mgr.chunks.own(c.chunk_id)):
                 continue
             next_use = None
-            if name == ChunkList.PARAM and mgr.mode is ScheduleMode.FOLLOWING:
-                after = -1 if mgr.stage.value in ("optim", "idle") else mgr.moment
-                next_use = mgr.trace.next_use(c.chunk_id, after)
+            if name == ChunkList.PARAM and mgr.cursor.mode is ScheduleMode.FOLLOWING:
+                after = -1 if mgr.cursor.stage.value in ("optim", "idle") else mgr.cursor.moment
+                next_use = mgr.cursor.trace.next_use(c.chunk_id, after)
             out.append(ResidentChunk(key, c.nbytes, next_use, mgr._last_use.get(key, 0)))
     return out
 
@@ -66,7 +66,7 @@ def _reference_choice(candidates: Sequence[ResidentChunk], need: int, policy: st
 
 def _check_caches(mgr: ChunkManager) -> None:
     for name in CHUNK_LISTS:
-        on_device = {c.chunk_id for c in mgr.chunks_of(name) if c.location is ChunkLocation.DEVICE}
+        on_device = {c.chunk_id for c in mgr.chunks.chunks_of(name) if c.location is ChunkLocation.DEVICE}
         assert mgr._on_device[name] == on_device, name
     for cid in range(mgr.layout.n_chunks):
         states = [mgr.states[s.index] for s in mgr.slots_of(cid)]
@@ -99,7 +99,7 @@ def test_evictions_match_the_full_scan(name: str, policy: str, monkeypatch: pyte
         got = choose(candidates, need, pol)
         assert got == _reference_choice(candidates, need, pol)
         seen["evictions"] += 1
-        seen["frozen"] += mgr.trace.frozen
+        seen["frozen"] += mgr.cursor.trace.frozen
         return got
 
     monkeypatch.setattr(mgr, "_eviction_candidates", checked_candidates)

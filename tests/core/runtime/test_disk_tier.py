@@ -81,7 +81,7 @@ def test_training_is_bit_identical_with_the_state_on_disk(
     _same_optimizer(o0, o1)
     s = e1.stats()
     # the state lives on disk: the host holds param chunks only; every step reads and writes it
-    assert e1.mgr.counters.host_chunk_bytes == e1.mgr.bytes_of(ChunkList.PARAM)
+    assert e1.mgr.counters.host_chunk_bytes == e1.mgr.chunks.bytes_of(ChunkList.PARAM)
     assert s["disk_bytes_written"] >= STEPS * s["master_and_adam_bytes"]
     assert s["disk_bytes_read"] >= (STEPS - 1) * s["master_and_adam_bytes"]
     assert s["disk_staging_peak_bytes"] <= s["disk_staging_budget_bytes"]
@@ -272,7 +272,7 @@ def _within(seconds: float, fn: Callable[[], None]) -> None:
 def _trained_engine(d: Path) -> tuple[Any, Any]:
     engine, optimizer = chunkstar.initialize_engine(_layers, 0, _disk_config(d))
     _step(engine, optimizer)
-    engine.mgr.disk.drain()  # every write-behind is on disk
+    engine.mgr.chunks.disk.drain()  # every write-behind is on disk
     return engine, optimizer
 
 
@@ -351,7 +351,7 @@ def test_without_verify_the_checks_are_left_out(tmp_path: Path) -> None:
     d = tmp_path / "disk"
     engine, optimizer = chunkstar.initialize_engine(_layers, 0, _disk_config(d, verify=False))
     _step(engine, optimizer)
-    engine.mgr.disk.drain()
+    engine.mgr.chunks.disk.drain()
     with open(d / "chunkstar-r0-exp_avg_sq.chunks", "r+b") as f:
         f.seek(_slot_offset(d, "exp_avg_sq", 1))
         f.write(b"\0" * (4 * LAYER))

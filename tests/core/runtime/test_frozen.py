@@ -102,9 +102,9 @@ def test_lora_keeps_master_and_adam_state_for_the_adapters_only() -> None:
     for s in layout.slots:
         assert layout.is_frozen(s.chunk_id) == (not engine.parameter(s.index).requires_grad), s.name
     for cid in layout.frozen:
-        assert engine.mgr.lists_of(cid) == (ChunkList.PARAM,)
+        assert engine.mgr.chunks.lists_of(cid) == (ChunkList.PARAM,)
         with pytest.raises(chunkstar.ChunkStateError, match="frozen"):
-            engine.mgr.chunk(ChunkList.MASTER, cid)
+            engine.mgr.chunks.chunk(ChunkList.MASTER, cid)
     # the model-data figure counts param chunks (2 B/elem in bf16) plus that state
     assert stats["model_data_bytes"] == 2 * layout.total_elements + stats["master_and_adam_bytes"]
 
@@ -138,7 +138,7 @@ def test_frozen_values_reach_state_dicts_and_checkpoints(tmp_path: Path) -> None
     assert sd[base].dtype == torch.float32
     # the frozen value is its bf16 param slot (it has no fp32 master)
     s = engine.mgr.slots[engine.index_of(engine.module.get_parameter(base))]
-    torch.testing.assert_close(sd[base].reshape(-1), engine.mgr.value_view(s).float(), rtol=0, atol=0)
+    torch.testing.assert_close(sd[base].reshape(-1), engine.mgr.chunks.value_view(s).float(), rtol=0, atol=0)
 
     engine.save_checkpoint(str(tmp_path / "ck"))
     merged = chunkstar.checkpoint.merge_checkpoint(tmp_path / "ck")

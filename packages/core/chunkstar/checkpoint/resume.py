@@ -26,7 +26,7 @@ from chunkstar.checkpoint.shard import (
 from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.layout import TensorSlot, layout_fingerprint
 from chunkstar.chunk.lists import STATE_LISTS, ChunkList
-from chunkstar.chunk.store import ChunkStore
+from chunkstar.chunk.store import Chunks, ChunkStore
 from chunkstar.errors import ChunkStateError
 
 if TYPE_CHECKING:
@@ -71,9 +71,9 @@ class Checkpointable(Protocol):
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-def _own_frozen(mgr: ChunkStore) -> list[Chunk]:
+def _own_frozen(chunks: Chunks) -> list[Chunk]:
     """This rank's frozen param chunks: a shard stores them in place of master chunks."""
-    return [c for c in mgr.chunks_of(ChunkList.PARAM) if mgr.frozen(c.chunk_id) and mgr.own(c.chunk_id)]
+    return [c for c in chunks.chunks_of(ChunkList.PARAM) if chunks.frozen(c.chunk_id) and chunks.own(c.chunk_id)]
 
 
 def _buffers(engine: Checkpointable) -> dict[str, torch.Tensor]:
@@ -92,15 +92,16 @@ def save_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str]) -
     def shard() -> Callable[[str], None]:
         st = safetensors_module()
         mgr = engine.mgr
+        chunks = mgr.chunks
         tensors: dict[str, torch.Tensor] = {}
         with torch.no_grad(), mgr.paused_probe():
             for name in STATE_LISTS:
-                for c in mgr.chunks_of(name):
-                    if mgr.own(c.chunk_id):  # host or device payload; serialised before anything changes it
+                for c in chunks.chunks_of(name):
+                    if chunks.own(c.chunk_id):  # host or device payload; serialised before anything changes it
                         # a chunk on disk is staged in and copied (its buffer goes back to the staging pool)
-                        with mgr.staged([(name, c.chunk_id)], write=False):
-                            tensors[f"{name}.{c.chunk_id}"] = c.payload.detach().to("cpu", copy=mgr.on_disk(name))
-            for c in _own_frozen(mgr):  # the values of a frozen chunk are its param chunk (Note [frozen chunks])
+                        with chunks.staged([(name, c.chunk_id)], write=False):
+                            tensors[f"{name}.{c.chunk_id}"] = c.payload.detach().to("cpu", copy=chunks.on_disk(name))
+            for c in _own_frozen(chunks):  # the values of a frozen chunk are its param chunk (Note [frozen chunks])
                 tensors[f"{ChunkList.PARAM.value}.{c.chunk_id}"] = c.payload.detach().to("cpu")
             for key, t in _buffers(engine).items():  # every rank keeps its buffers: a rank resumes from its own shard
                 tensors[f"buffer.{key}"] = t.detach().to("cpu").contiguous().clone()
@@ -225,6 +226,7 @@ def _check_own_shard(engine: Checkpointable, directory: Path, path: Path) -> _Ch
     """Validate this rank's shard against the engine without changing anything: its
     metadata, the optimizer's scalar state and the loss scaler's, all checked."""
     comm, mgr = engine.comm, engine.mgr
+    chunks = mgr.chunks
     if not path.exists():
         others = sorted(f.name for f in directory.iterdir() if SHARD_NAME.fullmatch(f.name))
         worlds = sorted({int(m.group(2)) for n in others if (m := SHARD_NAME.fullmatch(n))})
@@ -250,8 +252,8 @@ def _check_own_shard(engine: Checkpointable, directory: Path, path: Path) -> _Ch
                 "chunk size and world size. " + MERGE_HINT.replace("DIR", str(directory))
             )
         keys = set(h.keys())
-        expected = [(f"{name}.{c.chunk_id}", c) for name in STATE_LISTS for c in mgr.chunks_of(name) if mgr.own(c.chunk_id)]
-        expected += [(f"{ChunkList.PARAM.value}.{c.chunk_id}", c) for c in _own_frozen(mgr)]
+        expected = [(f"{name}.{c.chunk_id}", c) for name in STATE_LISTS for c in chunks.chunks_of(name) if chunks.own(c.chunk_id)]
+        expected += [(f"{ChunkList.PARAM.value}.{c.chunk_id}", c) for c in _own_frozen(chunks)]
         for key, c in expected:
             if key not in keys:
                 raise CheckpointError(f"{path}: tensor '{key}' is missing")
@@ -314,6 +316,7 @@ def load_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str], *
     (say ``pending_grads``: the engine holds gradients no step consumed) no rank
     has loaded anything, and every rank raises."""
     mgr, comm = engine.mgr, engine.comm
+    chunks = mgr.chunks
     d = Path(directory)
     checked: _Checked | None = None
     try:
@@ -331,17 +334,17 @@ def load_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str], *
 
     with torch.no_grad(), mgr.paused_probe(), open_shard(path) as h:
         for name in STATE_LISTS:
-            for c in mgr.chunks_of(name):
-                if mgr.own(c.chunk_id):
-                    with mgr.staged([(name, c.chunk_id)], write=True):  # host, device, or disk through a buffer
+            for c in chunks.chunks_of(name):
+                if chunks.own(c.chunk_id):
+                    with chunks.staged([(name, c.chunk_id)], write=True):  # host, device, or disk through a buffer
                         c.payload.copy_(h.get_tensor(f"{name}.{c.chunk_id}"))
-        for c in _own_frozen(mgr):
+        for c in _own_frozen(chunks):
             c.payload.copy_(h.get_tensor(f"{ChunkList.PARAM.value}.{c.chunk_id}"))
         keys = set(h.keys())
         for key, t in _buffers(engine).items():
             if f"buffer.{key}" in keys:
                 t.data.copy_(h.get_tensor(f"buffer.{key}"))
-    own = {c.chunk_id: mgr.slots_of(c.chunk_id) for c in mgr.chunks_of(ChunkList.MASTER) if mgr.own(c.chunk_id)}
+    own = {c.chunk_id: mgr.slots_of(c.chunk_id) for c in chunks.chunks_of(ChunkList.MASTER) if chunks.own(c.chunk_id)}
     engine.restore_params_from_master({cid: s for cid, s in own.items() if s})
     engine.scaler.load_state_dict(scaler)
     opt = engine.optimizer

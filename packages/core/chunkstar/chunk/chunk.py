@@ -118,7 +118,7 @@ class Chunk:
             assert self._host_buf is not None
             return self._host_buf
         if self.location is ChunkLocation.DISK:
-            raise RuntimeError(f"{self!r} is on disk: stage it in first (ChunkManager.staged)")
+            raise RuntimeError(f"{self!r} is on disk: stage it in first (Chunks.staged in chunk/store.py)")
         raise RuntimeError(f"{self!r} has no payload")
 
     @property

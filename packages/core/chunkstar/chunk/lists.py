@@ -1,7 +1,7 @@
 """The four aligned chunk lists (docs/design.md, 'Chunks'): chunk *i* of each holds the same tensors at the same offsets.
 
-Only the name of each list lives here; the chunks themselves belong to the chunk
-store (:class:`chunkstar.runtime.chunk_manager.ChunkManager`). The values are
+Only the name of each list lives here; the chunks themselves are the chunk
+store's (:class:`chunkstar.chunk.store.Chunks`). The values are
 what events, profiles and checkpoints store, so they never change.
 """
 

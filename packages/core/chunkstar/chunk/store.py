@@ -1,66 +1,177 @@
-"""What the optimizer and the checkpoint code may ask of the chunk store: a Protocol.
+"""The chunk store's chunks, and what the optimizer and the checkpoint code may ask of the store.
 
-The store (:class:`chunkstar.runtime.chunk_manager.ChunkManager`) owns the
-chunks of the four lists, every tensor's state and the byte counters; its
-users outside the runtime see only this narrow door: typed lookups of a chunk
-or a slot's elements, the tensor index, tensor states through the checked
-transition, and the few moves they ask for. Nothing here exposes the store's
-dicts, so none of its users can index them.
+:class:`Chunks` holds the chunks of the four lists, built once for the run, and
+is the only way to reach them: typed lookups of a chunk or a slot's elements,
+which chunks this rank owns, their bytes, and the disk tier their state lists
+may live in (Note [disk tier]), through which it stages chunks in for a block.
+Nothing here exposes its dicts, so none of its users can index them. It moves
+no chunk to or from the device: residency, budgets and moves are the chunk
+store's (:class:`chunkstar.runtime.chunk_manager.ChunkManager`), which owns one.
+
+:class:`ChunkStore` is the narrow door of the store for its users outside the
+runtime: the chunks, the tensor index, tensor states through the checked
+transition, the cursor to read, and the few moves they ask for.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Iterable, Protocol, Sequence
+import contextlib
+from typing import TYPE_CHECKING, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
 from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.layout import ChunkLayout, TensorSlot
-from chunkstar.chunk.lists import ChunkList
-from chunkstar.chunk.state import TensorState
+from chunkstar.chunk.lists import CHUNK_LISTS, STATE_LISTS, ChunkList
+from chunkstar.chunk.state import ChunkLocation, TensorState
+from chunkstar.device.memory import DeviceMemory
+from chunkstar.device.pinned import PinnedBuffers
+from chunkstar.errors import ChunkStateError
 
 if TYPE_CHECKING:
     from chunkstar.events import MoveReason
-    from chunkstar.memory.tracer import MemoryTrace
+    from chunkstar.runtime.cursor import Cursor
+    from chunkstar.runtime.disk_tier import DiskTier
 
-__all__ = ["ChunkStore", "DiskStaging"]
+__all__ = ["Chunks", "ChunkStore"]
+
+_PARAM = ChunkList.PARAM
 
 
-class DiskStaging(Protocol):
-    """What the optimizer asks of the disk tier (:class:`chunkstar.runtime.disk_tier.DiskTier`):
-    which lists live on disk, and to stage one chunk in ahead of its update or out behind it."""
+class Chunks:
+    """The chunks of the four lists, by list then chunk id: lookups, ownership, bytes, and
+    staging from the disk tier (the module's docstring)."""
 
-    def on_disk(self, name: ChunkList) -> bool: ...
-    def stage_in(self, chunk: Chunk) -> None: ...
-    def stage_out(self, chunk: Chunk, *, write: bool) -> None: ...
+    def __init__(
+        self, layout: ChunkLayout, compute_dtype: torch.dtype, device: torch.device, memory: DeviceMemory, rank: int
+    ) -> None:
+        """``memory``: where every device payload grows and shrinks (device/memory.py);
+        ``rank``: this process's, whose chunks are the ones with payloads here."""
+        self.layout = layout
+        self.compute_dtype = compute_dtype
+        """The param chunks' dtype (the state lists are fp32)."""
+        self._rank = rank
+        # param chunks travel every step on a CUDA device: their host buffers are pinned, exactly
+        # sized (device/pinned.py); state chunks travel once at most and stay in plain memory
+        self.pinned_buffers = PinnedBuffers(device) if device.type == "cuda" else None
+        # by list then chunk id; a frozen chunk has its param chunk only (Note [frozen chunks] in
+        # chunk/layout.py)
+        self._chunks: dict[ChunkList, dict[int, Chunk]] = {
+            name: {
+                i: Chunk(i, name.value, n, compute_dtype if name is _PARAM else torch.float32, device,
+                         self.pinned_buffers if name is _PARAM else None, memory)  # fmt: skip
+                for i, n in enumerate(layout.chunk_sizes)
+                if name is _PARAM or i not in layout.frozen
+            }
+            for name in CHUNK_LISTS
+        }
+        self._param_chunks = list(self._chunks[_PARAM].values())  # by chunk id: the list hot paths read
+        self.disk: DiskTier | None = None
+        """The disk tier, when the config has one (:meth:`attach_disk`)."""
+
+    # ------------------------------------------------------------------ lookups
+    def chunk(self, which: ChunkList, chunk_id: int) -> Chunk:
+        """Chunk ``chunk_id`` of list ``which`` (its payload, buffers and pending copies)."""
+        try:
+            return self._chunks[which][chunk_id]
+        except KeyError:
+            if chunk_id in self.layout.frozen:
+                raise ChunkStateError(
+                    f"chunk {chunk_id} holds frozen parameters (requires_grad=False): it has a param chunk only, "
+                    f"no {which.value} chunk"
+                ) from None
+            raise
+
+    def chunks_of(self, which: ChunkList) -> Sequence[Chunk]:
+        """Every chunk of list ``which``, by chunk id (read-only); a state list has none for frozen chunks."""
+        return tuple(self._chunks[which].values())
+
+    def lists_of(self, chunk_id: int) -> tuple[ChunkList, ...]:
+        """The lists chunk ``chunk_id`` has: all four, or the param list of a frozen chunk."""
+        return (_PARAM,) if chunk_id in self.layout.frozen else CHUNK_LISTS
+
+    def frozen(self, chunk_id: int) -> bool:
+        """Chunk ``chunk_id`` holds frozen parameters: no master, no Adam state, no gradients."""
+        return chunk_id in self.layout.frozen
+
+    def own(self, chunk_id: int) -> bool:
+        """Whether this rank owns the chunk (always, in a single process)."""
+        return self.layout.owner(chunk_id) == self._rank
+
+    def value_view(self, slot: TensorSlot) -> torch.Tensor:
+        """1-D view of ``slot``'s authoritative value: its fp32 master, or for a frozen
+        parameter its param slot (in the compute dtype; it has no master)."""
+        which = _PARAM if slot.chunk_id in self.layout.frozen else ChunkList.MASTER
+        return self._chunks[which][slot.chunk_id].payload[slot.offset : slot.end]
+
+    def slot_view(self, which: ChunkList, slot: TensorSlot) -> torch.Tensor:
+        """1-D view of ``slot``'s elements in its chunk of list ``which`` (where the payload is now)."""
+        return self._chunks[which][slot.chunk_id].payload[slot.offset : slot.end]
+
+    def param_slot_view(self, slot: TensorSlot) -> torch.Tensor:
+        """``slot_view(ChunkList.PARAM, slot)`` for the per-gradient path (one lookup fewer)."""
+        return self._param_chunks[slot.chunk_id].payload[slot.offset : slot.end]
+
+    # ------------------------------------------------------------------ bytes
+    def bytes_of(self, list_name: ChunkList, chunk_ids: Iterable[int] | None = None) -> int:
+        """Bytes of the chunks ``chunk_ids`` (default: all) of list ``list_name`` that exist."""
+        chunks = self._chunks[list_name]
+        ids = range(self.layout.n_chunks) if chunk_ids is None else chunk_ids
+        return sum(chunks[i].nbytes for i in ids if i in chunks)
+
+    def state_bytes(self) -> int:
+        """fp32 master + Adam moments this rank keeps (1/world_size of them)."""
+        return sum(c.nbytes for name in STATE_LISTS for c in self._chunks[name].values() if self.own(c.chunk_id))
+
+    def model_data_bytes(self) -> int:
+        """Param chunks (all: each is gathered when used) plus this rank's state chunks."""
+        return self.bytes_of(_PARAM) + self.state_bytes()
+
+    # ------------------------------------------------------------------ the disk tier
+    def disk_chunks(self, names: Sequence[ChunkList]) -> dict[ChunkList, dict[int, Chunk]]:
+        """This rank's chunks of lists ``names`` by chunk id (what a disk tier stores)."""
+        return {n: {cid: c for cid, c in self._chunks[n].items() if self.own(cid)} for n in names}
+
+    def attach_disk(self, tier: DiskTier) -> None:
+        """From now on the chunks of ``tier.lists`` live on disk (before any chunk is allocated)."""
+        self.disk = tier
+
+    def on_disk(self, name: ChunkList) -> bool:
+        """Whether list ``name``'s chunks live on disk (Note [disk tier])."""
+        return self.disk is not None and self.disk.on_disk(name)
+
+    @contextlib.contextmanager
+    def staged(self, keys: Iterable[tuple[ChunkList, int]], *, write: bool) -> Iterator[None]:
+        """Inside the block, the chunks ``keys`` that live on disk are staged into host buffers
+        (their payloads readable and writable as usual), and go back to disk at its end,
+        written back with ``write`` (:meth:`DiskTier.staged`); nothing happens for chunks in
+        memory."""
+        tier = self.disk
+        if tier is None:
+            yield
+            return
+        keys = list(dict.fromkeys(keys))
+        chunks = [self._chunks[n][i] for n, i in keys if self._chunks[n][i].location is ChunkLocation.DISK]
+        with tier.staged(chunks, write=write):
+            yield
 
 
 class ChunkStore(Protocol):
+    """What the optimizer and the checkpoint code may ask of the chunk store."""
+
     layout: ChunkLayout
+    chunks: Chunks
+    """The chunks, read through :class:`Chunks` only."""
     slots: tuple[TensorSlot, ...]
     """Every tensor's slot, by slot index (registration order)."""
     states: list[TensorState]
     """Every tensor's state, by slot index: read it here, change it with :meth:`set_state`."""
-    compute_dtype: torch.dtype
-    """The param chunks' dtype."""
 
     @property
-    def moment(self) -> int: ...
-    @property
-    def trace(self) -> MemoryTrace: ...
-    @property
-    def disk(self) -> DiskStaging | None:
-        """The disk tier, when the config has one (Note [disk tier])."""
+    def cursor(self) -> Cursor:
+        """Where the iteration is (read-only: the schedule writes it)."""
 
-    def chunk(self, which: ChunkList, chunk_id: int) -> Chunk: ...
-    def chunks_of(self, which: ChunkList) -> Sequence[Chunk]: ...
-    def slot_view(self, which: ChunkList, slot: TensorSlot) -> torch.Tensor: ...
-    def value_view(self, slot: TensorSlot) -> torch.Tensor: ...
-    def lists_of(self, chunk_id: int) -> tuple[ChunkList, ...]: ...
-    def frozen(self, chunk_id: int) -> bool: ...
     def slots_of(self, chunk_id: int) -> list[TensorSlot]: ...
-    def own(self, chunk_id: int) -> bool: ...
     def set_state(self, index: int, new: TensorState) -> None: ...
     def resident(self, key: tuple[ChunkList, int]) -> bool: ...
     def make_resident(
@@ -68,6 +179,4 @@ class ChunkStore(Protocol):
     ) -> None: ...
     def to_host(self, key: tuple[ChunkList, int], reason: MoveReason) -> None: ...
     def offload(self, chunk_id: int) -> None: ...
-    def paused_probe(self) -> AbstractContextManager[None]: ...
-    def on_disk(self, name: ChunkList) -> bool: ...
-    def staged(self, keys: Iterable[tuple[ChunkList, int]], *, write: bool) -> AbstractContextManager[None]: ...
+    def paused_probe(self) -> contextlib.AbstractContextManager[None]: ...

@@ -67,7 +67,7 @@ from torch import nn
 
 from chunkstar.chunk.layout import ChunkLayout, TensorSlot
 from chunkstar.chunk.lists import ChunkList
-from chunkstar.chunk.store import ChunkStore
+from chunkstar.chunk.store import Chunks, ChunkStore
 from chunkstar.construction.init import draw_base_seed, init_weights, meta_buffer_names, modules_for, rebuild_buffers
 from chunkstar.construction.pretrained import PretrainedError, PretrainedSource, match_names
 
@@ -299,7 +299,7 @@ def fill_chunks(
 
     needs_init = report.meta_params > 0 and len(key_of) < len(params)
     job = _Fill(model, params, layout, store, allocate, key_of, source, needs_init)
-    if store.on_disk(ChunkList.MASTER):
+    if store.chunks.on_disk(ChunkList.MASTER):
         _fill_in_waves(job, wave_bytes)
     else:
         _fill_at_once(job)
@@ -334,29 +334,30 @@ class _Fill:
     needs_init: bool
 
 
-def _cast_params(store: ChunkStore, chunk_ids: Iterable[int]) -> None:
+def _cast_params(chunks: Chunks, chunk_ids: Iterable[int]) -> None:
     """Each trainable param chunk from its master (a frozen chunk's param slots are its values already)."""
     for cid in chunk_ids:
-        if store.own(cid) and not store.frozen(cid):
-            store.chunk(ChunkList.PARAM, cid).payload.copy_(store.chunk(ChunkList.MASTER, cid).payload)
+        if chunks.own(cid) and not chunks.frozen(cid):
+            chunks.chunk(ChunkList.PARAM, cid).payload.copy_(chunks.chunk(ChunkList.MASTER, cid).payload)
 
 
 def _fill_at_once(job: _Fill) -> None:
     """Every value in memory: one pass (Note [construction])."""
     model, params, layout, store, allocate = job.model, job.params, job.layout, job.store, job.allocate
     key_of, source, needs_init = job.key_of, job.source, job.needs_init
+    chunks = store.chunks
     slots = layout.slots
     # chunk by chunk: allocate the chunks this rank owns, then point each parameter at its
     # value's place; a real parameter's own storage is freed as it goes, so host memory
     # holds the model's tensors or their chunks, not both
-    scratch = _scratch([s for s in slots if not store.own(s.chunk_id)])
+    scratch = _scratch([s for s in slots if not chunks.own(s.chunk_id)])
     real: list[int] = []  # slot indices of parameters that came with values
     for cid in range(layout.n_chunks):
         allocate(cid)
         for s in store.slots_of(cid):
             p = params[s.index]
-            own = store.own(cid)
-            place = store.value_view(s).view(s.shape) if own else scratch[: s.numel].view(s.shape)
+            own = chunks.own(cid)
+            place = chunks.value_view(s).view(s.shape) if own else scratch[: s.numel].view(s.shape)
             if not p.is_meta:
                 if own:
                     with torch.no_grad():
@@ -366,19 +367,19 @@ def _fill_at_once(job: _Fill) -> None:
     with torch.no_grad():
         if needs_init:
             # init_weights re-initialises the parameters that came with values too: keep those
-            saved = [(i, store.value_view(slots[i]).clone()) for i in real if store.own(slots[i].chunk_id)]
+            saved = [(i, chunks.value_view(slots[i]).clone()) for i in real if chunks.own(slots[i].chunk_id)]
             # each rank runs the initialisers of the modules holding its own parameters (and their
             # ancestors): the values do not depend on which modules run (Note [meta initialisation])
-            own_params = {id(params[s.index]) for s in slots if store.own(s.chunk_id)}
+            own_params = {id(params[s.index]) for s in slots if chunks.own(s.chunk_id)}
             everything = len(own_params) == len(params)
             init_weights(model, only=None if everything else modules_for(model, own_params))
             for i, t in saved:
-                store.value_view(slots[i]).copy_(t)
+                chunks.value_view(slots[i]).copy_(t)
         if source is not None:
             for i, key in key_of.items():
-                if store.own(slots[i].chunk_id):
-                    source.read_into(key, store.value_view(slots[i]))
-        _cast_params(store, range(layout.n_chunks))
+                if chunks.own(slots[i].chunk_id):
+                    source.read_into(key, chunks.value_view(slots[i]))
+        _cast_params(chunks, range(layout.n_chunks))
 
 
 def _scratch(slots: list[TensorSlot]) -> torch.Tensor:
@@ -399,6 +400,7 @@ def _fill_in_waves(job: _Fill, wave_bytes: int) -> None:
     (the ancestors' own calls repeat, and they are small)."""
     model, params, layout, store, allocate = job.model, job.params, job.layout, job.store, job.allocate
     key_of, source, needs_init = job.key_of, job.source, job.needs_init
+    chunks = store.chunks
     slots = layout.slots
     if needs_init and any(not p.is_meta for p in params):
         raise ValueError(
@@ -411,15 +413,15 @@ def _fill_in_waves(job: _Fill, wave_bytes: int) -> None:
     waves: list[list[int]] = [[]]
     size = 0
     for cid in range(layout.n_chunks):
-        if not store.own(cid) or store.frozen(cid):
+        if not chunks.own(cid) or chunks.frozen(cid):
             continue
-        nbytes = store.chunk(ChunkList.MASTER, cid).nbytes
+        nbytes = chunks.chunk(ChunkList.MASTER, cid).nbytes
         if waves[-1] and size + nbytes > wave_bytes:
             waves.append([])
             size = 0
         waves[-1].append(cid)
         size += nbytes
-    frozen_own = [cid for cid in range(layout.n_chunks) if store.own(cid) and store.frozen(cid)]
+    frozen_own = [cid for cid in range(layout.n_chunks) if chunks.own(cid) and chunks.frozen(cid)]
     waves[0] = frozen_own + waves[0]  # frozen chunks are in memory (param list only): the first wave
     base_seed = draw_base_seed() if needs_init else 0  # one draw from the user's RNG, as one pass makes
     slot_of = {id(p): s for s, p in zip(slots, params)}
@@ -441,12 +443,12 @@ def _fill_in_waves(job: _Fill, wave_bytes: int) -> None:
                             seen.add(id(q))
                             touched.append(slot_of[id(q)])
         scratch = _scratch([s for s in touched if s.chunk_id not in members])  # written, never read
-        with store.staged([(ChunkList.MASTER, c) for c in wave if not store.frozen(c)], write=True), torch.no_grad():
+        with chunks.staged([(ChunkList.MASTER, c) for c in wave if not chunks.frozen(c)], write=True), torch.no_grad():
             placed = [*(s for s in slots if s.chunk_id in members), *(s for s in touched if s.chunk_id not in members)]
             for s in placed:
                 p = params[s.index]
                 here = s.chunk_id in members
-                place = store.value_view(s).view(s.shape) if here else scratch[: s.numel].view(s.shape)
+                place = chunks.value_view(s).view(s.shape) if here else scratch[: s.numel].view(s.shape)
                 if here and not p.is_meta:
                     place.copy_(p.detach())  # its own values (a real model): its storage is freed next
                 params[s.index] = _rehome(model, p, place)
@@ -455,8 +457,8 @@ def _fill_in_waves(job: _Fill, wave_bytes: int) -> None:
             if source is not None:
                 for i, key in key_of.items():
                     if slots[i].chunk_id in members:
-                        source.read_into(key, store.value_view(slots[i]))
-            _cast_params(store, wave)
+                        source.read_into(key, chunks.value_view(slots[i]))
+            _cast_params(chunks, wave)
             # nothing may keep viewing this wave's staging buffers once they go back to the pool:
             # a view would keep a buffer alive after the pool dropped it (host memory past the budget)
             for s in placed:

@@ -27,9 +27,9 @@ from typing import Iterable, Protocol, Sequence
 import torch
 
 from chunkstar.chunk.chunk import Chunk
-from chunkstar.chunk.layout import ChunkLayout
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.state import ChunkLocation
+from chunkstar.chunk.store import Chunks
 from chunkstar.distributed.comm import Comm
 from chunkstar.events import MoveReason, Tier
 from chunkstar.memory.probes import MemoryProbe
@@ -41,10 +41,9 @@ _PARAM = ChunkList.PARAM
 
 
 class GatherStore(Protocol):
-    """What the gathers need of the chunk store."""
+    """What the gathers tell and ask the chunk store: a remote copy came or went, and a
+    gather ahead's chunks made resident."""
 
-    def chunk(self, which: ChunkList, chunk_id: int) -> Chunk: ...
-    def own(self, chunk_id: int) -> bool: ...
     def index_resident(self, key: tuple[ChunkList, int], on_device: bool) -> None: ...
     def make_resident(
         self, keys: Sequence[tuple[ChunkList, int]], reason: MoveReason, where: str, *, gather_groups: bool = False,
@@ -54,10 +53,11 @@ class GatherStore(Protocol):
 
 class GroupGathers:
     def __init__(
-        self, store: GatherStore, layout: ChunkLayout, comm: Comm, probe: MemoryProbe, counters: ChunkCounters
+        self, store: GatherStore, chunks: Chunks, comm: Comm, probe: MemoryProbe, counters: ChunkCounters
     ) -> None:
         self._store = store
-        self._layout = layout
+        self._chunks = chunks  # read only: the payloads to gather into and to release
+        self._layout = chunks.layout
         self._comm = comm
         self._probe = probe
         self._counters = counters
@@ -77,22 +77,23 @@ class GroupGathers:
     def scratch_bytes(self, start: int, device: torch.device) -> int:
         """Device bytes the gather of group ``start`` allocates beside its chunks (NCCL gathers into
         a flat temporary of the whole group first: distributed/comm.py)."""
-        c = self._store.chunk(_PARAM, start)
+        c = self._chunks.chunk(_PARAM, start)
         return self._comm.gather_scratch_bytes(c.numel, c.dtype, device)
 
     def gather(self, start: int, ahead: bool = False) -> None:
         """All-gather the param chunks of the group starting at ``start`` (this rank's own chunk
         resident); ``ahead``: return once it has started (Note [gather ahead])."""
         store = self._store
+        chunks = self._chunks
         group = list(self._layout.group(start))
-        own = store.chunk(_PARAM, group[self._comm.rank])
+        own = chunks.chunk(_PARAM, group[self._comm.rank])
         own.wait_ready()  # its load may still be in flight: the collective reads it
         outputs: list[torch.Tensor | None] = []
         remote: list[Chunk] = []
         t0 = time.perf_counter_ns()
         with self._probe.paused(), torch.profiler.record_function("chunkstar::all_gather"):
             for k in group:
-                c = store.chunk(_PARAM, k)
+                c = chunks.chunk(_PARAM, k)
                 if k == own.chunk_id:
                     outputs.append(None)  # it holds this rank's part already (the collective leaves it alone)
                 else:
@@ -103,7 +104,7 @@ class GroupGathers:
             if ahead:
                 pending = self._comm.all_gather_group_async(outputs, own.device_view, what=what)
                 for k in group:  # the remote copies are written, the own chunk read, until it lands
-                    store.chunk(_PARAM, k).set_pending(pending)
+                    chunks.chunk(_PARAM, k).set_pending(pending)
             else:
                 self._comm.all_gather_group(outputs, own.device_view, what=what)
         self.gathers += 1
@@ -132,9 +133,10 @@ class GroupGathers:
             return
         self.gathered.discard(start)
         store = self._store
+        chunks = self._chunks
         for k in self._layout.group(start):
-            c = store.chunk(_PARAM, k)
-            if store.own(k) or c.location is not ChunkLocation.DEVICE:
+            c = chunks.chunk(_PARAM, k)
+            if chunks.own(k) or c.location is not ChunkLocation.DEVICE:
                 continue
             with self._probe.paused():
                 c.release()

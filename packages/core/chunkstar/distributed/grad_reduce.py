@@ -75,9 +75,10 @@ class GroupReducer:
         groups hold, unless the next moment (per the frozen trace) needs the group."""
         mgr = self.mgr
         layout = mgr.layout
-        trace = mgr.trace
+        cur = mgr.cursor
+        trace = cur.trace
         used = {layout.group(mgr.slots[i].chunk_id).start for i in indices}
-        needed = [layout.group(c).start for c in trace.chunks_at(mgr.moment + 1)] if trace.frozen else []
+        needed = [layout.group(c).start for c in trace.chunks_at(cur.moment + 1)] if trace.frozen else []
         for g in groups_to_release(used, needed, lambda g: any(mgr.pinned(k) for k in layout.group(g))):
             mgr.gathers.release(g)
 
@@ -147,7 +148,7 @@ class GroupReducer:
         if self.device.type == "cuda" and not mgr.resident((ChunkList.PARAM, own_id)):
             mgr.make_resident([(ChunkList.PARAM, own_id)], MoveReason.ACCESS, where=f"the gradient reduction of chunk {own_id}")
         with torch.no_grad(), mgr.probe.paused():
-            payloads = [mgr.chunk(ChunkList.PARAM, k).payload for k in group]
+            payloads = [mgr.chunks.chunk(ChunkList.PARAM, k).payload for k in group]
             # Note [reduction in flight]: the collective works on a copy of the group (one flat
             # buffer in the config's reduce_dtype, fp32 by default, that the copy converts to), so
             # the chunks are free at once; the own chunk takes the sum when it lands
@@ -178,7 +179,7 @@ class GroupReducer:
                     still.append((own_id, pending))
                     continue
                 summed = pending.wait()  # this rank's own chunk of the sum, ours to change
-                own = mgr.chunk(ChunkList.PARAM, own_id).payload
+                own = mgr.chunks.chunk(ChunkList.PARAM, own_id).payload
                 for a, b in _gradient_runs(mgr, own_id):
                     run = summed[a:b].mul_(inv)  # in place: no temporary (same arithmetic as `* inv`)
                     own[a:b].copy_(run)

@@ -181,7 +181,7 @@ class ChunkAdam(torch.optim.Optimizer):
         self._partials: dict[int, tuple[CopyEvent | None, list[torch.Tensor] | None]] = {}
         self._order: tuple[int, list[int]] | None = None  # (id of the trace, chunk ids in next-forward order)
         self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
-        self._disk = engine.mgr.disk  # the disk tier, if the state lives on disk (Note [disk tier])
+        self._disk = engine.mgr.chunks.disk  # the disk tier, if the state lives on disk (Note [disk tier])
 
     # ------------------------------------------------------------------ public
     @property
@@ -252,8 +252,9 @@ class ChunkAdam(torch.optim.Optimizer):
             mgr.offload(chunk_id)
             return
         spans = [(a, b) for _, a, b in _runs(slots, lambda s: 0)]
-        chunk = mgr.chunk(ChunkList.PARAM, chunk_id)
-        last = mgr.moment >= mgr.trace.n_moments - 1  # no backward left to hide the copy behind
+        chunk = mgr.chunks.chunk(ChunkList.PARAM, chunk_id)
+        cur = mgr.cursor
+        last = cur.moment >= cur.trace.n_moments - 1  # no backward left to hide the copy behind
         if eng.device.type == "cuda" or last:
             # where the gradient lies, before the chunk leaves: on CUDA on the compute stream;
             # on the CPU virtual device for the chunks the last moment completes, so the step
@@ -279,7 +280,7 @@ class ChunkAdam(torch.optim.Optimizer):
         """Chunk ids in the order the next forward first needs them (the frozen trace's
         order; chunks it never uses, or no trace yet, in id order after them)."""
         mgr = self._store
-        trace = mgr.trace
+        trace = mgr.cursor.trace
         if self._order is None or self._order[0] != id(trace):
             seen: dict[int, None] = {}
             if trace.frozen:
@@ -341,7 +342,7 @@ class ChunkAdam(torch.optim.Optimizer):
                 factor = float(coef)
         else:
             self._partials.clear()
-        on_device = {cid: slots for cid, slots in grad_slots.items() if mgr.chunk(ChunkList.PARAM, cid).tier is not Tier.HOST}
+        on_device = {cid: slots for cid, slots in grad_slots.items() if mgr.chunks.chunk(ChunkList.PARAM, cid).tier is not Tier.HOST}
         steps = self._step_tensors(grad_slots)
         self._update(on_device, factor, steps)
         # (a host buffer a copy to the device may still read is waited for by its own update:
@@ -371,7 +372,7 @@ class ChunkAdam(torch.optim.Optimizer):
                 continue
             # not handed over, or handed over by a backward that needed no norm (measure_grad_norm
             # turned on since): measured here, where the chunk now lies
-            g = mgr.chunk(ChunkList.PARAM, cid).payload
+            g = mgr.chunks.chunk(ChunkList.PARAM, cid).payload
             ranges = batched.setdefault(g.device, [])
             spans = [g[a:b] for _, a, b in _runs(slots, lambda s: 0)]
             pieces.append((cid, g.device, len(ranges), len(spans)))
@@ -490,7 +491,7 @@ class ChunkAdam(torch.optim.Optimizer):
         batch would be freed and faulted in again every step (more so after the heap's
         pages are handed back, Note [host heap]); CUDA's caching allocator keeps its own."""
         need = min(elements, _HOST_BATCH_ELEMENTS)
-        if self._store.compute_dtype == torch.float32 or need <= 0:
+        if self._store.chunks.compute_dtype == torch.float32 or need <= 0:
             return None
         buf = self._scratch_bufs.get(where)
         if buf is None or buf.numel() < need:
@@ -523,7 +524,7 @@ class ChunkAdam(torch.optim.Optimizer):
         on_cpu = self._engine.device.type == "cpu"
         scratch = self._scratch("device", sum(s.numel for ss in grad_slots.values() for s in ss)) if on_cpu else None
         for cid, slots in grad_slots.items():
-            tensors = tuple(mgr.chunk(name, cid).payload for name in CHUNK_LISTS)
+            tensors = tuple(mgr.chunks.chunk(name, cid).payload for name in CHUNK_LISTS)
             pending = self._buckets(buckets, tensors, slots, self._steps.__getitem__, flush, pending, scratch)  # type: ignore[arg-type]
         flush()
 
@@ -534,7 +535,7 @@ class ChunkAdam(torch.optim.Optimizer):
         pipeline]); the four chunks' readers and the param chunk's next copy wait for it."""
         eng = self._engine
         mgr = self._store
-        chunks: list[Chunk] = [mgr.chunk(name, cid) for name in CHUNK_LISTS]
+        chunks: list[Chunk] = [mgr.chunks.chunk(name, cid) for name in CHUNK_LISTS]
         disk = self._disk
         reads: list[CopyEvent] = []
         for c in chunks[1:]:
@@ -575,12 +576,12 @@ class ChunkAdam(torch.optim.Optimizer):
         state: dict[int, dict[str, torch.Tensor]] = {}
         for cid in range(mgr.layout.n_chunks):
             slots = [s for s in mgr.slots_of(cid) if self._steps[s.index] > 0]
-            if not slots or not mgr.own(cid):
+            if not slots or not mgr.chunks.own(cid):
                 continue  # with several processes each rank saves the state of its own chunks
-            with mgr.staged([(ChunkList.EXP_AVG, cid), (ChunkList.EXP_AVG_SQ, cid)], write=False):
+            with mgr.chunks.staged([(ChunkList.EXP_AVG, cid), (ChunkList.EXP_AVG_SQ, cid)], write=False):
                 for s in slots:
-                    m = mgr.slot_view(ChunkList.EXP_AVG, s)
-                    v = mgr.slot_view(ChunkList.EXP_AVG_SQ, s)
+                    m = mgr.chunks.slot_view(ChunkList.EXP_AVG, s)
+                    v = mgr.chunks.slot_view(ChunkList.EXP_AVG_SQ, s)
                     state[s.index] = {
                         "step": torch.tensor(float(self._steps[s.index])),
                         "exp_avg": m.detach().to("cpu", copy=True).view(s.shape),
@@ -626,13 +627,13 @@ class ChunkAdam(torch.optim.Optimizer):
         with torch.no_grad():
             self._steps = [0] * len(mgr.slots)
             for cid in range(mgr.layout.n_chunks):
-                if not mgr.own(cid) or mgr.frozen(cid):
+                if not mgr.chunks.own(cid) or mgr.chunks.frozen(cid):
                     continue  # another rank's, or frozen (no Adam state: Note [frozen chunks])
-                with mgr.staged([(ChunkList.EXP_AVG, cid), (ChunkList.EXP_AVG_SQ, cid)], write=True):
+                with mgr.chunks.staged([(ChunkList.EXP_AVG, cid), (ChunkList.EXP_AVG_SQ, cid)], write=True):
                     for s in mgr.slots_of(cid):
                         st = state_dict["state"].get(s.index)
-                        m = mgr.slot_view(ChunkList.EXP_AVG, s)
-                        v = mgr.slot_view(ChunkList.EXP_AVG_SQ, s)
+                        m = mgr.chunks.slot_view(ChunkList.EXP_AVG, s)
+                        v = mgr.chunks.slot_view(ChunkList.EXP_AVG_SQ, s)
                         if st is None:
                             m.zero_()
                             v.zero_()
@@ -658,7 +659,7 @@ class ChunkAdam(torch.optim.Optimizer):
             groups.append(entry)
         return {
             "kind": self._engine.config.optimizer.type_name,
-            "steps": [self._steps[s.index] if mgr.own(s.chunk_id) else 0 for s in mgr.slots],
+            "steps": [self._steps[s.index] if mgr.chunks.own(s.chunk_id) else 0 for s in mgr.slots],
             "param_groups": groups,
             "skipped_steps": self.skipped_steps,
             "step_count": self.step_count,
@@ -671,7 +672,7 @@ class ChunkAdam(torch.optim.Optimizer):
             for k, v in theirs.items():
                 if k != "params":
                     mine[k] = tuple(v) if isinstance(v, list) else v
-        self._steps = [int(n) if mgr.own(s.chunk_id) else 0 for s, n in zip(mgr.slots, state["steps"])]
+        self._steps = [int(n) if mgr.chunks.own(s.chunk_id) else 0 for s, n in zip(mgr.slots, state["steps"])]
         self.skipped_steps = int(state["skipped_steps"])
         self.step_count = int(state["step_count"])
         self._applied_at = None

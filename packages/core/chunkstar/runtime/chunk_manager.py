@@ -1,21 +1,22 @@
 """The chunk store: the one owner of the chunks, the tensor states and the byte counters,
-and the one place that acts on placement (residency, budgets, moves).
+and the one place that moves chunks to and from the device (residency, budgets, moves).
 
-The manager owns the four chunk lists (:class:`chunkstar.chunk.lists.ChunkList`),
-every tensor's state and the derived counts of those states, and the index of the
-chunks on the device. Its byte and move counters, and the events of every move,
-are one :class:`chunkstar.runtime.counters.ChunkCounters` each move path records
-into once; with several processes the all-gathers of chunk groups are
-:class:`chunkstar.distributed.gather.GroupGathers`, which ``make_resident``
-calls. Others reach the chunks through a narrow door (``chunk``, ``chunks_of``,
-``slot_view``; the optimizer and the checkpoint code see only the
-:class:`chunkstar.chunk.store.ChunkStore` Protocol) and ask for what they need
-(``make_resident``, ``set_state``, ``to_host``, ``offload``, ``prefetch``,
-``make_room``). It asks the pure policies in :mod:`chunkstar.placement` and
-:mod:`chunkstar.memory.budget` what to evict, prefetch and keep, and hands the
-copies to its copy engine (:mod:`chunkstar.device`). It also swaps each
-parameter's class when its tensor enters or leaves COMPUTE (Note [parameter
-guard] in :mod:`chunkstar.hooks.param_guard`). It reads the iteration's
+The manager owns the chunks of the four lists and the disk tier they may live in
+(:class:`chunkstar.chunk.store.Chunks`, through which everyone reads them), every
+tensor's state and the derived counts of those states
+(:class:`chunkstar.runtime.tensor_states.TensorStates`, whose methods it binds as
+its own: ``set_state`` also swaps each parameter's class when its tensor enters or
+leaves COMPUTE, Note [parameter guard] in :mod:`chunkstar.hooks.param_guard`), and
+the index of the chunks on the device. Its byte and move counters, and the events
+of every move, are one :class:`chunkstar.runtime.counters.ChunkCounters` each move
+path records into once; with several processes the all-gathers of chunk groups are
+:class:`chunkstar.distributed.gather.GroupGathers`, which ``make_resident`` calls.
+Others ask it for what they need (``make_resident``, ``set_state``, ``to_host``,
+``offload``, ``prefetch``, ``make_room``); the optimizer and the checkpoint code
+see only the :class:`chunkstar.chunk.store.ChunkStore` Protocol. It asks the pure
+policies in :mod:`chunkstar.placement` and :mod:`chunkstar.memory.budget` what to
+evict, prefetch and keep, and hands the copies to its copy engine
+(:mod:`chunkstar.device`). It reads the iteration's
 :class:`chunkstar.runtime.cursor.Cursor` and never writes it.
 
 Note [budget per moment]: the device holds chunks *and* non-model data
@@ -34,26 +35,24 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.layout import ChunkLayout, TensorSlot
-from chunkstar.chunk.lists import CHUNK_LISTS, STATE_LISTS, ChunkList
+from chunkstar.chunk.lists import CHUNK_LISTS, ChunkList
 from chunkstar.chunk.state import ChunkLocation, TensorState
+from chunkstar.chunk.store import Chunks
 from chunkstar.config import EvictionPolicyName
 from chunkstar.device.copy_engine import CopyEngine, SerialCopies
 from chunkstar.device.memory import DeviceMemory
-from chunkstar.device.pinned import PinnedBuffers
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.gather import GroupGathers
-from chunkstar.errors import ChunkStateError, DeviceMemoryError
+from chunkstar.errors import DeviceMemoryError
 from chunkstar.events import EventBus, MoveReason, Stage, Tier
 from chunkstar.memory.budget import chunk_budget, memory_error_advice, minimum_budget, room_target
 from chunkstar.memory.probes import MemoryProbe
-from chunkstar.memory.tracer import MemoryTrace, ScheduleMode
+from chunkstar.memory.tracer import ScheduleMode
 from chunkstar.placement.eviction import ResidentChunk, choose_evictions
 from chunkstar.placement.prefetch import PrefetchView, Upcoming, plan_prefetch
 from chunkstar.runtime.counters import ChunkCounters
 from chunkstar.runtime.cursor import Cursor
-from chunkstar.runtime.disk_tier import DiskTier
 from chunkstar.runtime.tensor_states import TensorStates
 
 __all__ = ["ChunkManager", "Key"]
@@ -87,38 +86,34 @@ class ChunkManager:
         self.comm = comm or Comm()
         self.device = device
         self.capacity = capacity
+        # fraction of the device budget kept free (config device_memory_slack): capacity = budget * (1 - slack)
+        self.slack = slack
         self.policy = policy
         self.probe = probe
         self.events = events
-        # param chunks travel every step on a CUDA device: their host buffers are pinned, exactly
-        # sized (device/pinned.py); state chunks travel once at most and stay in plain memory
-        self.pinned_buffers = PinnedBuffers(device) if device.type == "cuda" else None
-        # every device payload grows and shrinks through it: the bytes the device really holds
-        # for chunks, frees deferred until their copy is done (Note [deferred free]), the meter.
-        # Payloads come from the allocator the activations use, so the bytes an eviction frees
-        # can hold activations (a private pool would keep them for chunks only).
+        # the iteration's cursor (stage, moment, trace, ...): read here and by the store's users,
+        # written by the schedule only (runtime/cursor.py)
+        self.cursor = Cursor() if cursor is None else cursor
+
+        # the device: every device payload grows and shrinks through `memory`: the bytes the device
+        # really holds for chunks, frees deferred until their copy is done (Note [deferred free]),
+        # the meter. Payloads come from the allocator the activations use, so the bytes an eviction
+        # frees can hold activations (a private pool would keep them for chunks only).
         self.memory = DeviceMemory(device)
         self.memory.limit = capacity
-        self.memory.where = lambda: f"moment {self._cur.moment} '{self._cur.module}' ({self._cur.stage.value})"
+        self.memory.where = lambda: f"moment {self.cursor.moment} '{self.cursor.module}' ({self.cursor.stage.value})"
         probe.attach(self.memory)
-        self.compute_dtype = compute_dtype
-        # the chunks of the four lists (chunk/lists.py), by list then chunk id: the store's own,
-        # reached from outside through chunk(), chunks_of() and slot_view() only. A frozen
-        # chunk has its param chunk only (Note [frozen chunks] in chunk/layout.py).
-        self._chunks: dict[ChunkList, dict[int, Chunk]] = {
-            name: {
-                i: Chunk(i, name.value, n, compute_dtype if name is _PARAM else torch.float32, device,
-                         self.pinned_buffers if name is _PARAM else None, self.memory)  # fmt: skip
-                for i, n in enumerate(layout.chunk_sizes)
-                if name is _PARAM or i not in layout.frozen
-            }
-            for name in CHUNK_LISTS
-        }
-        self._param_chunks = list(self._chunks[_PARAM].values())  # by chunk id: the list hot paths read
-        self.slots: tuple[TensorSlot, ...] = layout.slots
-        # every tensor's state, its derived counts per chunk and the parameter guard
-        # (runtime/tensor_states.py); its hot methods are the store's own, bound once
+        # how chunk payloads travel (CUDA streams, the CPU copy thread, or serial): chunk.py's
+        # Note [pending copy]; set by the engine from the config (overlap, device_link_bandwidth)
+        self.copies: CopyEngine = SerialCopies() if copies is None else copies
+
+        # what the store owns: the chunks and the disk tier they may live in (chunk/store.py); every
+        # tensor's state, its derived counts per chunk and the parameter guard
+        # (runtime/tensor_states.py), whose hot methods are the store's own, bound once; the byte
+        # and move counters and the events of every move (runtime/counters.py)
+        self.chunks = Chunks(layout, compute_dtype, device, self.memory, self.comm.rank)
         self.tensors = TensorStates(layout)
+        self.slots: tuple[TensorSlot, ...] = layout.slots
         self.states: list[TensorState] = self.tensors.states
         self.set_state = self.tensors.set_state
         self.pinned = self.tensors.pinned
@@ -129,113 +124,33 @@ class ChunkManager:
         self.install_guard = self.tensors.install_guard
         self.set_guarded = self.tensors.set_guarded
         self.remove_guard = self.tensors.remove_guard
-        # derived from the chunks' locations, kept by index_resident only: ids of
-        # the chunks on the device per list, the only ones make_room looks at (eviction candidates)
-        self._on_device: dict[ChunkList, set[int]] = {name: set() for name in CHUNK_LISTS}
-        self._own_param_chunks = sum(1 for i in range(layout.n_chunks) if layout.owner(i) == self.comm.rank)
+        self.counters = ChunkCounters(events, self.cursor)
 
-        # how chunk payloads travel (CUDA streams, the CPU copy thread, or serial): chunk.py's
-        # Note [pending copy]; set by the engine from the config (overlap, device_link_bandwidth)
-        self.copies: CopyEngine = SerialCopies() if copies is None else copies
-        # the iteration's cursor (stage, moment, trace, ...): read here, written by the schedule only
-        self._cur = Cursor() if cursor is None else cursor
-        # fraction of the device budget kept free (config device_memory_slack): capacity = budget * (1 - slack)
-        self.slack = slack
+        # residency, derived from the chunks' locations and kept by index_resident only: ids of the
+        # chunks on the device per list, the only ones make_room looks at (eviction candidates)
+        self._on_device: dict[ChunkList, set[int]] = {name: set() for name in CHUNK_LISTS}
+        self._own_param_chunks = sum(1 for i in range(layout.n_chunks) if self.chunks.own(i))
+        self._clock = 0
+        self._last_use: dict[Key, int] = {}
         # asked by make_room when a moment's chunks cannot fit, with the bytes it must hold at once:
         # whether to let it through (the schedule's warm-up measures the smallest budget that fits
         # instead of raising at once: runtime/schedule.py); by default never
         self.let_through: Callable[[int], bool] = lambda _required: False
-        self._clock = 0
-        self._last_use: dict[Key, int] = {}
-
-        # the byte and move counters and the events of every move (runtime/counters.py)
-        self.counters = ChunkCounters(events, self._cur)
-        self.disk: DiskTier | None = None  # the disk tier, when the config has one (attach_disk)
         # several processes: the all-gathers of chunk groups (distributed/gather.py)
-        self.gathers = GroupGathers(self, layout, self.comm, probe, self.counters)
+        self.gathers = GroupGathers(self, self.chunks, self.comm, probe, self.counters)
 
-    # ------------------------------------------------------------------ the chunks: the narrow door
-    def chunk(self, which: ChunkList, chunk_id: int) -> Chunk:
-        """Chunk ``chunk_id`` of list ``which`` (its payload, buffers and pending copies)."""
-        try:
-            return self._chunks[which][chunk_id]
-        except KeyError:
-            if chunk_id in self.layout.frozen:
-                raise ChunkStateError(
-                    f"chunk {chunk_id} holds frozen parameters (requires_grad=False): it has a param chunk only, "
-                    f"no {which.value} chunk"
-                ) from None
-            raise
-
-    def lists_of(self, chunk_id: int) -> tuple[ChunkList, ...]:
-        """The lists chunk ``chunk_id`` has: all four, or the param list of a frozen chunk."""
-        return (_PARAM,) if chunk_id in self.layout.frozen else CHUNK_LISTS
-
-    def frozen(self, chunk_id: int) -> bool:
-        """Chunk ``chunk_id`` holds frozen parameters: no master, no Adam state, no gradients."""
-        return chunk_id in self.layout.frozen
-
-    def value_view(self, slot: TensorSlot) -> torch.Tensor:
-        """1-D view of ``slot``'s authoritative value: its fp32 master, or for a frozen
-        parameter its param slot (in the compute dtype; it has no master)."""
-        which = _PARAM if slot.chunk_id in self.layout.frozen else ChunkList.MASTER
-        return self._chunks[which][slot.chunk_id].payload[slot.offset : slot.end]
-
-    def chunks_of(self, which: ChunkList) -> Sequence[Chunk]:
-        """Every chunk of list ``which``, by chunk id (read-only); a state list has none for frozen chunks."""
-        return tuple(self._chunks[which].values())
-
-    def slot_view(self, which: ChunkList, slot: TensorSlot) -> torch.Tensor:
-        """1-D view of ``slot``'s elements in its chunk of list ``which`` (where the payload is now)."""
-        return self._chunks[which][slot.chunk_id].payload[slot.offset : slot.end]
-
-    def param_slot_view(self, slot: TensorSlot) -> torch.Tensor:
-        """``slot_view(ChunkList.PARAM, slot)`` for the per-gradient path (one lookup fewer)."""
-        return self._param_chunks[slot.chunk_id].payload[slot.offset : slot.end]
-
-    def nbytes(self, which: ChunkList, chunk_id: int) -> int:
-        return self._chunks[which][chunk_id].nbytes
-
-    def paused_probe(self) -> contextlib.AbstractContextManager[None]:
-        """The non-model memory probe paused: the store's own work is model memory."""
-        return self.probe.paused()
-
-    # ------------------------------------------------------------------ the cursor, read-only
-    @property
-    def trace(self) -> MemoryTrace:
-        return self._cur.trace
-
-    @property
-    def stage(self) -> Stage:
-        return self._cur.stage
-
-    @property
-    def moment(self) -> int:
-        return self._cur.moment
-
-    @property
-    def module(self) -> str:
-        return self._cur.module
-
-    @property
-    def mode(self) -> ScheduleMode:
-        return self._cur.mode
-
-    # ------------------------------------------------------------------ ownership and first placement
-    def own(self, chunk_id: int) -> bool:
-        """Whether this rank owns the chunk (always, in a single process)."""
-        return self.layout.owner(chunk_id) == self.comm.rank
-
+    # ------------------------------------------------------------------ first placement
     def allocate_on_host(self, chunk_id: int) -> None:
         """Chunk ``chunk_id`` of every list starts on the host, if this rank owns it;
         other ranks' chunks have no payload here (param chunks are gathered when
         used, state chunks never exist)."""
-        if not self.own(chunk_id):
+        chunks = self.chunks
+        if not chunks.own(chunk_id):
             return
         with self.probe.paused():
-            for name in self.lists_of(chunk_id):
-                c = self._chunks[name][chunk_id]
-                if self.on_disk(name):  # its file slot is the payload (Note [disk tier])
+            for name in chunks.lists_of(chunk_id):
+                c = chunks.chunk(name, chunk_id)
+                if chunks.on_disk(name):  # its file slot is the payload (Note [disk tier])
                     c.place_on_disk()
                     tier = Tier.DISK
                 else:
@@ -243,45 +158,17 @@ class ChunkManager:
                     tier = Tier.HOST
                 self.counters.record(c.chunk_id, c.list_name, c.nbytes, src=None, dst=tier, t0=time.perf_counter_ns())
 
-    # ------------------------------------------------------------------ the disk tier
-    def attach_disk(self, tier: DiskTier) -> None:
-        """From now on the chunks of ``tier.lists`` live on disk (before any chunk is allocated)."""
-        self.disk = tier
-
-    def on_disk(self, name: ChunkList) -> bool:
-        """Whether list ``name``'s chunks live on disk (Note [disk tier])."""
-        return self.disk is not None and self.disk.on_disk(name)
-
-    def disk_chunks(self, names: Sequence[ChunkList]) -> dict[ChunkList, dict[int, Chunk]]:
-        """This rank's chunks of lists ``names`` by chunk id (what a disk tier stores)."""
-        return {n: {cid: c for cid, c in self._chunks[n].items() if self.own(cid)} for n in names}
-
-    @contextlib.contextmanager
-    def staged(self, keys: Iterable[Key], *, write: bool) -> Iterator[None]:
-        """Inside the block, the chunks ``keys`` that live on disk are staged into host buffers
-        (their payloads readable and writable as usual), and go back to disk at its end,
-        written back with ``write`` (:meth:`DiskTier.staged`); nothing happens for chunks in
-        memory."""
-        tier = self.disk
-        if tier is None:
-            yield
-            return
-        keys = list(dict.fromkeys(keys))
-        chunks = [self._chunks[n][i] for n, i in keys if self._chunks[n][i].location is ChunkLocation.DISK]
-        with tier.staged(chunks, write=write, quiet=self.probe.paused):  # staging buffers are model memory
-            yield
-
     # ------------------------------------------------------------------ residency and budgets
     def pinned_bytes(self) -> int:
         """Bytes of param chunks in use by a running moment (they cannot move)."""
-        return sum(self._chunks[_PARAM][i].nbytes for i in range(self.layout.n_chunks) if self.pinned(i))
+        return self.chunks.bytes_of(_PARAM, (i for i in range(self.layout.n_chunks) if self.pinned(i)))
 
     def resident(self, key: Key) -> bool:
-        return self._chunks[key[0]][key[1]].location is ChunkLocation.DEVICE
+        return self.chunks.chunk(key[0], key[1]).location is ChunkLocation.DEVICE
 
     def chunk_budget(self) -> int:
         """Bytes chunks may occupy on the device during the current moment (Note [budget per moment])."""
-        cur = self._cur
+        cur = self.cursor
         trace = cur.trace
         return chunk_budget(
             self.capacity, self.probe.non_model_now(self.memory.held_bytes), cur.mode,
@@ -295,7 +182,7 @@ class ChunkManager:
 
     def _next_use_after(self) -> int | None:
         """The moment the param chunks' next uses count from now (None: no schedule to read)."""
-        cur = self._cur
+        cur = self.cursor
         if not cur.follows_trace():
             return None
         if cur.stage is Stage.OPTIM or cur.stage is Stage.IDLE:
@@ -315,22 +202,23 @@ class ChunkManager:
         own chunks move (the optimizer's placement). ``ahead`` (Note [gather ahead]):
         return once the moves and gathers have started, and never fail for lack of room."""
         gathers = self.gathers
+        chunks = self.chunks
         gather = gathers.missing(i for n, i in keys if n is _PARAM) if gather_groups else []
         want = list(keys)
         for g in gather:
             want += [(_PARAM, k) for k in self.layout.group(g) if (_PARAM, k) not in want]
         missing = [k for k in want if not self.resident(k)]
-        need = sum(self._chunks[n][i].nbytes for n, i in missing)
+        need = sum(chunks.chunk(n, i).nbytes for n, i in missing)
         need += sum(gathers.scratch_bytes(g, self.device) for g in gather)
         self.make_room(need, protect=set(want), where=where, required=want, optional=ahead)
         for k in missing:
-            if self.own(k[1]):
+            if chunks.own(k[1]):
                 self.move(k, Tier.DEVICE, reason)
         for g in gather:
             gathers.gather(g, ahead=ahead)
         for k in want:
             if not ahead:
-                self._chunks[k[0]][k[1]].wait_ready()
+                chunks.chunk(k[0], k[1]).wait_ready()
             self.touch(k)
 
     def make_room(
@@ -343,7 +231,7 @@ class ChunkManager:
         memory = self.memory
         memory.reap()  # copies out that are done give their bytes back first (Note [deferred free])
         budget = self.chunk_budget()
-        cur = self._cur
+        cur = self.cursor
         # with no trace to trust (warm-up, or an evaluation before the first step) nothing knows what
         # the moment will allocate: it keeps only what it needs (Note [budget per moment])
         target = room_target(budget, cur.mode, cur.stage is Stage.FWD or cur.stage is Stage.BWD)
@@ -367,10 +255,10 @@ class ChunkManager:
                 # other ranks' chunks of gathered groups, freed on the schedule all ranks share
                 shared = self.layout.world_size > 1
                 req = set(required) | {(_PARAM, i) for i in range(self.layout.n_chunks) if self.pinned(i)}
-                req |= {(_PARAM, i) for i in self._on_device[_PARAM] if shared and not self.own(i)}
+                req |= {(_PARAM, i) for i in self._on_device[_PARAM] if shared and not self.chunks.own(i)}
                 # warm-up: the schedule may let it go over the budget for now and measure, so the
                 # error at the end of the iteration can name the smallest budget for all of it
-                if not self.let_through(sum(self._chunks[n][i].nbytes for n, i in req)):
+                if not self.let_through(sum(self.chunks.chunk(n, i).nbytes for n, i in req)):
                     raise self.memory_error(where, sorted(req), budget)
             victims = [c.key for c in candidates]
         for v in victims:
@@ -387,27 +275,27 @@ class ChunkManager:
         policy's ties keep). Read from the resident index, so an eviction costs in proportion
         to what the device holds, not to the size of the model."""
         after = self._next_use_after()
-        next_use = self._cur.trace.next_use
+        next_use = self.cursor.trace.next_use
         last_use = self._last_use
+        chunk = self.chunks.chunk
         out: list[ResidentChunk] = []
         for name in names:
             ids = self._on_device[name]
             if not ids:
                 continue
             ids = ids - {cid for n, cid in protect if n == name}
-            chunks = self._chunks[name]
             if name is not _PARAM:
-                out += [ResidentChunk(k, chunks[k[1]].nbytes, None, last_use.get(k, 0)) for k in _keys(name, ids)]
+                out += [ResidentChunk(k, chunk(name, k[1]).nbytes, None, last_use.get(k, 0)) for k in _keys(name, ids)]
                 continue
             # not in use, and not a gathered remote copy (freed on a schedule all ranks share)
             count = self.tensors.compute_count
             if self.layout.world_size > 1:
-                ids = {cid for cid in ids if self.own(cid)}
+                ids = {cid for cid in ids if self.chunks.own(cid)}
             movable = _keys(name, (cid for cid in ids if not count[cid]))
             if after is None:
-                out += [ResidentChunk(k, chunks[k[1]].nbytes, None, last_use.get(k, 0)) for k in movable]
+                out += [ResidentChunk(k, chunk(name, k[1]).nbytes, None, last_use.get(k, 0)) for k in movable]
             else:
-                out += [ResidentChunk(k, chunks[k[1]].nbytes, next_use(k[1], after), last_use.get(k, 0)) for k in movable]
+                out += [ResidentChunk(k, chunk(name, k[1]).nbytes, next_use(k[1], after), last_use.get(k, 0)) for k in movable]
         return out
 
     def index_resident(self, key: Key, on_device: bool) -> None:
@@ -421,11 +309,11 @@ class ChunkManager:
     def memory_error(self, where: str, required: Sequence[Key], free: int, non_model: int | None = None) -> DeviceMemoryError:
         """The error for chunks ``required`` at once that do not fit ``free`` chunk bytes,
         with the smallest budget that would hold them beside the measured non-model memory."""
-        needed = sum(self._chunks[n][i].nbytes for n, i in required)
+        needed = sum(self.chunks.chunk(n, i).nbytes for n, i in required)
         if non_model is None:
             non_model = self.capacity - free
         biggest = max((s for n, i in required for s in self.slots_of(i)), key=lambda s: s.numel, default=None)
-        itemsize = self._chunks[_PARAM][0].dtype.itemsize
+        itemsize = self.chunks.compute_dtype.itemsize
         advice = memory_error_advice(free, None if biggest is None else (biggest.name, biggest.numel * itemsize))
         return DeviceMemoryError(
             device=str(self.device), needed=needed, free=max(free, 0), budget=self.capacity, where=where,
@@ -442,11 +330,11 @@ class ChunkManager:
     def keeps_clean_copies(self) -> bool:
         """Whether param chunks brought to the device now keep their host copy: on the
         frozen schedule, where moves repeat every step (Note [clean host copy] in chunk/chunk.py)."""
-        return self._cur.follows_trace()
+        return self.cursor.follows_trace()
 
     def move(self, key: Key, tier: Tier, reason: MoveReason) -> None:
         self.memory.reap()
-        chunk = self._chunks[key[0]][key[1]]
+        chunk = self.chunks.chunk(key[0], key[1])
         had_host = chunk.has_host_buffer
         keep = (
             tier is Tier.DEVICE and key[0] is _PARAM and self.keeps_clean_copies
@@ -476,16 +364,16 @@ class ChunkManager:
         changes the host copies."""
         if len(self._on_device[_PARAM]) >= self._own_param_chunks:
             return  # every chunk it could bring is here (no pressure): nothing to plan
-        trace = self._cur.trace
-        start = self._cur.moment if now is None else now
-        chunks = self._chunks
+        trace = self.cursor.trace
+        start = self.cursor.moment if now is None else now
+        chunks = self.chunks
         sharded = self.layout.world_size > 1
         capacity = self.capacity
 
         def upcoming() -> Iterator[Upcoming]:
             for j, peak, ids in trace.runs_after(start):
                 # other ranks' chunks arrive by all-gather, on the schedule every rank shares
-                keys = [(_PARAM, c) for c in ids if not sharded or self.own(c)]
+                keys = [(_PARAM, c) for c in ids if not sharded or chunks.own(c)]
                 yield Upcoming(j, capacity - peak, keys)
 
         memory = self.memory
@@ -494,14 +382,14 @@ class ChunkManager:
         view = PrefetchView(
             device_bytes=self.counters.device_chunk_bytes,
             budget_now=budget_now,
-            nbytes=lambda k: chunks[k[0]][k[1]].nbytes,
-            resident=lambda k: chunks[k[0]][k[1]].location is ChunkLocation.DEVICE,
+            nbytes=lambda k: chunks.chunk(k[0], k[1]).nbytes,
+            resident=lambda k: chunks.chunk(k[0], k[1]).location is ChunkLocation.DEVICE,
             movable=lambda: [(c.key, c.next_use) for c in self._eviction_candidates(set(), names=(_PARAM,))],
         )
         for key, evict in plan_prefetch(view, upcoming(), start, window_bytes):
             for v in evict:
                 self.move(v, Tier.HOST, MoveReason.EVICTION)
-            nbytes = chunks[key[0]][key[1]].nbytes
+            nbytes = chunks.chunk(key[0], key[1]).nbytes
             if memory.held_bytes + nbytes > budget_now:
                 memory.reap()
                 if memory.held_bytes + nbytes > budget_now:
@@ -522,22 +410,14 @@ class ChunkManager:
         if self.resident(key):
             self.move(key, Tier.HOST, reason)
 
-    # ------------------------------------------------------------------ accounting
+    # ------------------------------------------------------------------ the probe and memory samples
+    def paused_probe(self) -> contextlib.AbstractContextManager[None]:
+        """The non-model memory probe paused: the store's own work is model memory."""
+        return self.probe.paused()
+
     def memory_sample(self) -> None:
         """Samples of the device, host and disk tiers now, for the profiler (when events are on)."""
         if self.events.active:
-            disk = self.disk.files.file_bytes if self.disk is not None else None
-            self.counters.sample(self.probe.non_model_now(self.memory.held_bytes), self.capacity, disk)
-
-    def model_data_bytes(self) -> int:
-        """Param chunks (all: each is gathered when used) plus this rank's state chunks."""
-        return self.bytes_of(_PARAM) + self.state_bytes()
-
-    def state_bytes(self) -> int:
-        """fp32 master + Adam moments this rank keeps (1/world_size of them)."""
-        return sum(c.nbytes for name in STATE_LISTS for c in self._chunks[name].values() if self.own(c.chunk_id))
-
-    def bytes_of(self, list_name: ChunkList, chunk_ids: Iterable[int] | None = None) -> int:
-        chunks = self._chunks[list_name]
-        ids = range(self.layout.n_chunks) if chunk_ids is None else chunk_ids
-        return sum(chunks[i].nbytes for i in ids if i in chunks)
+            disk = self.chunks.disk
+            files = disk.files.file_bytes if disk is not None else None
+            self.counters.sample(self.probe.non_model_now(self.memory.held_bytes), self.capacity, files)

@@ -17,7 +17,7 @@ hold no host or device bytes. Host memory is only a staging area of
   the next forward (its param chunks wait for their own updates only);
 * between steps, code that reads or writes a state chunk (checkpoints, state
   dicts, ``gathered_parameters``, writes through to a master) stages it in for
-  the moment, one chunk at a time (:meth:`ChunkManager.staged`), and writes it
+  the moment, one chunk at a time (:meth:`chunkstar.chunk.store.Chunks.staged`), and writes it
   back when it changed;
 * device Adam (hybrid Adam) is off: the state lives on disk and is updated on
   the host.
@@ -40,8 +40,9 @@ raises it at once, and so does every later stage-in: the state on disk is no
 longer whole, and the run cannot go on. A buffer comes back on every path (a
 failed write-behind's too), so no wait is left without an end.
 
-This module is the mechanism; the chunk store (the manager) decides which
-chunks to stage and when.
+This module is the mechanism; which chunks to stage and when is decided by the
+optimizer's step and, between steps, by whoever reads or writes a chunk through
+:meth:`chunkstar.chunk.store.Chunks.staged`.
 """
 
 from __future__ import annotations
@@ -84,11 +85,14 @@ class DiskTier:
         run_tag: str,
         rank: int,
         on_move: Callable[[Chunk, bool, int, int], None] | None = None,
+        quiet: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> None:
         """``chunks``: this rank's chunks of each disk list by chunk id (frozen chunks have none).
         ``on_move(chunk, to_disk, nbytes, t_ns)`` hears of every staging move as it is issued
-        (the store turns them into events)."""
+        (the store turns them into events). :meth:`staged` stages inside ``quiet()`` (the
+        memory probe paused: staging buffers are model memory)."""
         self._on_move = on_move
+        self._quiet = quiet
         self.lists = tuple(chunks)
         sizes = {name.value: {cid: c.nbytes for cid, c in per.items()} for name, per in chunks.items()}
         any_list = next(iter(sizes.values()), {})
@@ -119,19 +123,17 @@ class DiskTier:
         return name in self.lists
 
     @contextlib.contextmanager
-    def staged(
-        self, chunks: list[Chunk], *, write: bool, quiet: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
-    ) -> Iterator[None]:
+    def staged(self, chunks: list[Chunk], *, write: bool) -> Iterator[None]:
         """Inside the block, ``chunks`` (all on disk) are staged into host buffers, their payloads
         readable and writable as usual; at its end they go back to disk, written back with
-        ``write``. One chunk at a time is the rule: their bytes must fit the staging budget.
-        The stages run inside ``quiet()`` (the memory probe paused: staging is model memory)."""
+        ``write``. One chunk at a time is the rule: their bytes must fit the staging budget."""
         need = sum(c.nbytes for c in chunks)
         if need > self.budget:
             raise ChunkStateError(
                 f"staging {len(chunks)} chunks from disk at once needs {need} bytes, more than disk.staging_budget "
                 f"({self.budget} bytes)"
             )
+        quiet = self._quiet
         done: list[Chunk] = []
         try:
             with quiet():

@@ -172,7 +172,7 @@ def _check_units_fit(modules: list[HookedModule], unit_keys: list[int], mgr: Chu
     for key in unit_keys:
         mod = modules[key]
         chunk_ids = sorted({mgr.slots[i].chunk_id for i in mod.own})
-        need = sum(mgr.chunk(ChunkList.PARAM, c).nbytes for c in chunk_ids)
+        need = sum(mgr.chunks.chunk(ChunkList.PARAM, c).nbytes for c in chunk_ids)
         if need > mgr.capacity:
             whole = len(mod.own) == len(mgr.slots)  # the model itself is compiled
             raise ConfigError(
@@ -198,8 +198,9 @@ class ChunkEngine:
             self._build(model, cfg, model_func=model_func, pretrained=pretrained)
         except BaseException:
             mgr: ChunkManager | None = self.__dict__.get("mgr")
-            if mgr is not None and mgr.disk is not None:
-                mgr.disk.discard()  # a failed start leaves no chunk files or lock behind (Note [disk tier])
+            disk = mgr.chunks.disk if mgr is not None else None
+            if disk is not None:
+                disk.discard()  # a failed start leaves no chunk files or lock behind (Note [disk tier])
             raise
 
     def _build(
@@ -263,15 +264,16 @@ class ChunkEngine:
             if cfg.disk is not None:  # Note [disk tier]: the state lists' chunks live in files
                 # host memory is what the run is sized against: glibc keeps no large freed blocks
                 self.heap_retention_bounded = bound_heap_retention()  # (Note [host heap])
-                self.mgr.attach_disk(DiskTier(
-                    cfg.disk, self.mgr.disk_chunks(cfg.disk.lists), run_tag=self.run_id, rank=self.comm.rank,
-                    on_move=self.mgr.counters.record_disk,
+                chunks = self.mgr.chunks
+                chunks.attach_disk(DiskTier(
+                    cfg.disk, chunks.disk_chunks(cfg.disk.lists), run_tag=self.run_id, rank=self.comm.rank,
+                    on_move=self.mgr.counters.record_disk, quiet=self.mgr.probe.paused,
                 ))  # fmt: skip
             # the chunks get their values (Note [construction]): host memory peaks at about the
             # chunks' own bytes, never at the whole model beside them
             self.construction = fill_chunks(
                 model, self._params, layout, self.mgr, self.mgr.allocate_on_host, model_func=model_func, source=source,
-                wave_bytes=self.mgr.disk.budget if self.mgr.disk is not None else 0,
+                wave_bytes=self.mgr.chunks.disk.budget if self.mgr.chunks.disk is not None else 0,
             )  # fmt: skip
         finally:
             if source is not None:
@@ -283,7 +285,7 @@ class ChunkEngine:
                 slots = self.mgr.slots_of(cid)
                 for s in slots:
                     self.mgr.set_state(s.index, TensorState.HOLD)
-                views = self.mgr.chunk(ChunkList.PARAM, cid).device_views([(s.offset, s.end, s.shape) for s in slots])
+                views = self.mgr.chunks.chunk(ChunkList.PARAM, cid).device_views([(s.offset, s.end, s.shape) for s in slots])
                 for s, view in zip(slots, views):
                     self._params[s.index].data = view
         for mod in model.modules():
@@ -309,7 +311,7 @@ class ChunkEngine:
             self._device_baseline = torch.cuda.memory_allocated(cfg.device) - self.mgr.memory.held_bytes
             torch.cuda.reset_peak_memory_stats(cfg.device)
             self.mgr.memory.peak_bytes = 0
-        self.prefetch_window = cfg.schedule.prefetch_window or 4 * max(c.nbytes for c in self.mgr.chunks_of(ChunkList.PARAM))
+        self.prefetch_window = cfg.schedule.prefetch_window or 4 * max(c.nbytes for c in self.mgr.chunks.chunks_of(ChunkList.PARAM))
 
         # the parts: gradients, the iteration (with the schedule), the guard's handler, the hook targets
         self._gradients = Gradients(self.mgr, cursor, self.comm, self.reducer, cfg.optimizer.accumulation_steps)
@@ -512,7 +514,7 @@ class ChunkEngine:
 
     def _trains_anything(self) -> bool:
         mgr = self.mgr
-        return any(not mgr.frozen(c) for c in range(mgr.layout.n_chunks))
+        return any(not mgr.chunks.frozen(c) for c in range(mgr.layout.n_chunks))
 
     def _has_pending_grads(self) -> bool:
         return self._gradients.has_pending()
@@ -532,12 +534,13 @@ class ChunkEngine:
 
     def _value_chunk(self, chunk_id: int) -> torch.Tensor:
         """Chunk ``chunk_id``'s values: its fp32 master, or a frozen chunk's param chunk in fp32."""
-        if self.mgr.frozen(chunk_id):
-            return self.mgr.chunk(ChunkList.PARAM, chunk_id).payload.float()
-        if self.mgr.on_disk(ChunkList.MASTER):  # a copy: the staging buffer goes back (Note [disk tier])
-            with self.mgr.staged([(ChunkList.MASTER, chunk_id)], write=False):
-                return self.mgr.chunk(ChunkList.MASTER, chunk_id).payload.clone()
-        return self.mgr.chunk(ChunkList.MASTER, chunk_id).payload
+        chunks = self.mgr.chunks
+        if chunks.frozen(chunk_id):
+            return chunks.chunk(ChunkList.PARAM, chunk_id).payload.float()
+        if chunks.on_disk(ChunkList.MASTER):  # a copy: the staging buffer goes back (Note [disk tier])
+            with chunks.staged([(ChunkList.MASTER, chunk_id)], write=False):
+                return chunks.chunk(ChunkList.MASTER, chunk_id).payload.clone()
+        return chunks.chunk(ChunkList.MASTER, chunk_id).payload
 
     def full_masters(self) -> dict[int, torch.Tensor]:
         """Every chunk's fp32 values by id: the master chunks, and a frozen chunk's param chunk
@@ -577,9 +580,9 @@ class ChunkEngine:
 
         The anchors are DeepSpeed's ``GatheredParameters`` and FSDP's
         ``summon_full_params``. Yields the parameters, in the model's order."""
-        if self.mgr.stage is not Stage.IDLE:
+        if self.mgr.cursor.stage is not Stage.IDLE:
             raise ChunkStateError(
-                f"gathered_parameters() is for use between steps, but the engine is in its {self.mgr.stage.value} stage"
+                f"gathered_parameters() is for use between steps, but the engine is in its {self.mgr.cursor.stage.value} stage"
             )
         if self._iteration.open:
             raise ChunkStateError(
@@ -645,15 +648,15 @@ class ChunkEngine:
                 s = slots.get(id(t))
                 if s is None:
                     t.data.copy_(state_dict[key])
-                elif mgr.own(s.chunk_id):  # else its owner loads it (any world size can load a full state dict)
+                elif mgr.chunks.own(s.chunk_id):  # else its owner loads it (any world size can load a full state dict)
                     by_chunk.setdefault(s.chunk_id, []).append((s, state_dict[key]))
             for cid, members in sorted(by_chunk.items()):  # one chunk at a time (staged from disk, if there)
-                trainable = not mgr.frozen(cid)
-                with mgr.staged([(ChunkList.MASTER, cid)] if trainable else [], write=True):
+                trainable = not mgr.chunks.frozen(cid)
+                with mgr.chunks.staged([(ChunkList.MASTER, cid)] if trainable else [], write=True):
                     for s, src in members:
                         if trainable:
-                            mgr.slot_view(ChunkList.MASTER, s).copy_(src.reshape(-1))
-                        mgr.slot_view(ChunkList.PARAM, s).copy_(src.reshape(-1))
+                            mgr.chunks.slot_view(ChunkList.MASTER, s).copy_(src.reshape(-1))
+                        mgr.chunks.slot_view(ChunkList.PARAM, s).copy_(src.reshape(-1))
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
@@ -677,8 +680,8 @@ class ChunkEngine:
             "bytes_to_host": counters.bytes_to_host,
             "moves_by_reason": dict(counters.moves_by_reason),
             "clean_evictions": counters.clean_evictions,
-            "model_data_bytes": mgr.model_data_bytes(),
-            "master_and_adam_bytes": mgr.state_bytes(),
+            "model_data_bytes": mgr.chunks.model_data_bytes(),
+            "master_and_adam_bytes": mgr.chunks.state_bytes(),
             "world_size": self.comm.world_size,
             "rank": self.comm.rank,
             "all_gathers": mgr.gathers.gathers,
@@ -693,16 +696,16 @@ class ChunkEngine:
             "chunk_size": self.chunk_size,
             "device_adam_chunks": len(self.device_adam_chunks),
             "warmup_non_model_peak_bytes": self.schedule.warmup_non_model_peak,  # the largest so far
-            "moments_per_micro_step": mgr.trace.n_moments,
+            "moments_per_micro_step": mgr.cursor.trace.n_moments,
             "micro_steps": self.micro_step,
             # optimizer.step() calls, and those skipped for a non-finite gradient norm (fp16 overflow,
             # or in any precision a NaN/inf loss when the norm is measured: clipping, measure_grad_norm)
             "optimizer_steps": self.optimizer.step_count if self.optimizer is not None else 0,
             "skipped_steps": self.optimizer.skipped_steps if self.optimizer is not None else 0,
-            "stage": self.mgr.stage.value,
+            "stage": self.mgr.cursor.stage.value,
             "schedule": self.schedule.phase.value,
             "replans": self.schedule.replans,
-            **(self.mgr.disk.stats() if self.mgr.disk is not None else {}),
+            **(mgr.chunks.disk.stats() if mgr.chunks.disk is not None else {}),
         }
 
     def device_peak_bytes(self) -> int:
@@ -726,8 +729,9 @@ class ChunkEngine:
         self.mgr.memory.close()
         if self._device_thread is not None:
             self._device_thread.close()
-        if self.mgr.disk is not None:
-            self.mgr.disk.close()
+        disk = self.mgr.chunks.disk
+        if disk is not None:
+            disk.close()
 
     def remove_hooks(self) -> None:
         """Detach the engine from the model: hooks off, parameters back to their own class."""

@@ -126,7 +126,7 @@ class Gradients:
                     [(_PARAM, s.chunk_id)], MoveReason.ACCESS, where=f"the gradient of '{s.name}'", gather_groups=True
                 )
             # through the chunk, not the parameter: payload waits for a prefetch copy still in flight
-            slot = mgr.param_slot_view(s)
+            slot = mgr.chunks.param_slot_view(s)
             if self.boundary and not nested:
                 acc = self._accumulators.get(s.chunk_id)
                 if index in self._accumulated and acc is not None:
@@ -204,7 +204,7 @@ class Gradients:
                     # its gradients came from earlier micro-batches or inner backwards only
                     # (Note [reentrant regions]): its gradient is the accumulator
                     acc = self._accumulators[s.chunk_id]
-                    mgr.slot_view(ChunkList.PARAM, s).copy_(acc[s.offset : s.end], non_blocking=self._async)
+                    mgr.chunks.slot_view(ChunkList.PARAM, s).copy_(acc[s.offset : s.end], non_blocking=self._async)
                     mgr.set_state(s.index, TensorState.COMPUTE)  # a value becomes a gradient only from COMPUTE
                     mgr.set_state(s.index, TensorState.HOLD_AFTER_BWD)
                 elif st is TensorState.COMPUTE or st is TensorState.HOLD_AFTER_FWD:
@@ -245,17 +245,18 @@ class Gradients:
         """Write the fp32 masters back over ``slots_by_chunk`` (gradients dropped, or a
         checkpoint loaded) and put them in HOLD."""
         mgr = self.mgr
+        chunks = mgr.chunks
         with torch.no_grad():
             for cid, slots in slots_by_chunk.items():
-                if not mgr.own(cid):
+                if not chunks.own(cid):
                     # another rank's chunk (a gradient not reduced yet): its owner keeps the value;
                     # this rank's gathered copy is dropped with the group
                     for s in slots:
                         mgr.set_state(s.index, TensorState.HOLD)
                     continue
-                p = mgr.chunk(ChunkList.PARAM, cid).payload
-                with mgr.staged([(ChunkList.MASTER, cid)], write=False):  # from disk, if it lives there
-                    master = mgr.chunk(ChunkList.MASTER, cid).payload.to(p.device)
+                p = chunks.chunk(ChunkList.PARAM, cid).payload
+                with chunks.staged([(ChunkList.MASTER, cid)], write=False):  # from disk, if it lives there
+                    master = chunks.chunk(ChunkList.MASTER, cid).payload.to(p.device)
                     for s in slots:
                         p[s.offset : s.end].copy_(master[s.offset : s.end])
                         mgr.set_state(s.index, TensorState.HOLD)

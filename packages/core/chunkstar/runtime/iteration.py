@@ -293,13 +293,14 @@ class Iteration:
         if not self.hybrid_adam:
             return
         mgr = self.mgr
+        chunks = mgr.chunks
         n = mgr.layout.n_chunks
         # a frozen chunk has no state to place (Note [frozen chunks])
-        state_bytes = [0 if mgr.frozen(i) else sum(mgr.chunk(name, i).nbytes for name in STATE_LISTS) for i in range(n)]
+        state_bytes = [0 if chunks.frozen(i) else sum(chunks.chunk(name, i).nbytes for name in STATE_LISTS) for i in range(n)]
         planned = plan_device_adam(
-            [mgr.chunk(ChunkList.PARAM, i).nbytes for i in range(n)], state_bytes, mgr.capacity, self.cursor.trace.max_non_model
+            [chunks.chunk(ChunkList.PARAM, i).nbytes for i in range(n)], state_bytes, mgr.capacity, self.cursor.trace.max_non_model
         )
-        self.device_adam_chunks = {i for i in planned if not mgr.frozen(i)}
+        self.device_adam_chunks = {i for i in planned if not chunks.frozen(i)}
 
     # ------------------------------------------------------------------ the optimizer step
     def begin_optimizer_step(self) -> None:
@@ -323,7 +324,7 @@ class Iteration:
         mgr = self.mgr
         self.gradients.step_taken()
         moved = mgr.counters.bytes_to_device + mgr.counters.bytes_to_host - self._bytes_before_step
-        if self.host_heap is not None and release_after_step(moved, mgr.state_bytes()):
+        if self.host_heap is not None and release_after_step(moved, mgr.chunks.state_bytes()):
             self.release_heap()  # the first step after warm-up moved the state to the device
         if self.prefetching():
             # the next forward's first chunks travel while the updates of later chunks run

@@ -134,8 +134,8 @@ class ParamAccess:
         i = self.engine.param_index(p)
         if i is not None and self.mgr.states[i] is TensorState.HOLD_AFTER_BWD:
             s = self.mgr.slots[i]
-            if self.mgr.own(s.chunk_id):
-                slot = self.mgr.slot_view(ChunkList.PARAM, s)
+            if self.mgr.chunks.own(s.chunk_id):
+                slot = self.mgr.chunks.slot_view(ChunkList.PARAM, s)
                 return slot.detach().clone().view(s.shape).to(self.engine.device).as_subclass(ReadOnlyGradient)
         with torch._C.DisableTorchFunctionSubclass():
             return p.grad
@@ -168,7 +168,7 @@ class ParamAccess:
     def _builds_graph(self, func: Callable[..., Any], indices: Any) -> bool:
         return (
             torch.is_grad_enabled()
-            and self.mgr.stage is Stage.IDLE
+            and self.mgr.cursor.stage is Stage.IDLE
             and op_name(func) not in _NOT_DIFFERENTIABLE
             and any(self._param(i).requires_grad for i in indices)
         )
@@ -225,7 +225,7 @@ class ParamAccess:
             # a forward]); autograd would refuse the aliases it read through at the backward
             targets.release_outside_modules(indices, prior, building_graph=False)
             raise ChunkStateError(self._outside_write(func, names))
-        storages = {self.mgr.chunk(ChunkList.PARAM, c).device_view.untyped_storage()._cdata for c in chunk_ids}
+        storages = {self.mgr.chunks.chunk(ChunkList.PARAM, c).device_view.untyped_storage()._cdata for c in chunk_ids}
 
         def own_memory(t: Any) -> Any:
             # A view of the parameter (``p.t()``, ``p.float()`` of an fp32 p) would be read by
@@ -264,35 +264,36 @@ class ParamAccess:
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], indices: dict[int, int], mutated: set[int]
     ) -> Any:
         mgr = self.mgr
+        chunks = mgr.chunks
         if self.gathered_active():
             raise ChunkStateError("parameters cannot be written through while gathered_parameters() is active")
-        if not all(mgr.own(mgr.slots[indices[k]].chunk_id) for k in mutated):
+        if not all(chunks.own(mgr.slots[indices[k]].chunk_id) for k in mutated):
             # its owner writes it: every rank runs the same code (Note [collective schedule])
             return args[0] if args else None
         for i in indices.values():
             s = mgr.slots[i]
-            if not mgr.own(s.chunk_id):
+            if not chunks.own(s.chunk_id):
                 raise ChunkStateError(
                     f"{op_name(func)}() reads parameter '{s.name}', which another rank keeps; {GATHER_HINT}"
                 )
         # masters on disk are staged in for the op and written back (Note [disk tier])
-        with mgr.staged([(ChunkList.MASTER, mgr.slots[i].chunk_id) for i in indices.values()
-                         if not mgr.frozen(mgr.slots[i].chunk_id)], write=True):  # fmt: skip
+        with chunks.staged([(ChunkList.MASTER, mgr.slots[i].chunk_id) for i in indices.values()
+                            if not chunks.frozen(mgr.slots[i].chunk_id)], write=True):  # fmt: skip
             return self._write_through_staged(func, args, kwargs, indices, mutated)
 
     def _write_through_staged(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], indices: dict[int, int], mutated: set[int]
     ) -> Any:
         mgr = self.mgr
-        masters = {key: mgr.value_view(mgr.slots[i]).view(mgr.slots[i].shape) for key, i in indices.items()}
+        masters = {key: mgr.chunks.value_view(mgr.slots[i]).view(mgr.slots[i].shape) for key, i in indices.items()}
         with torch.no_grad():
             out = plain(func, substitute(args, masters), substitute(kwargs, masters))
             for key in mutated:
                 i = indices[key]
                 s = mgr.slots[i]
-                if mgr.states[i] is not TensorState.HOLD_AFTER_BWD and not mgr.frozen(s.chunk_id):
+                if mgr.states[i] is not TensorState.HOLD_AFTER_BWD and not mgr.chunks.frozen(s.chunk_id):
                     # (else the slot holds the gradient, or is itself the value written)
-                    mgr.slot_view(ChunkList.PARAM, s).copy_(masters[key].reshape(-1))
+                    mgr.chunks.slot_view(ChunkList.PARAM, s).copy_(masters[key].reshape(-1))
         back = {id(m): t for t in tensor_args(args, kwargs) if id(t) in masters for m in [masters[id(t)]]}
         if isinstance(out, torch.Tensor):
             return back.get(id(out), out)
@@ -311,17 +312,17 @@ class ParamAccess:
         for i in indices:
             by_chunk.setdefault(mgr.slots[i].chunk_id, []).append(i)
         for cid, members in by_chunk.items():
-            chunk = mgr.chunk(ChunkList.PARAM, cid)
+            chunk = mgr.chunks.chunk(ChunkList.PARAM, cid)
             chunk.mark_dirty()
-            if mgr.frozen(cid) or not mgr.own(cid):
+            if mgr.chunks.frozen(cid) or not mgr.chunks.own(cid):
                 continue  # no master (the param slot is the value), or another rank's chunk
-            with torch.no_grad(), mgr.staged([(ChunkList.MASTER, cid)], write=True):
+            with torch.no_grad(), mgr.chunks.staged([(ChunkList.MASTER, cid)], write=True):
                 param = chunk.payload
                 for i in members:
                     s = mgr.slots[i]
                     if mgr.states[i] is TensorState.HOLD_AFTER_BWD:
                         continue  # the slot holds a gradient
-                    master = mgr.slot_view(ChunkList.MASTER, s)
+                    master = mgr.chunks.slot_view(ChunkList.MASTER, s)
                     value = param[s.offset : s.end].to(master.device)
                     changed = value != master.to(value.dtype)
                     if bool(changed.any()):
@@ -333,12 +334,12 @@ class ParamAccess:
         without moving its chunk (an alias of chunk memory where possible)."""
         mgr = self.mgr
         s = mgr.slots[index]
-        chunk = mgr.chunk(ChunkList.PARAM, s.chunk_id)
+        chunk = mgr.chunks.chunk(ChunkList.PARAM, s.chunk_id)
         if mgr.states[index] is TensorState.HOLD_AFTER_BWD:
-            if not mgr.own(s.chunk_id):
+            if not mgr.chunks.own(s.chunk_id):
                 raise ChunkStateError(f"parameter '{s.name}' is kept by another rank; {GATHER_HINT}")
-            with mgr.staged([(ChunkList.MASTER, s.chunk_id)], write=False):
-                master = mgr.slot_view(ChunkList.MASTER, s)
+            with mgr.chunks.staged([(ChunkList.MASTER, s.chunk_id)], write=False):
+                master = mgr.chunks.slot_view(ChunkList.MASTER, s)
                 return master.to(device=self.engine.device, dtype=chunk.dtype, copy=True).view(s.shape)
         if chunk.location is ChunkLocation.RELEASED:
             raise ChunkStateError(
@@ -350,7 +351,7 @@ class ParamAccess:
         values = {key: self.current_value(i) for key, i in indices.items()}
         chunk_storages = set()
         for i in indices.values():
-            chunk = self.mgr.chunk(ChunkList.PARAM, self.mgr.slots[i].chunk_id)
+            chunk = self.mgr.chunks.chunk(ChunkList.PARAM, self.mgr.slots[i].chunk_id)
             if chunk.location is not ChunkLocation.RELEASED:
                 chunk_storages.add(chunk.payload.untyped_storage()._cdata)
         with torch.no_grad():
@@ -412,17 +413,17 @@ class ParamAccess:
                         for i, p in zip(indices, params):
                             by_chunk.setdefault(mgr.slots[i].chunk_id, []).append((i, p))
                         for cid, members in by_chunk.items():
-                            if not mgr.own(cid):
+                            if not mgr.chunks.own(cid):
                                 continue  # its owner writes it back
-                            trainable = not mgr.frozen(cid)
-                            with mgr.staged([(ChunkList.MASTER, cid)] if trainable else [], write=True):
+                            trainable = not mgr.chunks.frozen(cid)
+                            with mgr.chunks.staged([(ChunkList.MASTER, cid)] if trainable else [], write=True):
                                 for i, p in members:
                                     s = mgr.slots[i]
                                     src = p.data.reshape(-1)
                                     if trainable:
-                                        mgr.slot_view(ChunkList.MASTER, s).copy_(src)
+                                        mgr.chunks.slot_view(ChunkList.MASTER, s).copy_(src)
                                     if mgr.states[i] is not TensorState.HOLD_AFTER_BWD:  # else the slot holds the gradient
-                                        mgr.slot_view(ChunkList.PARAM, s).copy_(src)
+                                        mgr.chunks.slot_view(ChunkList.PARAM, s).copy_(src)
             finally:
                 for i, p in zip(indices, params):
                     p.data = eng.param_view(i)
@@ -462,14 +463,14 @@ class ParamAccess:
             if self._sd_masters is None:
                 self._sd_masters = self.engine.full_masters()
             src = self._sd_masters[s.chunk_id][s.offset : s.end]
-        elif mgr.on_disk(ChunkList.MASTER) and not mgr.frozen(s.chunk_id):
+        elif mgr.chunks.on_disk(ChunkList.MASTER) and not mgr.chunks.frozen(s.chunk_id):
             # staged in once per chunk: state_dict() visits the parameters in about chunk order
             if self._sd_chunk is None or self._sd_chunk[0] != s.chunk_id:
-                with mgr.staged([(ChunkList.MASTER, s.chunk_id)], write=False):
-                    self._sd_chunk = (s.chunk_id, mgr.chunk(ChunkList.MASTER, s.chunk_id).payload.clone())
+                with mgr.chunks.staged([(ChunkList.MASTER, s.chunk_id)], write=False):
+                    self._sd_chunk = (s.chunk_id, mgr.chunks.chunk(ChunkList.MASTER, s.chunk_id).payload.clone())
             src = self._sd_chunk[1][s.offset : s.end]
         else:
-            src = mgr.value_view(s)  # the master, or a frozen parameter's param slot
+            src = mgr.chunks.value_view(s)  # the master, or a frozen parameter's param slot
         value = src.detach().to("cpu", dtype=torch.float32, copy=True).view(s.shape)
         self._sd_memo[index] = value
         return value

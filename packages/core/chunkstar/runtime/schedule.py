@@ -420,7 +420,7 @@ class Schedule:
         """Param chunk bytes a moment needs on the device (whole groups with several processes)."""
         mgr = self.mgr
         ids = {k for c in chunk_ids for k in mgr.layout.group(c)} if self.comm.distributed else set(chunk_ids)
-        return sum(mgr.chunk(ChunkList.PARAM, c).nbytes for c in ids)
+        return sum(mgr.chunks.chunk(ChunkList.PARAM, c).nbytes for c in ids)
 
     def _too_small_error(
         self, minimum: int, too_small: tuple[int, str, int, int, tuple[int, ...]] | None, covered: tuple[int, int]
@@ -435,7 +435,7 @@ class Schedule:
         room = mgr.capacity - non_model  # chunk memory the moment had beside its non-model peak
 
         def bytes_of(s: TensorSlot) -> int:
-            return s.numel * mgr.chunk(ChunkList.PARAM, s.chunk_id).dtype.itemsize
+            return s.numel * mgr.chunks.chunk(ChunkList.PARAM, s.chunk_id).dtype.itemsize
 
         # why smaller chunks cannot help, if they cannot: a parameter that takes much of the device
         # (it has a chunk of its own); non-model memory that fills the device by itself; or, in this
