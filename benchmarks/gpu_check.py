@@ -751,8 +751,8 @@ def _run_child(plan: Plan, timeout_s: float, cap_bytes: int, cut_by_deadline: bo
            "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
     if plan.kind == "parity":  # deterministic cuBLAS (read when CUDA starts); the timed runs keep the default
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    if plan.device == "cpu":  # the virtual device's meter over the engine's whole life, as CUDA's allocator
-        env.setdefault("CHUNKSTAR_DEVICE_METER", "1")
+    if plan.device == "cpu":  # the strict virtual device: backward on a device thread, the meter over every step
+        env.setdefault("CHUNKSTAR_STRICT_DEVICE", "1")
     command = [sys.executable, str(Path(__file__).resolve()), "--child", plan.to_json()]
     tail: collections.deque[str] = collections.deque(maxlen=20)
     records: list[dict[str, Any]] = []

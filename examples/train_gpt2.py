@@ -391,7 +391,8 @@ def print_summary(
         ("non-model peak", size(s["warmup_non_model_peak_bytes"]), "activations and temporaries, measured during warm-up"),
         ("device peak", size(s["device_peak_bytes"]),
          "all the device held at once: chunks until really freed, beside activations"
-         + ("" if os.environ.get("CHUNKSTAR_DEVICE_METER") == "1" else " (warm-up; CHUNKSTAR_DEVICE_METER=1: every step)")
+         + ("" if "1" in (os.environ.get("CHUNKSTAR_DEVICE_METER"), os.environ.get("CHUNKSTAR_STRICT_DEVICE"))
+            else " (warm-up; CHUNKSTAR_DEVICE_METER=1: every step)")
          + (f"; OVER THE BUDGET, first: {s['device_first_overrun']}" if s["device_first_overrun"] else "")),
         ("model data", size(s["model_data_bytes"]),
          f"{s['model_data_bytes'] / s['device_budget_bytes']:.1f}x the budget: never all on the device"),

@@ -1,7 +1,8 @@
-"""The whole suite runs on the strict virtual device (Note [deferred free] in chunkstar/device/memory.py).
+"""The whole suite runs on the strict virtual device (Note [strict device] in chunkstar/device/virtual.py).
 
-* ``CHUNKSTAR_DEVICE_METER=1``: the CPU virtual device measures its non-model memory for
-  every engine's whole life (as CUDA's allocator always does), so its meter sees every step;
+* ``CHUNKSTAR_STRICT_DEVICE=1``: the CPU virtual device runs each backward on a device thread
+  of its own, as autograd does for CUDA tensors, and measures its non-model memory for every
+  engine's whole life (as CUDA's allocator always does), so its meter sees every step;
 * after each test, every engine the test built on the CPU device must have held no more than
   its device: ``device_peak_bytes <= device_budget_bytes`` (the meter counts payload storages
   until they are really freed, frees still waiting for their copies included), unless its
@@ -18,7 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 
-os.environ.setdefault("CHUNKSTAR_DEVICE_METER", "1")
+os.environ.setdefault("CHUNKSTAR_STRICT_DEVICE", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:

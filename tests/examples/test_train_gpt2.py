@@ -82,7 +82,7 @@ def test_quick_trains_with_eviction_and_its_comparison_run_works(tmp_path: Path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "30 steps" in out and "6 layers, hidden 384, vocab 4096" in out, out[:500]
-    # the virtual device's meter (every step measured: the suite sets CHUNKSTAR_DEVICE_METER=1) never
+    # the virtual device's meter (every step measured: the suite sets CHUNKSTAR_STRICT_DEVICE=1) never
     # saw more held than the budget: chunks until really freed beside activations, the evaluation
     # before training included
     assert "OVER THE BUDGET" not in _row(out, "device peak"), _row(out, "device peak")

@@ -26,9 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import chunkstar
 from chunkstar.chunk.chunk import Chunk
-from chunkstar.device.copy_engine import DEBUG_DELAY_ENV, CopyThread
+from chunkstar.device.copy_engine import DEBUG_DELAY_ENV, CopyThread, HostWorker
 from chunkstar.device.memory import DeviceMemory
-from chunkstar.device.virtual import DeviceThread
+from chunkstar.device.virtual import STRICT_ENV, DeviceThread
 from chunkstar.events import Tier
 from chunkstar.memory.probes import CudaProbe
 
@@ -164,6 +164,52 @@ def test_the_engines_backward_and_its_evictions_run_off_the_callers_thread() -> 
     stats = engine.stats()
     assert stats["chunk_moves_to_host"] > 0 and stats["deferred_frees"] > 0
     assert stats["device_peak_bytes"] <= stats["device_budget_bytes"]
+
+
+def test_without_the_strict_device_the_backward_runs_where_pytorch_runs_a_cpu_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Note [strict device]: the device thread (and its OpenMP team, Note [one OpenMP team])
+    is the strict device's, which the suite turns on; a training run's backward runs on the
+    caller's thread, and trains exactly as the strict device's does."""
+    case = CASES["gpt2"]
+    budget = eviction_budget(case.build(), DTYPES["fp32"])
+    runs = []
+    for strict in ("1", ""):
+        monkeypatch.setenv(STRICT_ENV, strict)
+        engine, optimizer = chunkstar.initialize_engine(case.build, 0, engine_config("fp32", budget=budget))
+        threads: set[int] = set()
+        for p in engine.module.parameters():
+            p.register_post_accumulate_grad_hook(lambda _p: threads.add(threading.get_ident()))
+        losses = train_engine(engine, optimizer, case, 3)
+        if strict:
+            assert threads and threading.get_ident() not in threads
+        else:
+            assert threads == {threading.get_ident()}
+        runs.append((losses, {k: v.clone() for k, v in engine.module.state_dict().items()}))
+        assert engine.stats()["chunk_moves_to_host"] > 0
+        engine.close()
+    assert runs[0][0] == runs[1][0]
+    for k, v in runs[0][1].items():
+        assert torch.equal(v, runs[1][1][k]), k
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread: nothing to narrow")
+def test_the_cpu_devices_helper_threads_run_torch_ops_on_themselves_alone() -> None:
+    """Note [one OpenMP team]: a copy lane or the host worker that ran a multi-threaded op would
+    keep an OpenMP team for life, and every later op of the compute thread would wake its own
+    team from a futex; their ops run on one thread, the compute thread keeps its width."""
+    width = torch.get_num_threads()
+    copies = CopyThread()
+    seen: list[int] = []
+    dst, src = torch.empty(1 << 20), torch.randn(1 << 20)
+    copies.to_device(dst, src).wait()
+    copies.to_host(src, dst).wait()
+    worker = HostWorker(device=torch.device("cpu"))
+    worker.submit(lambda: seen.append(torch.get_num_threads())).wait()
+    for lane in (copies._to_device, copies._to_host):
+        lane.submit(lambda: seen.append(torch.get_num_threads())).wait()
+    assert seen == [1, 1, 1] and torch.get_num_threads() == width
+    copies.close()
+    worker.close()
 
 
 @pytest.mark.parametrize("delay", ["", "0-4"])

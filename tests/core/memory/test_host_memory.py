@@ -183,8 +183,11 @@ def test_a_resident_iteration_releases_only_if_it_could_raise_the_peak_rss(monke
     assert heap.could_raise_peak(31)
     # the peak held since the last question: the iteration in between fitted in its pages
     assert not heap.could_raise_peak(31) and not heap.could_raise_peak(500)
-    monkeypatch.setattr(host_heap, "peak_resident_bytes", lambda: 1040)  # an iteration raised it
-    assert heap.could_raise_peak(41) and not heap.could_raise_peak(41)
+    # glibc's fragments crept the peak up by at most a quarter of the margin: not worth the faults
+    monkeypatch.setattr(host_heap, "peak_resident_bytes", lambda: 1030 + 31 // 4)
+    assert not heap.could_raise_peak(31)
+    monkeypatch.setattr(host_heap, "peak_resident_bytes", lambda: 1050)  # iterations raised it by more
+    assert heap.could_raise_peak(51) and not heap.could_raise_peak(51)
     monkeypatch.setattr(host_heap, "resident_bytes", lambda: None)
     assert heap.could_raise_peak(0)  # unknown: release
     monkeypatch.undo()

@@ -45,6 +45,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from chunkstar.device.threads import ops_on_this_thread_only
+
 __all__ = [
     "DEBUG_DELAY_ENV",
     "CopyEngine",
@@ -210,6 +212,9 @@ class _ThreadEvent:
 
 
 def _worker_loop(jobs: queue.SimpleQueue, device: torch.device | None) -> None:  # type: ignore[type-arg]
+    if device is None or device.type == "cpu":
+        # beside the compute thread, not competing with it for every core (Note [one OpenMP team])
+        ops_on_this_thread_only()
     if device is not None and device.type == "cuda":
         # this thread waits on CUDA events (cudaEventSynchronize): on the engine's device, not
         # in a context of its own on GPU 0

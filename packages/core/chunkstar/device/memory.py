@@ -44,7 +44,7 @@ __all__ = ["METER_ENV", "DeviceMemory", "PendingFree", "order_after"]
 METER_ENV = "CHUNKSTAR_DEVICE_METER"
 """Set to 1, the CPU virtual device measures its non-model memory for the engine's whole life
 (the memory probe held from the start), so the meter's peak covers every step, not only the
-warm-up: what the test suite runs with (tests/conftest.py)."""
+warm-up; the strict device (``CHUNKSTAR_STRICT_DEVICE=1``, the test suite's setting) does too."""
 
 
 def order_after(event: Any) -> None:

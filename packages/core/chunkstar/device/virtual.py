@@ -1,13 +1,23 @@
-"""The CPU virtual device's autograd device thread: backward off the caller's thread, as on CUDA.
+"""The strict CPU virtual device's autograd device thread: backward off the caller's thread, as on CUDA.
 
 Mechanism only. For CUDA tensors autograd runs the backward's nodes, and every
 hook they fire, on a device thread of its own while the calling thread waits;
 the engine's evictions, gradient offloads and deferred frees of the backward
 therefore run off the thread that built the engine. For CPU tensors autograd
 runs them in the calling thread, which would hide every bug of that kind. So on
-the virtual device ``engine.backward`` hands the call to a :class:`DeviceThread`
-(one per engine, reused) and waits, and the backward runs there exactly as it
-would on a GPU's device thread.
+the strict virtual device (:data:`STRICT_ENV`, the test suite's setting)
+``engine.backward`` hands the call to a :class:`DeviceThread` (one per engine,
+reused) and waits, and the backward runs there exactly as it would on a GPU's
+device thread.
+
+Note [strict device]: the strict device is for finding bugs, not for training:
+a second compute thread costs every op of the process its OpenMP spin (Note
+[one OpenMP team] in :mod:`chunkstar.device.threads`: 5-10% of a step on 2
+cores). So the device thread, and the meter that measures every step
+(``CHUNKSTAR_DEVICE_METER``, :mod:`chunkstar.device.memory`), come with
+``CHUNKSTAR_STRICT_DEVICE=1``, which ``tests/conftest.py`` sets for the whole
+suite; a training run on the CPU device runs its backward where PyTorch runs a
+CPU backward, on the caller's thread, with the same engine code around it.
 
 Autograd gives its device threads the caller's thread-local state; this thread
 gets the parts the backward can see: grad mode, the CPU autocast settings, and
@@ -18,6 +28,7 @@ the allocator). An exception in the backward is raised to the caller.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import weakref
@@ -27,7 +38,16 @@ import torch
 import torch.overrides as _function_modes
 import torch.utils._python_dispatch as _dispatch_modes
 
-__all__ = ["DeviceThread"]
+__all__ = ["STRICT_ENV", "DeviceThread", "strict_device"]
+
+STRICT_ENV = "CHUNKSTAR_STRICT_DEVICE"
+"""Set to 1, the CPU virtual device is the strict one (Note [strict device]): backward on a
+device thread of its own, and every step measured by the device meter."""
+
+
+def strict_device() -> bool:
+    """Whether this process asked for the strict CPU virtual device (:data:`STRICT_ENV`)."""
+    return os.environ.get(STRICT_ENV, "") == "1"
 
 
 def _modes_now() -> tuple[list[Any], list[Any]]:

@@ -46,6 +46,7 @@ from typing import Callable
 import torch
 
 from chunkstar.device.copy_engine import CopyEvent, debug_delay_from_env, relayed
+from chunkstar.device.threads import ops_on_this_thread_only
 from chunkstar.disk.errors import DiskTierError
 from chunkstar.disk.files import ChunkFiles
 
@@ -95,7 +96,8 @@ class _Lane:
         seed: int,
         on_failure: Callable[[BaseException], None] | None,
     ) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        # I/O beside the compute thread: torch ops here run on this thread alone (Note [one OpenMP team])
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=ops_on_this_thread_only)
         self._delay = delay
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()  # submitters may be on several threads

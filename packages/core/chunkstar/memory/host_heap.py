@@ -57,12 +57,14 @@ the iteration's peak only:
   releasing every iteration; with it, 2187 against 1910. So a resident
   iteration also leaves the heap alone when the peak RSS held since the one
   before asked: that one fitted in the pages it had, and so will this one.
-  The heap is released again only after an iteration raised the peak; in a
-  steady state it stays alone. Measured on the 49M GPT-2 at bf16, 4 x 128
+  The heap is released again only after iterations raised the peak by more
+  than a quarter of the traced non-model peak; in a steady state it stays
+  alone. Measured on the 49M GPT-2 at bf16, 4 x 128
   (``python benchmarks/resident_phases.py``, a noisy 2-core VM): releasing every
   iteration, ~50k page faults per step (PyTorch: 5-25k); never releasing, under
-  2k; with this rule, 0-2k in some runs and 30-37k in others, where the peak
-  keeps creeping up (glibc also trims the backward thread's arena by itself);
+  2k. Releasing whenever the peak rose at all gave 0-2k in some runs and 30-37k
+  in others: glibc's fragments crept the peak up by 4-5 MiB every few steps,
+  and each release had ~100 MiB of pages faulted in again for it;
 * around an optimizer step that moves the optimizer state (the first step
   after warm-up, when it fits on the device): before it, and after it if it
   moved more than a quarter of the state's bytes - the host buffers it left
@@ -163,15 +165,18 @@ class HostHeap:
 
     def could_raise_peak(self, margin: int) -> bool:
         """Whether a resident iteration's release could lower the process's peak resident set
-        (``ru_maxrss``; Note [host heap]): not when the peak held since the last time this was
-        asked (the iteration in between, released or not, fitted in the pages it had: the heap's
-        free pages are the working set the next one reuses); else when the resident set plus
+        (``ru_maxrss``; Note [host heap]) by enough to pay for its page faults: not when the
+        peak rose by at most a quarter of ``margin`` since the last time this answered yes or
+        was first asked (the iterations in between fitted in the pages they had, give or take
+        glibc's fragments: the heap's free pages are the working set the next one reuses, and
+        handing them back has them faulted in again); else when the resident set plus
         ``margin`` bytes passes the peak. True where either figure is unknown."""
         rss, peak = resident_bytes(), peak_resident_bytes()
         if rss is None or peak is None:
             return True
-        held = self._peak_asked is not None and peak <= self._peak_asked
-        self._peak_asked = peak
+        held = self._peak_asked is not None and peak <= self._peak_asked + margin // 4
+        if not held:
+            self._peak_asked = peak
         return not held and rss + margin > peak
 
 

@@ -22,8 +22,9 @@ into their slots) is *non-model* memory and has to be measured:
   meter's peak is chunks plus non-model bytes at the same instant.
 
 The tracker is active while someone holds the probe: the warm-up iterations
-(its cost is paid once), a profiler, or the device meter of a strict test run
-(``CHUNKSTAR_DEVICE_METER=1``: every iteration measured, as CUDA always is).
+(its cost is paid once), a profiler, or the device meter of the strict device
+(``CHUNKSTAR_STRICT_DEVICE=1``, or ``CHUNKSTAR_DEVICE_METER=1`` alone: every
+iteration measured, as CUDA always is).
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from chunkstar.config import EngineConfig, Precision
 from chunkstar.construction.materialize import fill_chunks, origin_fingerprint
 from chunkstar.construction.pretrained import PretrainedSource
 from chunkstar.device.copy_engine import HostWorker, InlineWorker, debug_delay_from_env, make_copy_engine
-from chunkstar.device.virtual import DeviceThread
+from chunkstar.device.virtual import DeviceThread, strict_device
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.distributed.startup import agree_on_startup
@@ -301,9 +301,9 @@ class ChunkEngine:
         self.host_work: HostWorker | InlineWorker = (
             HostWorker(debug_delay_from_env(), device=cfg.device) if cfg.placement.overlap else InlineWorker()
         )
-        # the CPU virtual device runs the backward on a device thread of its own, as autograd does
-        # for CUDA tensors (device/virtual.py): hooks, evictions and frees off the caller's thread
-        self._device_thread = DeviceThread() if cfg.device.type == "cpu" else None
+        # the strict CPU virtual device runs the backward on a device thread of its own, as autograd
+        # does for CUDA tensors: hooks, evictions and frees off the caller's thread (Note [strict device])
+        self._device_thread = DeviceThread() if cfg.device.type == "cpu" and strict_device() else None
         # what the device held before any chunk was on it (CUDA: the user's tensors, workspaces):
         # device_peak_bytes counts from here
         self._device_baseline = 0

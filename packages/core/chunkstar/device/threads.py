@@ -1,0 +1,69 @@
+"""How wide torch's CPU ops run on chunkstar's own threads.
+
+Mechanism only: one call a thread makes on itself before its first job.
+
+Note [one OpenMP team]: torch's CPU build runs every large op (a copy, an
+elementwise op, a matmul) on an OpenMP team of ``torch.get_num_threads()``
+threads, and GNU OpenMP (libgomp, the runtime of PyTorch's Linux wheels) keeps
+one such team per thread that ever ran a multi-threaded op, for that thread's
+whole life. Between two ops a team's threads spin for about 300,000 iterations
+(a few ms) before they sleep, so the next op starts at once; but as soon as the
+process holds more OpenMP threads than CPUs, libgomp cuts that spin to 100
+iterations, and from then on every op of every thread starts by waking its
+team's threads from a futex. A copy lane or the host worker that ran one
+multi-threaded copy, or an autograd device thread that ran one backward, is
+enough. Measured on a 2-core VM (``benchmarks/resident_phases.py``, a 49M GPT-2,
+bf16, 4 x 128): with the copy lanes, the host worker and the virtual device's
+autograd thread each holding a team, the process kept 1.6 of its 2 cores busy
+and a step took 0.44-0.47 s; with only the compute thread's team, 2.0 cores and
+0.40-0.42 s, PyTorch's own step time (its one thread never loses the spin).
+
+So chunkstar's helper threads (the copy lanes and the host worker of the CPU
+virtual device, the disk tier's I/O lanes) run torch's ops on themselves alone:
+their work is meant to run beside the compute thread's, on what it leaves
+free, not to compete with it for every core. On CUDA the host worker keeps
+torch's width: there the CPU's cores are the host Adam's, and the compute is
+the GPU's. And the CPU virtual device runs the backward on the caller's thread,
+as autograd does for CPU tensors, unless the strict device asks for a device
+thread of its own (``CHUNKSTAR_STRICT_DEVICE=1``: the test suite's setting;
+:mod:`chunkstar.device.virtual`), which costs that thread's team.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Callable
+
+import torch
+
+__all__ = ["ops_on_this_thread_only"]
+
+
+def _find_omp_set_num_threads() -> Callable[[int], None] | None:
+    """OpenMP's ``omp_set_num_threads`` as loaded with torch (it sets the calling thread's
+    width only); None where torch runs without OpenMP or the symbol is not global."""
+    try:
+        fn = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
+    except (OSError, TypeError):  # no dlopen(NULL) (Windows)
+        return None
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = None
+    return fn  # type: ignore[no-any-return]
+
+
+_OMP_SET_NUM_THREADS = _find_omp_set_num_threads()
+
+
+def ops_on_this_thread_only() -> bool:
+    """Make torch's CPU ops called from this thread run on it alone, with no OpenMP team
+    of their own (Note [one OpenMP team]); other threads keep their width. Whether it
+    could (False where torch does not use OpenMP: nothing to do there)."""
+    if _OMP_SET_NUM_THREADS is None:
+        return False
+    # torch sets each thread's OpenMP width lazily, on the thread's first question: ask first,
+    # so that first question cannot undo the width set below
+    torch.get_num_threads()
+    _OMP_SET_NUM_THREADS(1)
+    return torch.get_num_threads() == 1
