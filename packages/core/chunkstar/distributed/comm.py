@@ -294,6 +294,8 @@ class Comm:
         """Device bytes of the temporaries held by collectives started and not yet waited for
         (:meth:`gather_scratch_bytes` / :meth:`reduce_scratch_bytes` of each): each stops
         counting once its ``wait()`` has run (or it was dropped unwaited). 0 under gloo."""
+        if not self._scratch_live:  # one process (asked at every moment): nothing was ever started
+            return 0
         with self._scratch_lock:
             return sum(p._scratch for p in list(self._scratch_live))
 
