@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import chunkstar
 from chunkstar.chunk.chunk import Chunk
+from chunkstar.device import threads as device_threads
 from chunkstar.device.copy_engine import DEBUG_DELAY_ENV, CopyThread, HostWorker
 from chunkstar.device.memory import DeviceMemory
 from chunkstar.device.virtual import STRICT_ENV, DeviceThread
@@ -193,6 +194,7 @@ def test_without_the_strict_device_the_backward_runs_where_pytorch_runs_a_cpu_ba
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread: nothing to narrow")
+@pytest.mark.skipif(device_threads._OMP_SET_NUM_THREADS is None, reason="torch without a global OpenMP runtime: no teams to keep")
 def test_the_cpu_devices_helper_threads_run_torch_ops_on_themselves_alone() -> None:
     """Note [one OpenMP team]: a copy lane or the host worker that ran a multi-threaded op would
     keep an OpenMP team for life, and every later op of the compute thread would wake its own
