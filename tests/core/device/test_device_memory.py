@@ -32,6 +32,7 @@ from chunkstar.device.memory import DeviceMemory
 from chunkstar.device.virtual import STRICT_ENV, DeviceThread
 from chunkstar.events import Tier
 from chunkstar.memory.probes import CudaProbe
+from chunkstar.memory.tracer import TracePhase
 
 from tests.core._models import CASES, DTYPES, engine_config, eviction_budget, train_engine
 
@@ -212,6 +213,28 @@ def test_the_cpu_devices_helper_threads_run_torch_ops_on_themselves_alone() -> N
     assert seen == [1, 1, 1] and torch.get_num_threads() == width
     copies.close()
     worker.close()
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread: nothing to narrow")
+@pytest.mark.skipif(device_threads._OMP_SET_NUM_THREADS is None, reason="torch without a global OpenMP runtime: no teams to keep")
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_the_host_worker_widens_only_when_the_frozen_schedule_gives_it_updates(hybrid: bool) -> None:
+    """Note [one OpenMP team]: everything fits, so hybrid Adam puts every update on the device and
+    the worker stays narrow (no team to slow the compute thread); with hybrid Adam off every
+    update runs on the worker, at the process's width once the trace froze."""
+    case = CASES["mlp"]
+    config = {**engine_config("fp32", budget="1GB"), "hybrid_adam": hybrid}
+    engine, optimizer = chunkstar.initialize_engine(case.build, 0, config)
+    width = torch.get_num_threads()
+    widths: list[int] = []
+    for step in range(4):
+        train_engine(engine, optimizer, case, range(step, step + 1))
+        engine.host_work.submit(lambda: widths.append(torch.get_num_threads())).wait()
+    assert engine.schedule.phase is TracePhase.FROZEN
+    assert widths[0] == 1  # warm-up: narrow either way
+    assert widths[-1] == (1 if hybrid else width), widths
+    assert torch.get_num_threads() == width
+    engine.close()
 
 
 @pytest.mark.parametrize("delay", ["", "0-4"])

@@ -45,7 +45,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from chunkstar.device.threads import ops_on_this_thread_only
+from chunkstar.device.threads import ops_on_this_thread_only, set_ops_width
 
 __all__ = [
     "DEBUG_DELAY_ENV",
@@ -306,6 +306,22 @@ class HostWorker:
         self._lane = _Lane("chunkstar-host-work", device)
         self._delay = delay
         self._rng = random.Random(1)
+        # on the CPU device the worker starts narrow (Note [one OpenMP team]); the process's width now
+        self._narrow = device is None or device.type == "cpu"
+        self._width = torch.get_num_threads()
+
+    def widen(self) -> None:
+        """From the next job on, run torch's ops at the process's width: the frozen schedule
+        gave the worker optimizer updates, whose throughput matters more than the compute
+        thread's OpenMP spin (Note [one OpenMP team]). Once; nothing to do on CUDA."""
+        if self._narrow:
+            self._narrow = False
+            width = self._width
+
+            def wide() -> None:
+                set_ops_width(width)
+
+            self._lane.submit(wide)
 
     def submit(self, fn: Callable[[], None], after: CopyEvent | None = None) -> CopyEvent:
         if self._delay is not None:
@@ -331,6 +347,9 @@ class InlineWorker:
         with torch.no_grad():
             fn()
         return _DONE
+
+    def widen(self) -> None:
+        """The jobs run on the compute thread, at its width already."""
 
     def close(self) -> None:
         pass

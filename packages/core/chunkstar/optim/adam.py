@@ -562,6 +562,8 @@ class ChunkAdam(torch.optim.Optimizer):
             self._buckets(buckets, tensors, slots, counts.__getitem__, flush, 0, scratch)  # type: ignore[arg-type]
             flush()
 
+        if mgr.cursor.follows_trace():
+            eng.host_work.widen()  # the host's updates are the schedule's now (Note [one OpenMP team])
         event = eng.host_work.submit(job, after=chunks[0].pending_copy)
         for c in chunks:
             c.set_work(event)
