@@ -28,7 +28,7 @@ import chunkstar
 from chunkstar.chunk.chunk import Chunk
 from chunkstar.device import threads as device_threads
 from chunkstar.device.copy_engine import DEBUG_DELAY_ENV, CopyThread, HostWorker
-from chunkstar.device.memory import DeviceMemory
+from chunkstar.device.memory import METER_ENV, DeviceMemory
 from chunkstar.device.virtual import STRICT_ENV, DeviceThread
 from chunkstar.events import Tier
 from chunkstar.memory.probes import CudaProbe
@@ -192,6 +192,22 @@ def test_without_the_strict_device_the_backward_runs_where_pytorch_runs_a_cpu_ba
     assert runs[0][0] == runs[1][0]
     for k, v in runs[0][1].items():
         assert torch.equal(v, runs[1][1][k]), k
+
+
+@pytest.mark.parametrize("env", [STRICT_ENV, METER_ENV])
+@pytest.mark.parametrize("value", ["true", "yes", "2"])
+def test_a_misspelt_strict_or_meter_switch_is_refused(env: str, value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A switch that says something else than 1 or 0 would leave the run quietly without the
+    strict device (or the meter) it asked for."""
+    monkeypatch.setenv(env, value)
+    case = CASES["mlp"]
+    with pytest.raises(ValueError, match=f"{env}='{value}': expected 1 \\(on\\) or 0 \\(off\\)"):
+        chunkstar.initialize_engine(case.build, 0, engine_config("fp32", budget="1GB"))
+    monkeypatch.setenv(env, "0")
+    monkeypatch.setenv(STRICT_ENV if env == METER_ENV else METER_ENV, "0")
+    engine, _ = chunkstar.initialize_engine(case.build, 0, engine_config("fp32", budget="1GB"))
+    assert engine._device_thread is None
+    engine.close()
 
 
 @pytest.mark.skipif(torch.get_num_threads() < 2, reason="one torch thread: nothing to narrow")

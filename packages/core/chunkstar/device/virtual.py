@@ -38,16 +38,26 @@ import torch
 import torch.overrides as _function_modes
 import torch.utils._python_dispatch as _dispatch_modes
 
-__all__ = ["STRICT_ENV", "DeviceThread", "strict_device"]
+__all__ = ["STRICT_ENV", "DeviceThread", "env_switch", "strict_device"]
 
 STRICT_ENV = "CHUNKSTAR_STRICT_DEVICE"
 """Set to 1, the CPU virtual device is the strict one (Note [strict device]): backward on a
 device thread of its own, and every step measured by the device meter."""
 
 
+def env_switch(name: str) -> bool:
+    """A debugging switch from the environment: ``1`` on, ``0`` or unset (or empty) off. Any
+    other value is refused, so a misspelt switch (``true``, ``yes``) does not leave the run
+    quietly without what it asked for."""
+    raw = os.environ.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{name}={raw!r}: expected 1 (on) or 0 (off)")
+    return raw == "1"
+
+
 def strict_device() -> bool:
     """Whether this process asked for the strict CPU virtual device (:data:`STRICT_ENV`)."""
-    return os.environ.get(STRICT_ENV, "") == "1"
+    return env_switch(STRICT_ENV)
 
 
 def _modes_now() -> tuple[list[Any], list[Any]]:

@@ -57,7 +57,6 @@ chunk manager acts.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Callable
 
@@ -66,7 +65,7 @@ import torch
 from chunkstar.chunk.layout import TensorSlot
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.device.memory import METER_ENV
-from chunkstar.device.virtual import strict_device
+from chunkstar.device.virtual import env_switch, strict_device
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import DeviceMemoryError
 from chunkstar.events import EventBus, Stage, StageChanged
@@ -118,7 +117,7 @@ class Schedule:
         self._seen_paths: set[int] = set()  # hashes of their sequences of moments
         # the CPU virtual device's meter measures every forward and backward, not the warm-up's
         # only (on the CPU every tensor is a host tensor: code between steps is not the device's)
-        self._metered = device.type == "cpu" and (os.environ.get(METER_ENV, "") == "1" or strict_device())
+        self._metered = device.type == "cpu" and (env_switch(METER_ENV) or strict_device())
         self._meter_evaluation = False  # the meter was taken for an evaluation between steps
         # warm-up: a moment whose chunks do not fit is let through (the manager asks
         # _let_through) and the chunk bytes it held at once kept, so the error at the end of the
