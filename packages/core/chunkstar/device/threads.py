@@ -12,11 +12,13 @@ process holds more OpenMP threads than CPUs, libgomp cuts that spin to 100
 iterations, and from then on every op of every thread starts by waking its
 team's threads from a futex. A copy lane or the host worker that ran one
 multi-threaded copy, or an autograd device thread that ran one backward, is
-enough. Measured on a 2-core VM (``benchmarks/resident_phases.py``, a 49M GPT-2,
-bf16, 4 x 128): with the copy lanes, the host worker and the virtual device's
-autograd thread each holding a team, the process kept 1.6 of its 2 cores busy
-and a step took 0.44-0.47 s; with only the compute thread's team, 2.0 cores and
-0.40-0.42 s, PyTorch's own step time (its one thread never loses the spin).
+enough. Measured on a 2-core VM (a 49M GPT-2, bf16, 4 x 128, every chunk
+resident; each phase timed in wall and process CPU seconds, as
+``benchmarks/resident_phases.py --cpu-time`` does): with the copy lanes, the
+host worker and the virtual device's autograd thread each holding a team, the
+process kept 1.6 of its 2 cores busy and a step took 0.45-0.48 s; with only the
+compute thread's team, 2.0 cores and 0.40-0.44 s, PyTorch's own step time (its
+one thread never loses the spin).
 
 So chunkstar's helper threads (the copy lanes and the host worker of the CPU
 virtual device, the disk tier's I/O lanes) run torch's ops on themselves alone:
