@@ -116,6 +116,18 @@ def habits(rank: int, world: int, port: int, out: str) -> None:
         result["accum_losses"] = train_slices(engine, optimizer, gpt2_batch, range(ACCUM_STEPS), accum=ACCUM)
         result["accum_moves"] = engine.stats()["chunk_moves_to_host"]
 
+        # 5. several backwards before one step, written by hand (no gradient_accumulation_steps):
+        # the second forward keeps the first backward's reduced gradients (Note [gradients kept
+        # across a forward]); each loss halved, so the sum is the accumulation's mean
+        engine, optimizer = chunkstar.initialize_engine(
+            case.build, rank, engine_config("fp32", budget=eviction_budget(case.build(), torch.float32))
+        )
+        result["kept_losses"] = train_slices(
+            engine, optimizer, gpt2_batch, range(ACCUM_STEPS), accum=ACCUM, loss_of=lambda m, b: m(**b).loss / ACCUM
+        )
+        result["kept_forwards"] = engine.stats()["kept_gradient_forwards"]
+        result["kept_moves"] = engine.stats()["chunk_moves_to_host"]
+
         # 6. the smallest budget a too-small one's error names trains on two ranks: the other
         # ranks' gathered chunks a moment finds on the device are counted (the 3.2M GPT-2 of
         # examples/train_trainer.py, auto chunks, activation checkpointing; uncounted, the

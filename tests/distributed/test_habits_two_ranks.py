@@ -65,6 +65,13 @@ def test_gradient_accumulation_on_two_ranks_matches_one_process(results: tuple[l
         assert r["accum_moves"] > 0, r
 
 
+def test_several_backwards_before_one_step_on_two_ranks_sum_as_one_process(results: tuple[list[dict[str, Any]], Path]) -> None:
+    want = train_reference(CASES["gpt2"], ACCUM_STEPS, accum=ACCUM)
+    for r in results[0]:
+        assert_losses_close([ACCUM * x for x in r["kept_losses"]], want, 1e-5, f"two backwards per step, rank {r['rank']}")
+        assert r["kept_forwards"] == ACCUM_STEPS * (ACCUM - 1) and r["kept_moves"] > 0, r
+
+
 def test_a_parameter_missing_from_the_last_micro_batch_is_refused_on_every_rank(
     results: tuple[list[dict[str, Any]], Path],
 ) -> None:

@@ -112,14 +112,6 @@ def test_traps_match_pytorch_under_eviction(cls: type[nn.Module]) -> None:
     assert got == pytest.approx(want, rel=1e-5)
 
 
-def test_forward_after_backward_without_step_is_a_clear_error() -> None:
-    engine, _ = chunkstar.initialize_engine(lambda: _build(Checkpointed), 0, _config(1 << 30))
-    x, y = _data(Checkpointed, 1)[0]
-    engine.backward(_loss(engine(x), y))
-    with pytest.raises(chunkstar.ChunkStateError, match="optimizer.step"):
-        engine(x)
-
-
 def test_events_reach_subscribers_and_cost_nothing_without() -> None:
     engine, optimizer = chunkstar.initialize_engine(lambda: _build(Twice), 0, _config(1 << 30))
     seen: list[object] = []

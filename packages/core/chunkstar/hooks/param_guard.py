@@ -10,14 +10,16 @@ live on the other tier (its device storage is 0 bytes) or be its gradient, so
 such an op would crash or read the wrong thing.
 
 Note [parameter guard]: a parameter's Python class is swapped to a
-*guarded* subclass whenever its tensor state leaves COMPUTE, and back when it
-enters COMPUTE (a ``__class__`` assignment, ~50 ns). The guarded class defines
+*guarded* subclass whenever its tensor state leaves COMPUTE, and to a *watched*
+one when it enters COMPUTE (a ``__class__`` assignment, ~50 ns; the watched class
+differs from the plain one only in ``data``: Note [data aliases]). The guarded class defines
 ``__torch_function__``, so every torch function, method or property access
 that takes the parameter calls :meth:`GuardTarget.on_param_access` first. A
 module's own parameters are in COMPUTE while the module runs, so the hot path
 (a module computing with its own weights) never pays anything; only accesses
-the hooks did not foresee do. Metadata (shape, dtype, device, grad, hooks...)
-passes through untouched.
+the hooks did not foresee do. Metadata (shape, dtype, device, hooks...)
+passes through untouched; ``grad`` and its setter go to the runtime, where a
+gradient may sit in the chunk (``module.zero_grad()`` sets it to None).
 
 This module is mechanism only: *what* an access does (make the chunk
 resident, substitute a readable value, write through to the fp32 master) is
@@ -38,6 +40,7 @@ __all__ = [
     "ReadOnlyGradient",
     "ReadOnlySnapshot",
     "guarded_class",
+    "watched_class",
     "is_metadata",
     "mutated_tensors",
     "op_name",
@@ -49,7 +52,9 @@ __all__ = [
 class GuardTarget(Protocol):
     def on_param_access(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
     def grad_of(self, p: torch.Tensor) -> torch.Tensor | None: ...
+    def set_grad(self, p: torch.Tensor, value: Any) -> None: ...
     def set_data(self, p: torch.Tensor, value: Any) -> None: ...
+    def data_of(self, p: torch.Tensor) -> torch.Tensor: ...
     def param_index(self, p: torch.Tensor) -> int | None: ...
 
 
@@ -137,6 +142,8 @@ def guarded_class(base: type, target: GuardTarget) -> type:
             return target.grad_of(args[0])  # the gradient may sit in the chunk (Note [parameter guard])
         if kind == "__set__" and op_name(func) == "data":
             return target.set_data(args[0], args[1])  # the parameter must stay a view of its chunk
+        if kind == "__set__" and op_name(func) == "grad":
+            return target.set_grad(args[0], args[1])  # module.zero_grad() drops a gradient in the slot
         if is_metadata(func) or _is_setter(func):
             return plain(func, args, kwargs)
         return target.on_param_access(func, args, kwargs or {})
@@ -169,39 +176,139 @@ def guarded_class(base: type, target: GuardTarget) -> type:
     )
 
 
+# Note [data aliases]: ``p.data`` is the one alias of a parameter that autograd does not
+# version with it: it has a version counter of its own, so an in-place write through it
+# (``self.weight.data.clamp_(...)``, ``.mul_``, ``.copy_(normalize(...))``: the max-norm and
+# non-negativity constraints of older code, Gemma3n's AltUp clipping a child's weight) leaves
+# the parameter's own counter alone, and Note [writes in a forward] in
+# runtime/hook_targets.py, which reads that counter, would never see it. A parameter in
+# COMPUTE is a plain tensor that no guard sees, so its class there is not the plain one but
+# a *watched* subclass that overrides only the ``data`` property: its getter hands out the
+# real alias and the runtime notes it (with the alias's own counter), its setter writes the
+# value through instead of replacing the parameter's storage. Nothing else changes: the
+# watched class keeps its base's disabled ``__torch_function__``, so every op on the
+# parameter runs as on the plain class (torch then looks up one class attribute per
+# argument, tens of nanoseconds). Outside COMPUTE the guarded class catches ``data`` as any
+# other access (runtime/param_access.py).
+
+
+def watched_class(base: type, target: GuardTarget) -> type:
+    """The class of a parameter in COMPUTE: ``base`` with ``data`` reaching ``target``
+    (Note [data aliases]). The caller keeps one per base class."""
+
+    def _get(self: torch.Tensor) -> torch.Tensor:
+        return target.data_of(self)
+
+    def _set(self: torch.Tensor, value: Any) -> None:
+        target.set_data(self, value)
+
+    return type(
+        base.__name__,
+        (base,),
+        {"data": property(_get, _set), "__module__": base.__module__, "_chunkstar_base": base},
+    )
+
+
+def plain_data(p: torch.Tensor) -> torch.Tensor:
+    """``p.data`` as the plain tensor class gives it, past any override of the property."""
+    return torch._C.TensorBase.data.__get__(p)  # type: ignore[attr-defined,no-any-return]
+
+
+def set_plain_data(p: torch.Tensor, value: torch.Tensor) -> None:
+    """``p.data = value`` as the plain tensor class does it."""
+    torch._C.TensorBase.data.__set__(p, value)  # type: ignore[attr-defined]
+
+
 _WRITE_HINT = (
-    "it is a read-only copy of a chunkstar parameter's value, taken outside the model's forward and backward; "
     "a write to it would be lost. Write to the parameter itself under torch.no_grad() (p.copy_(x), p.mul_(s), "
-    "nn.init.*: chunkstar writes through to the fp32 master), or use `with engine.gathered_parameters(): ...` "
-    "where p.data is the real fp32 value"
+    "p.data.clamp_(...), nn.init.*: chunkstar writes through to the fp32 master), or use "
+    "`with engine.gathered_parameters(): ...` where p.data is the real fp32 value"
 )
+
+WriteHook = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], None]
 
 
 class ReadOnlySnapshot(torch.Tensor):
     """A copy of a parameter's value handed out for an aliasing read (``p.data``,
-    ``p.detach()``, a view) between steps. Reads work as on any tensor (their
-    results are plain tensors); an in-place write raises, because it could
-    never reach the parameter."""
+    ``p.detach()``, a view) where the parameter's own memory cannot be handed out: between
+    steps, or outside its module in a forward. Reads work as on any tensor (their results
+    are plain tensors, but views of a snapshot are snapshots). An in-place write to the
+    snapshot itself goes through to the parameter where the engine gave it a write hook
+    (``p.data`` and ``p.detach()`` between steps: ``p.data.clamp_(-c, c)`` after a step, as
+    WGAN's weight clipping does); any other write raises, naming the parameter, because it
+    could never reach it (never dropped in silence)."""
+
+    _chunkstar_of = "a chunkstar parameter"  # what it is a copy of (an instance sets it)
+    _chunkstar_when = "taken outside the model's forward and backward"
+    _chunkstar_writes: frozenset[str] | None = None  # the in-place ops the write hook takes (None: any)
 
     @classmethod
     def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        if not is_metadata(func) and any(isinstance(t, ReadOnlySnapshot) for t in mutated_tensors(func, args, kwargs)):
-            raise ChunkStateError(f"cannot {op_name(func)}() this tensor: {_WRITE_HINT}")
-        return plain(func, args, kwargs)
+        if is_metadata(func):
+            return plain(func, args, kwargs)
+        hit = [t for t in mutated_tensors(func, args, kwargs) if isinstance(t, ReadOnlySnapshot)]
+        if hit:
+            target = hit[0]
+            hook: WriteHook | None = target.__dict__.get("_chunkstar_write")
+            allowed = target._chunkstar_writes
+            if hook is None or len(hit) > 1 or allowed is not None and op_name(func) not in allowed:
+                raise ChunkStateError(target._refusal(func))
+            hook(func, args, kwargs or {})  # the parameter's value (its fp32 master, then its slot)
+            plain(func, args, kwargs)  # and this copy, which the caller may read next
+            return target
+        out = plain(func, args, kwargs)
+        return _views_stay_snapshots(out, args)
+
+    def _refusal(self, func: Callable[..., Any]) -> str:
+        return f"cannot {op_name(func)}() this tensor: it is a copy of {self._chunkstar_of}, {self._chunkstar_when}; {_WRITE_HINT}"
+
+
+def snapshot(value: torch.Tensor, cls: type[ReadOnlySnapshot], of: str, when: str | None = None,
+             write: WriteHook | None = None) -> torch.Tensor:  # fmt: skip
+    """``value`` (a copy the caller owns) as a snapshot of ``of``; ``write`` makes an in-place
+    write to it reach the parameter."""
+    out = value.as_subclass(cls)
+    out._chunkstar_of = of  # type: ignore[attr-defined]
+    if when is not None:
+        out._chunkstar_when = when  # type: ignore[attr-defined]
+    if write is not None:
+        out._chunkstar_write = write  # type: ignore[attr-defined]
+    return out
+
+
+def _views_stay_snapshots(out: Any, args: tuple[Any, ...]) -> Any:
+    """A view of a snapshot (``p.data[0]``, ``.t()``) is one too, so a write to it is refused
+    rather than lost; it never writes through (only the snapshot itself does)."""
+    sources = {t.untyped_storage()._cdata: t for t in args if isinstance(t, ReadOnlySnapshot)}
+    if not sources:
+        return out
+
+    def keep(o: Any) -> Any:
+        if isinstance(o, torch.Tensor) and not isinstance(o, ReadOnlySnapshot):
+            src = sources.get(o.untyped_storage()._cdata)
+            if src is not None:
+                return snapshot(o, type(src), src._chunkstar_of, src._chunkstar_when)
+        return o
+
+    if isinstance(out, (list, tuple)):
+        return type(out)(keep(o) for o in out)
+    return keep(out)
 
 
 class ReadOnlyGradient(ReadOnlySnapshot):
     """A copy of a parameter's gradient, handed out by ``p.grad`` while the gradient
     sits in the parameter's slot (between ``engine.backward`` and ``optimizer.step``):
-    norms and logging work; in-place changes (``clip_grad_norm_``) raise."""
+    norms and logging work; ``p.grad.zero_()`` (``module.zero_grad(set_to_none=False)``)
+    zeroes the gradient in the slot through the engine's hook; other in-place changes
+    (``clip_grad_norm_``) raise."""
 
-    @classmethod
-    def __torch_function__(cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        if not is_metadata(func) and any(isinstance(t, ReadOnlyGradient) for t in mutated_tensors(func, args, kwargs)):
-            raise ChunkStateError(
-                f"cannot {op_name(func)}() a gradient: chunkstar keeps gradients in its chunks and hands out "
-                "read-only copies. Clip with the config key 'gradient_clipping' (global L2 norm, as "
-                "torch.nn.utils.clip_grad_norm_), scale the loss instead of the gradients, or drop them with "
-                "optimizer.zero_grad()"
-            )
-        return plain(func, args, kwargs)
+    _chunkstar_when = "held in its chunk until optimizer.step()"
+    _chunkstar_writes = frozenset({"zero_"})
+
+    def _refusal(self, func: Callable[..., Any]) -> str:
+        return (
+            f"cannot {op_name(func)}() the gradient of {self._chunkstar_of}: chunkstar keeps gradients in its chunks "
+            "and hands out read-only copies. Clip with the config key 'gradient_clipping' (global L2 norm, as "
+            "torch.nn.utils.clip_grad_norm_), scale the loss instead of the gradients, or drop them with "
+            "optimizer.zero_grad() or module.zero_grad()"
+        )

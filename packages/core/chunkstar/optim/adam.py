@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
@@ -269,12 +269,14 @@ class ChunkAdam(torch.optim.Optimizer):
         event = eng.host_work.submit(lambda: box.append(range_norms([host[a:b] for a, b in spans])), after=chunk.pending_copy)
         self._partials[chunk_id] = (event, box)
 
-    def forget_gradients(self) -> None:
-        """The pending gradients were dropped (zero_grad without a step, a failed backward)."""
-        for event, _ in self._partials.values():
+    def forget_gradients(self, chunk_ids: Iterable[int] | None = None) -> None:
+        """The pending gradients were dropped (zero_grad without a step, a failed backward), or
+        changed after this took them (``chunk_ids`` only: a module's zero_grad(), a forward that
+        kept them, Note [gradients kept across a forward] in runtime/gradients.py)."""
+        for cid in list(self._partials) if chunk_ids is None else [c for c in chunk_ids if c in self._partials]:
+            event, _ = self._partials.pop(cid)
             if event is not None:
                 event.wait()  # its job reads a buffer the restore is about to write
-        self._partials.clear()
 
     def _forward_order(self) -> list[int]:
         """Chunk ids in the order the next forward first needs them (the frozen trace's

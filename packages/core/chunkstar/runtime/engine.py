@@ -54,7 +54,7 @@ from chunkstar.distributed.startup import agree_on_startup
 from chunkstar.errors import ChunkStateError, ConfigError
 from chunkstar.events import EventBus, Stage
 from chunkstar.hooks.module_hooks import EngineHook, HookedModule, install_hooks
-from chunkstar.hooks.param_guard import guarded_class
+from chunkstar.hooks.param_guard import guarded_class, watched_class
 from chunkstar.hooks.param_upcast import install_upcasts  # issue 18.5: Note [norm dtypes]
 from chunkstar.memory.budget import device_capacity
 from chunkstar.memory.host_heap import HostHeap, bound_heap_retention
@@ -329,12 +329,15 @@ class ChunkEngine:
         # issue 18.5: norm layers see their parameters in fp32 within their forward, as under
         # autocast over fp32 weights (Note [norm dtypes]); after install_hooks (Note [parameter upcast])
         self._handles += install_upcasts(model, lambda m: upcast_dtype(m, dtype))
+        self._casts: dict[int, torch.dtype] = {}  # id(module) -> dtype it cast its parameters to (see_in_dtype)
         _check_units_fit(modules, [u.key for u in self._units], self.mgr)
-        guarded: dict[type, type] = {}  # one guarded class per parameter class (Note [parameter guard])
+        # one guarded and one watched class per parameter class (Note [parameter guard], Note [data aliases])
+        guarded: dict[type, tuple[type, type]] = {}
         for p in self._params:
             if type(p) not in guarded:
-                guarded[type(p)] = guarded_class(type(p), self.access)
-        self.mgr.install_guard(self._params, [guarded[type(p)] for p in self._params])
+                guarded[type(p)] = (watched_class(type(p), self.access), guarded_class(type(p), self.access))
+        classes = [guarded[type(p)] for p in self._params]
+        self.mgr.install_guard(self._params, [w for w, _ in classes], [g for _, g in classes])
         # module.state_dict() serves the fp32 masters (runtime/param_access.py); the root's hooks
         # span a whole call, so tied names get one tensor
         for mod in [m for m in model.modules() if m is model or any(True for _ in m.parameters(recurse=False))]:
@@ -511,6 +514,51 @@ class ChunkEngine:
 
     def drop_pending_grads(self) -> None:
         self._gradients.drop_pending()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient not consumed by a step, as DeepSpeed's ``engine.zero_grad()`` and
+        ``optimizer.zero_grad()`` do (``set_to_none=False`` keeps them as zeros, as torch's)."""
+        if self._optimizer is not None and set_to_none:
+            self._optimizer.zero_grad()
+        elif set_to_none:
+            self._gradients.drop_pending()
+        else:
+            for i in range(len(self._params)):
+                self._gradients.zero(i)
+
+    # ------------------------------------------------------------------ for parameter access
+    def gradient_kept(self, index: int) -> torch.Tensor | None:
+        return self._gradients.kept_value(index)
+
+    def drop_gradients(self, indices: list[int]) -> None:
+        self._gradients.drop(indices)
+
+    def zero_gradient(self, index: int) -> None:
+        self._gradients.zero(index)
+
+    def see_in_dtype(self, index: int, dtype: torch.dtype) -> None:
+        """A module cast parameter ``index`` to ``dtype`` in its forward (Note [a model casting
+        its parameters] in runtime/param_access.py): every module that registered it sees its
+        parameters in that dtype from its next call on."""
+        p = self._params[index]
+        for mod in self.module.modules():
+            if not any(q is p for q in mod._parameters.values()):
+                continue
+            seen = self._casts.get(id(mod)) or upcast_dtype(mod, self.config.precision.dtype)
+            if seen == dtype:
+                continue  # it sees them so already (a norm layer cast to fp32)
+            if seen is not None:
+                raise ChunkStateError(
+                    f"module {type(mod).__name__} casts parameter '{self.mgr.slots[index].name}' to {dtype} in its "
+                    f"forward, but it already sees its parameters in another dtype: chunkstar can show a module its "
+                    "parameters in one dtype only"
+                )
+            self._casts[id(mod)] = dtype
+
+            def only(m: nn.Module, mod: nn.Module = mod) -> torch.dtype | None:
+                return dtype if m is mod else None
+
+            self._handles += install_upcasts(mod, only)
 
     def _trains_anything(self) -> bool:
         mgr = self.mgr
@@ -705,6 +753,13 @@ class ChunkEngine:
             "stage": self.mgr.cursor.stage.value,
             "schedule": self.schedule.phase.value,
             "replans": self.schedule.replans,
+            # forwards that found gradients waiting (a second backward before the step) and kept
+            # them in the fp32 accumulators, and the bytes moved so (Note [gradients kept across a forward])
+            "kept_gradient_forwards": self._gradients.kept_forwards,
+            "kept_gradient_bytes": self._gradients.kept_bytes,
+            # modules whose parameters the model casts in its forward, which see them so from then on
+            # (Note [a model casting its parameters])
+            "modules_cast_by_model": len(self._casts),
             **(mgr.chunks.disk.stats() if mgr.chunks.disk is not None else {}),
         }
 

@@ -27,7 +27,7 @@ the update runs nor how chunks move: it only writes slots and states.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import torch
 
@@ -51,7 +51,7 @@ class GradientConsumer(Protocol):
     pipeline]) and forgets what it took when the gradients are dropped."""
 
     def take_gradients(self, chunk_id: int) -> None: ...
-    def forget_gradients(self) -> None: ...
+    def forget_gradients(self, chunk_ids: Iterable[int] | None = None) -> None: ...
 
 
 class Gradients:
@@ -64,8 +64,17 @@ class Gradients:
         self.optimizer: GradientConsumer | None = None  # takes complete chunks during backward (set by the engine)
         self.since_step = 0  # micro-batches since the last optimizer step
         self.boundary = False  # the running backward is the last micro-batch before a step
-        self._accumulators: dict[int, torch.Tensor] = {}  # chunk id -> 1-D fp32 host, grads of earlier micro-batches
+        # chunk id -> 1-D fp32 host, grads of earlier micro-batches (or of backwards a forward
+        # found waiting: Note [gradients kept across a forward]); made once per chunk and reused
+        # (Note [accumulator buffers]), so what a slot's range holds is valid only for the slots
+        # in _accumulated
+        self._accumulators: dict[int, torch.Tensor] = {}
         self._accumulated: set[int] = set()  # slot indices with something in an accumulator
+        # several processes: slots whose accumulator holds world_size x a reduced (averaged)
+        # gradient (Note [gradients kept across a forward])
+        self._scaled: set[int] = set()
+        self.kept_forwards = 0  # forwards that found gradients waiting and kept them (engine.stats())
+        self.kept_bytes = 0  # the gradient bytes those forwards moved into the accumulators
         # CUDA: accumulators are pinned and every copy to or from them is asynchronous, in stream order
         self._async = mgr.device.type == "cuda"
         # what each gradient is multiplied by as it arrives: 1/gradient_accumulation_steps in a plain
@@ -93,8 +102,9 @@ class Gradients:
 
     def on_grad(self, index: int, param: torch.Tensor) -> None:
         """Parameter ``index``'s gradient is complete (all its uses ran): fold it."""
-        grad = param.grad
-        param.grad = None
+        with torch._C.DisableTorchFunctionSubclass():  # autograd's own .grad, past the guard (Note [parameter guard])
+            grad = param.grad
+            param.grad = None
         if grad is None:
             return
         if self.cursor.stage is not Stage.BWD:
@@ -133,6 +143,7 @@ class Gradients:
                     earlier = acc[s.offset : s.end].to(slot.device, non_blocking=self._async)
                     slot.copy_(earlier + grad.float().reshape(-1))
                     self._accumulated.discard(index)
+                    self._scaled.discard(index)
                 else:
                     slot.copy_(grad.reshape(-1))
                 if mgr.states[index] is not TensorState.COMPUTE:
@@ -143,24 +154,7 @@ class Gradients:
                 elif self._offload_early and mgr.settled(s.chunk_id):
                     self._grads_complete(s.chunk_id)
             else:
-                acc = self._accumulators.get(s.chunk_id)
-                if acc is None:
-                    acc = self._accumulators[s.chunk_id] = torch.zeros(
-                        mgr.layout.chunk_sizes[s.chunk_id], dtype=torch.float32, pin_memory=self._async
-                    )
-                view = acc[s.offset : s.end]
-                if self._async:
-                    # CUDA: the sum is taken on the device and written back into the pinned accumulator,
-                    # all in stream order: no host sync per parameter (a plain add_ into the host tensor
-                    # would wait for each gradient's copy). torch's pinned allocator keeps a buffer until
-                    # the copies that use it are done, even once the accumulator is dropped.
-                    total = grad.reshape(-1).float()
-                    if index in self._accumulated:
-                        total = total + view.to(grad.device, non_blocking=True)
-                    view.copy_(total, non_blocking=True)
-                else:
-                    view.add_(grad.reshape(-1).float().to("cpu"))
-                self._accumulated.add(index)
+                self._accumulate(index, grad.reshape(-1))
                 if mgr.states[index] is TensorState.COMPUTE:
                     mgr.set_state(index, TensorState.HOLD_AFTER_FWD)
                 if self.comm.distributed:
@@ -201,17 +195,15 @@ class Gradients:
             for s in (mgr.slots[i] for i in todo):
                 st = mgr.states[s.index]
                 if self.boundary and s.index in self._accumulated and st is not TensorState.HOLD_AFTER_BWD:
-                    # its gradients came from earlier micro-batches or inner backwards only
-                    # (Note [reentrant regions]): its gradient is the accumulator
-                    acc = self._accumulators[s.chunk_id]
-                    mgr.chunks.slot_view(ChunkList.PARAM, s).copy_(acc[s.offset : s.end], non_blocking=self._async)
-                    mgr.set_state(s.index, TensorState.COMPUTE)  # a value becomes a gradient only from COMPUTE
-                    mgr.set_state(s.index, TensorState.HOLD_AFTER_BWD)
+                    # its gradients came from earlier micro-batches, inner backwards or earlier
+                    # backwards only (Note [reentrant regions], Note [gradients kept across a
+                    # forward]): its gradient is the accumulator
+                    self._fold_accumulated(s)
                 elif st is TensorState.COMPUTE or st is TensorState.HOLD_AFTER_FWD:
                     mgr.set_state(s.index, TensorState.HOLD)
         if self.boundary:
-            self._accumulators.clear()
             self._accumulated.clear()
+            self._scaled.clear()
         if self.comm.distributed:
             self.reducer.release_all()
 
@@ -219,7 +211,8 @@ class Gradients:
         """Several processes, at a boundary (Note [accumulation across ranks]): refuse, on every
         rank alike, parameters whose gradients came in earlier micro-batches only."""
         mgr = self.mgr
-        late = [i for i in self._accumulated if mgr.states[i] is not TensorState.HOLD_AFTER_BWD]
+        # (a gradient a forward kept after its reduction is an average already: it folds alone)
+        late = [i for i in self._accumulated if mgr.states[i] is not TensorState.HOLD_AFTER_BWD and i not in self._scaled]
         flag = torch.tensor([float(len(late))], dtype=torch.float64)
         if self.comm.all_reduce_max(flag, what="the accumulation check", device=mgr.device).item() > 0:
             names = ", ".join(mgr.slots[i].name for i in sorted(late)[:3]) or "(on another rank)"
@@ -230,6 +223,156 @@ class Gradients:
                 "the same in every micro-batch), or accumulate in one process"
             )
 
+    # ------------------------------------------------------------------ accumulators
+    # Note [accumulator buffers]: an accumulator is one fp32 host buffer per param chunk, made
+    # the first time the chunk needs one and kept for the engine's life: every later cycle
+    # reuses it, and a slot's range is written whole by its first gradient of a cycle
+    # (copied, never added to zeros), so nothing is zero-filled. On CUDA the buffers come from
+    # the engine's exactly sized pinned buffers (device/pinned.py): torch's pinned allocator
+    # would round each up to a power of two and never give the memory back, about twice the
+    # bytes across a run's chunks, made again every cycle.
+    def _accumulator(self, chunk_id: int) -> torch.Tensor:
+        acc = self._accumulators.get(chunk_id)
+        if acc is None:
+            numel = self.mgr.layout.chunk_sizes[chunk_id]
+            pool = self.mgr.chunks.pinned_buffers
+            acc = pool.take(numel, torch.float32) if self._async and pool is not None else torch.empty(numel, dtype=torch.float32)
+            self._accumulators[chunk_id] = acc
+        return acc
+
+    def _accumulate(self, index: int, grad: torch.Tensor, scale: float = 1.0) -> None:
+        """Add the flat gradient ``grad`` of slot ``index`` into its chunk's accumulator."""
+        s = self.mgr.slots[index]
+        view = self._accumulator(s.chunk_id)[s.offset : s.end]
+        total = grad.float()
+        if scale != 1.0:
+            total = total * scale
+        if self._async:
+            # CUDA: the sum is taken on the device and written back into the pinned accumulator,
+            # all in stream order: no host sync per parameter (a plain add_ into the host tensor
+            # would wait for each gradient's copy)
+            if index in self._accumulated:
+                total = total + view.to(grad.device, non_blocking=True)
+            view.copy_(total, non_blocking=True)
+        elif index in self._accumulated:
+            view.add_(total.to("cpu"))
+        else:
+            view.copy_(total)
+        self._accumulated.add(index)
+
+    def _fold_accumulated(self, s: TensorSlot) -> None:
+        """Slot ``s`` got no gradient in this backward but has accumulated ones: they are its
+        gradient (a value becomes a gradient only from COMPUTE)."""
+        mgr = self.mgr
+        acc = self._accumulators[s.chunk_id][s.offset : s.end]
+        if s.index in self._scaled:
+            acc = acc / self.comm.world_size  # reduced already (Note [gradients kept across a forward])
+        mgr.chunks.slot_view(ChunkList.PARAM, s).copy_(acc, non_blocking=self._async)
+        mgr.set_state(s.index, TensorState.COMPUTE)
+        mgr.set_state(s.index, TensorState.HOLD_AFTER_BWD)
+
+    # ------------------------------------------------------------------ gradients a forward finds
+    # Note [gradients kept across a forward]: PyTorch sums the gradients of every backward
+    # until the gradients are dropped: DCGAN's tutorial calls errD_real.backward(), runs the
+    # discriminator again and calls errD_fake.backward() before optimizerD.step(); accumulation
+    # written by hand and a multi-task model that backwards each loss in turn are the same
+    # loop; an evaluation between a backward and the step reads the weights too. Here a
+    # backward leaves each gradient in its parameter's slot, where the next forward needs the
+    # value. So a forward that starts while slots hold gradients first *keeps* them: each such
+    # slot's gradient goes into its chunk's fp32 accumulator (the one gradient accumulation and
+    # Note [reentrant regions] use), the slot gets its value back from the fp32 master, and
+    # the next backward's folds add the accumulator in, as the last micro-batch of an
+    # accumulation does. A step that comes with no backward after such a forward folds the
+    # accumulators into the slots first (:meth:`fold_kept`). The sum is PyTorch's: each
+    # backward's gradient is computed from the same values and added in fp32. The cost, shown
+    # in engine.stats() as ``kept_gradient_forwards`` and ``kept_gradient_bytes``: 4 bytes of
+    # host accumulator per parameter, made once (Note [accumulator buffers]), and per such
+    # forward one read of each waiting gradient and one master-to-slot copy; the optimizer
+    # cannot take gradients during the next backward (Note [gradient pipeline]), since they
+    # are complete only at its end. With several processes the waiting gradients are the
+    # reduced averages in their owners' chunks: the owner keeps world_size x the average, so
+    # the average of the next fold's sums is the sum of the averages, and a slot that gets no
+    # gradient in the next backward takes the average back unscaled.
+    def keep_pending(self) -> None:
+        """A forward starts while slots hold gradients: keep them in the accumulators and give
+        the slots their values back (Note [gradients kept across a forward])."""
+        mgr = self.mgr
+        pending = {cid: [s for s in mgr.slots_of(cid) if mgr.states[s.index] is TensorState.HOLD_AFTER_BWD]
+                   for cid in range(mgr.layout.n_chunks) if mgr.grads_in(cid)}  # fmt: skip
+        if not pending:
+            return
+        if self.optimizer is not None:
+            self.optimizer.forget_gradients(pending)  # what it took early is not the whole sum
+        scale = float(self.comm.world_size) if self.comm.distributed else 1.0
+        moved = 0
+        with torch.no_grad(), mgr.probe.paused():
+            for cid, slots in pending.items():
+                param = mgr.chunks.chunk(ChunkList.PARAM, cid).payload
+                for s in slots:
+                    self._accumulate(s.index, param[s.offset : s.end], scale)
+                    if scale != 1.0:
+                        self._scaled.add(s.index)
+                    moved += s.numel * 4
+        self.restore_params_from_master(pending)
+        self.kept_forwards += 1
+        self.kept_bytes += moved
+
+    def fold_kept(self) -> None:
+        """Before a step: gradients a forward kept with no backward since (an evaluation between
+        a backward and the step) go back into their slots."""
+        if not self._accumulated or self.since_step % self.accumulation_steps != 0:
+            return  # nothing kept, or an accumulation still open (the step refuses it)
+        mgr = self.mgr
+        with torch.no_grad(), mgr.probe.paused():
+            for i in sorted(self._accumulated):
+                if mgr.states[i] is not TensorState.HOLD_AFTER_BWD:
+                    self._fold_accumulated(mgr.slots[i])
+        self._accumulated.clear()
+        self._scaled.clear()
+
+    def kept_value(self, index: int) -> torch.Tensor | None:
+        """Slot ``index``'s gradient waiting in an accumulator (fp32, flat), or None."""
+        if index not in self._accumulated:
+            return None
+        s = self.mgr.slots[index]
+        value = self._accumulators[s.chunk_id][s.offset : s.end].clone()
+        return value / self.comm.world_size if index in self._scaled else value
+
+    def has_kept(self) -> bool:
+        """Whether gradients wait in the accumulators (kept by a forward, or accumulating)."""
+        return bool(self._accumulated)
+
+    # ------------------------------------------------------------------ dropping some gradients
+    def drop(self, indices: Iterable[int]) -> None:
+        """``p.grad = None`` for these slots (``module.zero_grad()`` of any module): their
+        gradients, in the slot or an accumulator, are gone, as PyTorch's are."""
+        mgr = self.mgr
+        in_slot: dict[int, list[TensorSlot]] = {}
+        for i in indices:
+            s = mgr.slots[i]
+            self._accumulated.discard(i)
+            self._scaled.discard(i)
+            if mgr.states[i] is TensorState.HOLD_AFTER_BWD:
+                in_slot.setdefault(s.chunk_id, []).append(s)
+        if in_slot:
+            if self.optimizer is not None:
+                self.optimizer.forget_gradients(in_slot)
+            self.restore_params_from_master(in_slot)
+        if not self._accumulated and not self.has_pending():
+            self.since_step = 0  # no gradient is left: as after optimizer.zero_grad()
+
+    def zero(self, index: int) -> None:
+        """``p.grad.zero_()`` (``module.zero_grad(set_to_none=False)``): the gradient stays, as zeros."""
+        mgr = self.mgr
+        s = mgr.slots[index]
+        self._accumulated.discard(index)
+        self._scaled.discard(index)
+        if mgr.states[index] is TensorState.HOLD_AFTER_BWD:
+            if self.optimizer is not None:
+                self.optimizer.forget_gradients([s.chunk_id])
+            with torch.no_grad():
+                mgr.chunks.chunk(ChunkList.PARAM, s.chunk_id).payload[s.offset : s.end].zero_()
+
     def micro_batch_done(self) -> None:
         self.since_step += 1
 
@@ -239,7 +382,8 @@ class Gradients:
 
     def has_pending(self) -> bool:
         """Whether gradients sit in param slots (HOLD_AFTER_BWD) waiting for a step."""
-        return any(st is TensorState.HOLD_AFTER_BWD for st in self.mgr.states)
+        grads_in = self.mgr.grads_in
+        return any(grads_in(c) for c in range(self.mgr.layout.n_chunks))
 
     def restore_params_from_master(self, slots_by_chunk: dict[int, list[TensorSlot]]) -> None:
         """Write the fp32 masters back over ``slots_by_chunk`` (gradients dropped, or a
@@ -271,6 +415,6 @@ class Gradients:
             self.optimizer.forget_gradients()
         if pending:
             self.restore_params_from_master(pending)
-        self._accumulators.clear()
         self._accumulated.clear()
+        self._scaled.clear()
         self.since_step = 0

@@ -39,6 +39,11 @@ from chunkstar.runtime.iteration import Iteration
 __all__ = ["HookTargets"]
 
 _PARAM = ChunkList.PARAM  # read per moment
+
+
+def _alias_written(taken: list[tuple[torch.Tensor, int]]) -> bool:
+    """Whether any of these .data aliases was written since it was noted (its own counter)."""
+    return any(a._version != v for a, v in taken)
 # the phases in which the engine does not measure (the warm-up and an unscheduled run do)
 _COMPILED_PHASES = frozenset({TracePhase.FROZEN, TracePhase.DIVERGED})
 
@@ -65,6 +70,12 @@ class HookTargets:
         # slot index -> (its parameter's version counter when noted, stack position of the module
         # that noted it) while a module or op that holds it runs (Note [writes in a forward])
         self._versions: dict[int, tuple[int, int]] = {}
+        # slot index -> the .data aliases a forward took of it, each with its own counter then
+        # (Note [data aliases] in hooks/param_guard.py); checked where the versions are
+        self._aliases: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        # slot index -> its state before: parameters whose .data a forward took outside every
+        # module, held in COMPUTE until the next module boundary (flush_loose)
+        self._loose: dict[int, TensorState] = {}
         self.absorb_writes: Callable[[list[int]], None] = lambda indices: None  # set by the engine (ParamAccess.absorb_writes)
 
     def set_modules(self, modules: list[HookedModule]) -> None:
@@ -150,28 +161,71 @@ class HookTargets:
 
     def check_writes(self, indices: Sequence[int], depth: int) -> bool:
         """At the end of the module at stack position ``depth`` (or of an op outside modules),
-        while its parameters are still in COMPUTE: absorb what was written into them, forget
-        those it noted; whether any was written."""
+        while its parameters are still in COMPUTE: absorb what was written into them (through
+        the parameters or their .data aliases), forget those it noted; whether any was written."""
         params = self._params
         versions = self._versions
+        aliases = self._aliases
         written = []
         for i in indices:
             seen = versions.get(i)
             if seen is None:
+                if aliases and i in aliases and i not in self._loose:
+                    if _alias_written(aliases.pop(i)):  # noted with no version (an op's own moment)
+                        written.append(i)
                 continue
             now = params[i]._version
-            if now != seen[0]:
-                written.append(i)
-            if seen[1] >= depth:
-                del versions[i]
-            else:
+            wrote = now != seen[0]
+            kept = seen[1] < depth  # an outer module noted it: it checks again at its end
+            if kept:
                 versions[i] = (now, seen[1])
+            else:
+                del versions[i]
+            if aliases and i in aliases:
+                taken = aliases[i]
+                wrote = _alias_written(taken) or wrote
+                if kept:
+                    aliases[i] = [(a, a._version) for a, _ in taken]
+                else:
+                    del aliases[i]
+            if wrote:
+                written.append(i)
         if written:
             self.absorb_writes(written)
         return bool(written)
 
+    def note_alias(self, index: int, alias: torch.Tensor) -> None:
+        """A forward took ``p.data`` of slot ``index`` (Note [data aliases])."""
+        self._aliases.setdefault(index, []).append((alias, alias._version))
+
+    def hold_loose(self, indices: list[int], prior: dict[int, TensorState]) -> None:
+        """A forward took ``.data`` of these parameters outside every module: they stay in
+        COMPUTE until the next module boundary (:meth:`flush_loose`)."""
+        for i in indices:
+            self._loose.setdefault(i, prior[i])
+
+    def flush_loose(self) -> None:
+        """Absorb what was written through the loose aliases and release their parameters."""
+        if not self._loose:
+            return
+        loose, self._loose = self._loose, {}
+        written = [i for i in loose if _alias_written(self._aliases.pop(i, []))]
+        states = self.mgr.states
+        if written:
+            self.absorb_writes([i for i in written if states[i] is TensorState.COMPUTE])
+        for i, prior in loose.items():
+            if states[i] is TensorState.COMPUTE:
+                self.mgr.set_state(i, TensorState.HOLD if prior is TensorState.COMPUTE else prior)
+
+    def forget_aliases(self) -> None:
+        """The iteration ended or was aborted: nothing noted is checked any more."""
+        self._aliases.clear()
+        self._loose.clear()
+
     # ------------------------------------------------------------------ module hooks
     def on_pre_forward(self, module_key: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+        if self._loose:
+            self.flush_loose()
         if self.cursor.stage is Stage.IDLE:
             self.iteration.begin_implicit()
         mod = self.modules[module_key]
@@ -200,6 +254,8 @@ class HookTargets:
         return None
 
     def on_post_forward(self, module_key: int, output: Any) -> None:
+        if self._loose:
+            self.flush_loose()
         mgr = self.mgr
         cur = self.cursor
         mod = self.modules[module_key]
@@ -248,6 +304,8 @@ class HookTargets:
     def _backward_access(self, label: str, indices: tuple[int, ...], chunks: tuple[int, ...]) -> None:
         """A module's output gradient is ready: its parameters are needed again (a plain
         loss.backward() begins here when it is the first hook: Note [plain backward])."""
+        if self._loose:
+            self.flush_loose()
         if self.cursor.stage is not Stage.BWD:
             self.iteration.backward_hook([self._params[i] for i in indices])
         else:
@@ -289,9 +347,20 @@ class HookTargets:
 
     def access_outside_modules(self, label: str, indices: list[int], backward: bool = False) -> None:
         """Parameters read by code outside any module (a moment of their own)."""
+        if self._loose:
+            self.flush_loose()
         if backward and self.cursor.stage is not Stage.BWD:
             self.iteration.backward_hook([self._params[i] for i in indices])  # Note [plain backward]
             if self.cursor.stage is not Stage.BWD:
+                return
+        if backward:
+            # A parameter whose gradient is complete already: autograd ran every op that
+            # differentiates with respect to it, so this op's backward takes nothing from it
+            # (``x.type_as(p)``, ``x.expand_as(p)``: Gemma3n's AltUp reads its scale so before
+            # multiplying by it, and the product's backward completes the gradient first)
+            states = self.mgr.states
+            indices = [i for i in indices if states[i] is not TensorState.HOLD_AFTER_BWD]
+            if not indices:
                 return
         self._access(label, tuple(indices))
 

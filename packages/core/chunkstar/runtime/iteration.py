@@ -58,6 +58,9 @@ class Iteration:
         # memoised, and whether a gathered_parameters() block is open
         self.reset_reads: Callable[[], None] = lambda: None
         self.reads_gathered: Callable[[], bool] = lambda: False
+        # the forward is over: absorb writes through .data aliases taken outside modules and
+        # release their parameters (HookTargets.flush_loose, Note [data aliases])
+        self.flush_reads: Callable[[], None] = lambda: None
         self.accumulation_steps = cfg.optimizer.accumulation_steps
         self.prefetch = cfg.schedule.prefetch
         self.prefetch_window = prefetch_window
@@ -103,6 +106,8 @@ class Iteration:
             self.abort()  # a plain loss.backward() that raised never ended: start clean
         if self.open:
             return  # another forward of the same iteration
+        if self.gradients.has_pending():
+            self.gradients.keep_pending()  # a second backward before the step (Note [gradients kept across a forward])
         self.open = True
         self.reset_reads()
         self.stack.clear()
@@ -125,10 +130,13 @@ class Iteration:
         """An evaluation forward: its moments are not the schedule's (its inputs, when the
         engine's forward is called, let it budget by the traced forward's moments)."""
         self._check_open()
+        if not self.open and self.gradients.has_pending():
+            self.gradients.keep_pending()  # an evaluation between a backward and the step reads the values
         nbytes = sum(t.nbytes for t in output_tensors((args, kwargs))) if args is not None else None
         self.schedule.begin_untraced(nbytes, between_steps=not self.open)
 
     def end_untraced(self) -> None:
+        self.flush_reads()
         if self.schedule.end_untraced() and not self.open:
             self.schedule.set_stage(Stage.IDLE)
 
@@ -240,6 +248,7 @@ class Iteration:
     # ------------------------------------------------------------------ backward and end
     def begin_backward(self) -> None:
         self._check_open()
+        self.flush_reads()
         self.gradients.begin_backward()
         if release_at_turn(self.heap_plan, self._heap_released, self.cursor.moment):
             self.release_heap_at_peak()
@@ -312,6 +321,7 @@ class Iteration:
                 f"optimizer.step() after {since} micro-batch(es) but gradient_accumulation_steps is {gas}: "
                 f"call engine.backward() {gas} times per optimizer step"
             )
+        self.gradients.fold_kept()  # gradients a forward kept with no backward since
         self.schedule.begin_optimizer_step()
         mgr = self.mgr
         mgr.probe.drop_stale()  # a plain backward's measuring mode, stopped inside it (memory/probes.py)

@@ -45,7 +45,9 @@ from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError, DeviceMemoryError
 from chunkstar.events import Stage
 from chunkstar.hooks.module_hooks import AfterBackward, output_tensors, substitute
-from chunkstar.hooks.param_guard import ReadOnlyGradient, ReadOnlySnapshot, mutated_tensors, op_name, plain, tensor_args
+from chunkstar.hooks.param_guard import (
+    ReadOnlyGradient, ReadOnlySnapshot, mutated_tensors, op_name, plain, plain_data, snapshot, tensor_args,
+)  # fmt: skip
 from chunkstar.runtime.chunk_manager import ChunkManager
 
 __all__ = ["ParamAccess", "GATHER_HINT"]
@@ -77,6 +79,10 @@ class AccessHost(Protocol):
     def parameter(self, index: int) -> nn.Parameter: ...
     def param_view(self, index: int) -> torch.Tensor: ...
     def full_masters(self) -> dict[int, torch.Tensor]: ...
+    def gradient_kept(self, index: int) -> torch.Tensor | None: ...
+    def drop_gradients(self, indices: list[int]) -> None: ...
+    def zero_gradient(self, index: int) -> None: ...
+    def see_in_dtype(self, index: int, dtype: torch.dtype) -> None: ...
 
 
 class ReadTargets(Protocol):
@@ -84,11 +90,15 @@ class ReadTargets(Protocol):
 
     absorb_writes: Callable[[list[int]], None]
 
+    def note_alias(self, index: int, alias: torch.Tensor) -> None: ...
+    def hold_loose(self, indices: list[int], prior: dict[int, TensorState]) -> None: ...
+    def flush_loose(self) -> None: ...
     def running_module(self) -> int | None: ...
     def attach_to_running_module(self, indices: list[int], what: str) -> None: ...
     def access_outside_modules(self, label: str, indices: list[int], backward: bool = False) -> None: ...
     def release_outside_modules(self, indices: list[int], prior: dict[int, TensorState], building_graph: bool) -> None: ...
     def release_after_backward(self, indices: list[int]) -> None: ...
+    def forget_aliases(self) -> None: ...
     def check_writes(self, indices: Sequence[int], depth: int) -> bool: ...
 
 
@@ -99,6 +109,7 @@ class ReadIteration(Protocol):
 
     reset_reads: Callable[[], None]
     reads_gathered: Callable[[], bool]
+    flush_reads: Callable[[], None]
 
     def in_model_pass(self) -> bool: ...
     def begin_from_read(self) -> None: ...
@@ -122,6 +133,7 @@ class ParamAccess:
         self._iteration = iteration
         targets.absorb_writes = self.absorb_writes
         iteration.reset_reads = self.reset
+        iteration.flush_reads = targets.flush_loose
         iteration.reads_gathered = self.gathered_active
 
     # ------------------------------------------------------------------ dispatch
@@ -130,15 +142,51 @@ class ParamAccess:
 
     def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """``p.grad``: a read-only copy of the gradient while it sits in the slot (this
-        rank's chunks), else what autograd left there (None once folded)."""
+        rank's chunks) or waits in an accumulator (earlier micro-batches, or kept by a forward:
+        Note [gradients kept across a forward]), else what autograd left there (None once
+        folded). ``module.zero_grad()`` looks here first, so a kept gradient is not None."""
         i = self.engine.param_index(p)
-        if i is not None and self.mgr.states[i] is TensorState.HOLD_AFTER_BWD:
+        if i is not None:
             s = self.mgr.slots[i]
-            if self.mgr.chunks.own(s.chunk_id):
-                slot = self.mgr.chunks.slot_view(ChunkList.PARAM, s)
-                return slot.detach().clone().view(s.shape).to(self.engine.device).as_subclass(ReadOnlyGradient)
+            value: torch.Tensor | None = None
+            if self.mgr.states[i] is TensorState.HOLD_AFTER_BWD and self.mgr.chunks.own(s.chunk_id):
+                value = self.mgr.chunks.slot_view(ChunkList.PARAM, s).detach().clone()
+            elif self.mgr.states[i] is not TensorState.COMPUTE:
+                value = self.engine.gradient_kept(i)
+            if value is not None:
+                value = value.to(device=self.engine.device, dtype=p.dtype).view(s.shape)
+                return snapshot(value, ReadOnlyGradient, f"parameter '{s.name}'", write=lambda *_, i=i: self.engine.zero_gradient(i))
         with torch._C.DisableTorchFunctionSubclass():
             return p.grad
+
+    def set_grad(self, p: torch.Tensor, value: Any) -> None:
+        """``p.grad = value``: ``None`` (``module.zero_grad()``, any module's) drops the
+        parameter's gradient wherever the engine keeps it, as PyTorch's does; a tensor is
+        autograd's business (a backward adds to it) unless a gradient sits in the slot, which
+        is then replaced."""
+        i = self.engine.param_index(p)
+        if i is not None:
+            if value is None:
+                self.engine.drop_gradients([i])
+            elif self.mgr.states[i] is TensorState.HOLD_AFTER_BWD:
+                s = self.mgr.slots[i]
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != s.shape:
+                    raise ChunkStateError(f"parameter '{s.name}': .grad must be a tensor of shape {s.shape}")
+                self.engine.zero_gradient(i)
+                with torch.no_grad():
+                    self.mgr.chunks.slot_view(ChunkList.PARAM, s).copy_(value.detach().reshape(-1))
+                return
+        with torch._C.DisableTorchFunctionSubclass():
+            p.grad = value
+
+    def data_of(self, p: torch.Tensor) -> torch.Tensor:
+        """``p.data`` of a parameter in COMPUTE (its watched class, Note [data aliases]): the
+        real alias of its slot, noted for the running module's end during a forward."""
+        alias = plain_data(p)
+        i = self.engine.param_index(p)
+        if i is not None and self.mgr.cursor.stage is Stage.FWD:
+            self._targets.note_alias(i, alias)
+        return alias
 
     def on_param_access(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         eng = self.engine
@@ -184,25 +232,78 @@ class ParamAccess:
         s = self.mgr.slots[i]
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"parameter '{s.name}': .data must be a tensor, got {type(value).__name__}")
-        if tuple(value.shape) != s.shape or value.dtype != p.dtype or value.device.type != p.device.type:
+        in_pass = self._iteration.in_model_pass()
+        cast = value.dtype != p.dtype and value.is_floating_point()
+        if tuple(value.shape) != s.shape or value.device.type != p.device.type or value.dtype != p.dtype and not (cast and in_pass):
             raise ChunkStateError(
                 f"cannot set parameter '{s.name}'.data to a {value.dtype} tensor of shape {tuple(value.shape)} on "
                 f"{value.device}: chunkstar keeps it as {p.dtype} {s.shape} on {p.device} in its chunks (the config's "
                 "precision and device decide those, so model.half()/.float()/.cuda() after initialize_engine cannot "
-                "apply). To load values, copy them in: `with torch.no_grad(): p.copy_(x)`"
+                "apply; a module that casts its own parameters inside its forward is followed instead). To load "
+                "values, copy them in: `with torch.no_grad(): p.copy_(x)`"
             )
-        self._write_through(torch.Tensor.copy_, (p, value), {}, {id(p): i}, {id(p)})
+        if cast:
+            # Note [a model casting its parameters]
+            self.engine.see_in_dtype(i, value.dtype)
+        if in_pass:
+            self._forward_set(i, value)
+        else:
+            self._write_through(torch.Tensor.copy_, (p, value), {}, {id(p): i}, {id(p)})
+
+    # Note [a model casting its parameters]: some models cast a parameter of their own inside
+    # their forward: Switch Transformers' and NLLB-MoE's routers run ``self.classifier =
+    # self.classifier.to(torch.float32)`` before computing router logits (router_dtype, fp32 by
+    # default), which sets each parameter's .data to an fp32 copy. Under the reference (fp32
+    # weights under autocast) that cast changes nothing, and autocast still decides each op's
+    # dtype; here the parameter lives in its compute-dtype slot and cannot change dtype. So the
+    # cast is read as the module asking to see that parameter in that dtype: every module that
+    # registered it gets a parameter upcast to it (Note [parameter upcast] in
+    # hooks/param_upcast.py, the mechanism norm layers use), from its next call on; the values
+    # cast carry no change (an element that does differ from the slot reaches the master from
+    # the value given, as a write in a forward does). The same cast outside a forward
+    # (model.half() after initialize_engine) is the user's and stays refused.
+    def _forward_set(self, index: int, value: torch.Tensor) -> None:
+        """``p.data = value`` during a model pass: the parameter is made resident as a read
+        would, and the elements that change reach the fp32 master exactly (Note [writes in a
+        forward])."""
+        mgr = self.mgr
+        targets = self._targets
+        if mgr.states[index] is not TensorState.COMPUTE:
+            if targets.running_module() is not None:
+                targets.attach_to_running_module([index], what=f"parameter '{mgr.slots[index].name}'")
+            else:
+                prior = {index: mgr.states[index]}
+                targets.access_outside_modules(f"parameter '{mgr.slots[index].name}' outside modules", [index])
+                try:
+                    self.absorb_value(index, value)
+                finally:
+                    targets.release_outside_modules([index], prior, building_graph=False)
+                return
+        self.absorb_value(index, value)
 
     # ------------------------------------------------------------------ forward / backward
     def _forward_read(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], indices: list[int]) -> Any:
         targets = self._targets
         names = ", ".join(repr(self.mgr.slots[i].name) for i in indices[:3])
+        data = getattr(func, "__name__", "") == "__get__" and op_name(func) == "data"
         if targets.running_module() is not None:
             targets.attach_to_running_module(indices, what=f"parameter {names}")
-            return plain(func, args, kwargs)
+            out = plain(func, args, kwargs)
+            if data and self.mgr.cursor.stage is Stage.FWD:
+                targets.note_alias(indices[0], out)  # Note [data aliases]: the module's end checks it
+            return out
         label = f"parameter {names} outside modules"
         prior = {i: self.mgr.states[i] for i in indices}
         targets.access_outside_modules(label, indices)
+        if data:
+            # Note [data aliases]: the real alias, so a write through it reaches the slot; the
+            # parameter stays in COMPUTE (its chunk cannot move under the alias) until the next
+            # module boundary, which checks the alias and releases it
+            out = plain(func, args, kwargs)
+            if self.mgr.cursor.stage is Stage.FWD:
+                targets.note_alias(indices[0], out)
+            targets.hold_loose(indices, prior)
+            return out
         building = torch.is_grad_enabled() and any(self._param(i).requires_grad for i in indices)
         if building:
             # Each parameter goes through an identity node whose backward runs right after
@@ -232,7 +333,8 @@ class ParamAccess:
             # later ops after the parameter may have moved: hand out a copy (autograd-tracked,
             # so the gradient still reaches the parameter; a view's backward needs no data).
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in storages:
-                return t.clone().as_subclass(ReadOnlySnapshot)  # a write to it could never reach the parameter
+                # a write to it could never reach the parameter: refused, naming it
+                return snapshot(t.clone(), ReadOnlySnapshot, f"parameter {names}", f"read outside its module by {op_name(func)}() in a forward")
             return t
 
         direct = [t for t in output_tensors(out) if t.requires_grad and t.untyped_storage()._cdata not in storages]
@@ -328,6 +430,28 @@ class ParamAccess:
                     if bool(changed.any()):
                         master[changed] = value[changed].to(master.dtype)
 
+    def absorb_value(self, index: int, value: torch.Tensor) -> None:
+        """``p.data = value`` in a forward, parameter ``index`` in COMPUTE: the elements that
+        differ from the slot go into the slot and, from ``value`` itself (exact, whatever its
+        dtype), into the fp32 master (Note [writes in a forward])."""
+        mgr = self.mgr
+        s = mgr.slots[index]
+        chunk = mgr.chunks.chunk(ChunkList.PARAM, s.chunk_id)
+        with torch.no_grad():
+            slot = plain_data(self._param(index)).reshape(-1)
+            flat = value.detach().reshape(-1).to(slot.device)
+            changed = flat.to(slot.dtype) != slot
+            if not bool(changed.any()):
+                return
+            slot[changed] = flat[changed].to(slot.dtype)
+            chunk.mark_dirty()
+            if mgr.chunks.frozen(s.chunk_id) or not mgr.chunks.own(s.chunk_id):
+                return  # no master (the param slot is the value), or another rank's chunk
+            with mgr.chunks.staged([(ChunkList.MASTER, s.chunk_id)], write=True):
+                master = mgr.chunks.slot_view(ChunkList.MASTER, s)
+                where = changed.to(master.device)
+                master[where] = flat.to(master.device)[where].to(master.dtype)
+
     # ------------------------------------------------------------------ reads between steps
     def current_value(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s value now, in the compute dtype on the engine's device,
@@ -359,11 +483,23 @@ class ParamAccess:
 
         originals = {id(v): t for t in tensor_args(args, kwargs) if id(t) in values for v in [values[id(t)]]}
 
+        name = op_name(func)
+        whole = name in ("data", "detach") and len(indices) == 1  # the parameter's whole value, not a view
+        param = next(t for t in tensor_args(args, kwargs) if id(t) in indices)
+
+        def write(f: Callable[..., Any], a: tuple[Any, ...], k: dict[str, Any]) -> None:
+            # ``p.data.clamp_(-c, c)`` between steps (WGAN's weight clipping): the op runs on the
+            # parameter itself, written through to its fp32 master
+            snap = next(t for t in mutated_tensors(f, a, k) if isinstance(t, ReadOnlySnapshot))
+            sub = {id(snap): param}
+            self.on_param_access(f, substitute(a, sub), substitute(k, sub))
+
         def safe(t: Any) -> Any:
             if isinstance(t, torch.Tensor) and id(t) in originals:
                 return originals[id(t)]  # the op returned its input (model.to(the same device)): the parameter
             if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in chunk_storages:
-                return t.detach().clone().as_subclass(ReadOnlySnapshot)
+                names = ", ".join(repr(self.mgr.slots[i].name) for i in sorted(set(indices.values()))[:3])
+                return snapshot(t.detach().clone(), ReadOnlySnapshot, f"parameter {names}", write=write if whole else None)
             return t
 
         if isinstance(out, (list, tuple)):
@@ -446,6 +582,8 @@ class ParamAccess:
             self._sd_chunk = None
 
     def reset(self) -> None:
+        self._targets.flush_loose()
+        self._targets.forget_aliases()
         self._sd_depth = 0
         self._sd_memo = {}
         self._sd_masters = None

@@ -52,9 +52,10 @@ class TensorStates:
         self._slots_by_chunk: list[list[TensorSlot]] = [[] for _ in range(layout.n_chunks)]
         for s in layout.slots:
             self._slots_by_chunk[s.chunk_id].append(s)
-        # parameter objects by slot, with their plain and guarded classes (Note [parameter guard]);
-        # set_state swaps the class when a tensor enters or leaves COMPUTE
-        self._guard: list[tuple[torch.Tensor, type, type]] = []
+        # parameter objects by slot, with their plain, watched (in COMPUTE: Note [data aliases])
+        # and guarded classes (Note [parameter guard]); set_state swaps the class when a tensor
+        # enters or leaves COMPUTE
+        self._guard: list[tuple[torch.Tensor, type, type, type]] = []
         self.chunk_params: list[list[torch.Tensor]] = [[] for _ in range(layout.n_chunks)]
         """Each chunk's parameter objects (once the guard is installed): their version counters
         tell an in-place write (Note [clean host copy])."""
@@ -71,7 +72,7 @@ class TensorStates:
         if old is _COMPUTE:
             self.compute_count[cid] -= 1
             if self._guard:
-                p, _, guarded = self._guard[index]
+                p, _, _, guarded = self._guard[index]
                 p.__class__ = guarded
         elif old is _HOLD_AFTER_FWD:
             self._fwd_count[cid] -= 1
@@ -80,8 +81,8 @@ class TensorStates:
         if new is _COMPUTE:
             self.compute_count[cid] += 1
             if self._guard:
-                p, base, _ = self._guard[index]
-                p.__class__ = base
+                p, _, watched, _ = self._guard[index]
+                p.__class__ = watched
         elif new is _HOLD_AFTER_FWD:
             self._fwd_count[cid] += 1
         elif new is _HOLD_AFTER_BWD:
@@ -108,22 +109,23 @@ class TensorStates:
             if states[s.index] is _COMPUTE or states[s.index] is _HOLD_AFTER_FWD
         ]
 
-    def install_guard(self, params: Sequence[torch.Tensor], guarded: Sequence[type]) -> None:
-        """Guard every parameter not in COMPUTE (Note [parameter guard] in hooks/param_guard.py)."""
-        self._guard = [(p, type(p), g) for p, g in zip(params, guarded)]
+    def install_guard(self, params: Sequence[torch.Tensor], watched: Sequence[type], guarded: Sequence[type]) -> None:
+        """Guard every parameter not in COMPUTE and watch those in it (Note [parameter guard]
+        and Note [data aliases] in hooks/param_guard.py)."""
+        self._guard = [(p, type(p), w, g) for p, w, g in zip(params, watched, guarded)]
         self.chunk_params = [[params[s.index] for s in slots] for slots in self._slots_by_chunk]
-        for i, (p, _, g) in enumerate(self._guard):
-            if self.states[i] is not TensorState.COMPUTE:
-                p.__class__ = g
+        for i, (p, _, w, g) in enumerate(self._guard):
+            p.__class__ = w if self.states[i] is TensorState.COMPUTE else g
 
     def set_guarded(self, index: int, on: bool) -> None:
-        """Guard or unguard one parameter outside COMPUTE (gathered_parameters() unguards)."""
+        """Guard one parameter outside COMPUTE, or give it its plain class (gathered_parameters()
+        unguards: its .data is an fp32 copy of its own there)."""
         if self._guard:
-            p, base, guarded = self._guard[index]
+            p, base, _, guarded = self._guard[index]
             p.__class__ = guarded if on else base
 
     def remove_guard(self) -> None:
-        for p, base, _ in self._guard:
+        for p, base, _, _ in self._guard:
             p.__class__ = base
         self._guard = []
 
