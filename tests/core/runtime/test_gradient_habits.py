@@ -267,3 +267,48 @@ def test_engine_zero_grad_drops_them_as_deepspeeds_does() -> None:
     engine.backward(_ce(engine(x), y))
     optimizer.step()
     assert engine.stats()["optimizer_steps"] == 2
+
+
+# ---------------------------------------------------------------------------- the accumulators' buffers
+
+
+class _Pool:
+    """The engine's pinned buffers as the CUDA path sees them (device/pinned.py's take), made of
+    NaNs: a range read before it was written would spoil the run."""
+
+    def __init__(self) -> None:
+        self.taken: list[int] = []
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self.taken.append(numel)
+        return torch.full((numel,), float("nan"), dtype=dtype)
+
+
+def test_accumulators_come_from_the_pinned_buffers_once_and_are_never_zero_filled() -> None:
+    """Note [accumulator buffers]: on CUDA each chunk's accumulator is taken from the engine's
+    exactly sized pinned buffers once and reused every cycle; torch's pinned allocator would
+    round each up to a power of two and keep it. The CUDA path (stream-ordered copies) is run
+    here on the CPU device with a pool that counts what it hands out."""
+
+    def loop(model: Any, _opt: Any, backward: Callable[[torch.Tensor], None], step: int) -> float:
+        total = 0.0
+        for micro in range(3):
+            x, y = _batch(3 * step + micro)
+            loss = _ce(model(x), y)
+            backward(loss if hasattr(model, "backward") else loss / 3)
+            total += loss.item()
+        return total
+
+    engine, optimizer = chunkstar.initialize_engine(Tied, 0, _config(_budget(), gradient_accumulation_steps=3))
+    pool = _Pool()
+    engine.mgr.chunks.pinned_buffers = pool  # type: ignore[assignment]
+    engine._gradients._async = True
+    got = []
+    for step in range(4):
+        got.append(loop(engine, optimizer, engine.backward, step))
+        optimizer.step()
+        optimizer.zero_grad()
+    want = _run(loop, engine=False, steps=4)
+    assert got == pytest.approx(want[0], rel=1e-5)
+    n_chunks = engine.mgr.layout.n_chunks
+    assert sorted(pool.taken) == sorted(engine.mgr.layout.chunk_sizes[c] for c in range(n_chunks)), "one buffer per chunk, for the run"
