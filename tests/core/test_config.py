@@ -84,6 +84,17 @@ BAD = {
     # AdamW multiplies the weights by 1 - lr x weight_decay each step
     "AdamW lr 1e30": (_config(optimizer=_adam(lr=1e30)), "optimizer.params.weight_decay"),
     "AdamW weight_decay 1e9": (_config(optimizer=_adam(weight_decay=1e9)), "optimizer.params.weight_decay"),
+    # values that train to NaN, or to nothing, in silence (issue 30, item 8)
+    "eps below float32's smallest normal": (_config(optimizer=_adam(eps=1e-50)), "optimizer.params.eps"),
+    "eps past float32": (_config(optimizer=_adam(eps=1e39)), "optimizer.params.eps"),
+    "Adam weight_decay 1e30": (_config(optimizer={"type": "Adam", "params": {"weight_decay": 1e30}}), "optimizer.params.weight_decay"),
+    "Adam weight_decay 1e5": (_config(optimizer={"type": "Adam", "params": {"weight_decay": 1e5}}), "optimizer.params.weight_decay"),
+    "static loss_scale 1e13": (_config(fp16=_fp16(loss_scale=1e13)), "fp16.loss_scale"),
+    "static loss_scale 2**63": (_config(fp16=_fp16(loss_scale=2.0**63)), "fp16.loss_scale"),
+    "static loss_scale 1e-30": (_config(fp16=_fp16(loss_scale=1e-30)), "fp16.loss_scale"),
+    "min_loss_scale 1e-30": (_config(fp16=_fp16(min_loss_scale=1e-30)), "fp16.min_loss_scale"),
+    "gradient_accumulation_steps 1e300": (_config(gradient_accumulation_steps=1e300), "gradient_accumulation_steps"),
+    "gradient_accumulation_steps 10**30": (_config(gradient_accumulation_steps=10**30), "gradient_accumulation_steps"),
 }
 
 
@@ -133,7 +144,37 @@ def test_sane_bounds_are_accepted() -> None:
         _config(fp16=_fp16(initial_scale_power=63, loss_scale_window=10_000_000, hysteresis=1000, min_loss_scale=2.0**63))
     )
     assert cfg.optimizer.loss_scale.initial_scale_power == 63
-    assert chunkstar.parse_config(_config(fp16=_fp16(loss_scale=2.0**63))).optimizer.loss_scale.static_scale == 2.0**63
+    # a static scale never comes down: 2**40 is the largest at which any fp16 gradient survives
+    for scale in (2.0**40, 1.0, 2.0**-40):
+        assert chunkstar.parse_config(_config(fp16=_fp16(loss_scale=scale))).optimizer.loss_scale.static_scale == scale
+    assert chunkstar.parse_config(_config(fp16=_fp16(loss_scale=0))).optimizer.loss_scale.dynamic  # DeepSpeed's 0: dynamic
+    tiny = float(torch.finfo(torch.float32).tiny)
+    assert chunkstar.parse_config(_config(optimizer=_adam(eps=tiny))).optimizer.eps == tiny
+    assert chunkstar.parse_config(_config(optimizer=_adam(eps=1.0))).optimizer.eps == 1.0  # TF's Inception setting
+    assert chunkstar.parse_config(_config(gradient_accumulation_steps=1_000_000)).optimizer.accumulation_steps == 1_000_000
+
+
+@pytest.mark.parametrize(
+    "config, why",
+    [
+        (_config(optimizer=_adam(eps=1e-50)), r"between 1\.2e-38 .*0/0 = NaN.*PyTorch's Adam accepts eps=0"),
+        (_config(optimizer={"type": "Adam", "params": {"weight_decay": 1e30}}), r"at most 10000 .*weight_decay x weight"),
+        (_config(fp16=_fp16(loss_scale=1e13)), r"0 \(dynamic\) or between 9\.1e-13 and 1\.1e\+12.*overflow"),
+        (_config(fp16=_fp16(loss_scale=1e-30)), r"0 \(dynamic\) or between 9\.1e-13 and 1\.1e\+12.*zero"),
+        (_config(gradient_accumulation_steps=1e300), r"<= 1000000 .*micro-batches"),
+    ],
+)
+def test_an_absurd_value_says_the_valid_range_and_why(config: dict[str, Any], why: str) -> None:
+    with pytest.raises(chunkstar.ConfigError, match=why):
+        chunkstar.parse_config(config)
+
+
+def test_param_groups_and_steps_refuse_the_same_values() -> None:
+    """The config, a param_groups_fn group and a group changed later (at the step) share the checks."""
+    with pytest.raises(chunkstar.ConfigError, match=re.escape("param_groups[0].eps")):
+        validate_param_group({"params": [], "eps": 1e-45}, "param_groups[0]")
+    with pytest.raises(chunkstar.ConfigError, match=re.escape("param_groups[0].weight_decay")):
+        validate_param_group({"params": [], "weight_decay": 1e9}, "param_groups[0]", decoupled=False)
 
 
 def test_initial_scale_power_message_says_why() -> None:

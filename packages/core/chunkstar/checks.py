@@ -48,15 +48,16 @@ def number(
 
 
 def integer(value: object, key: str, *, lo: int, hi: int | None = None, why: str = "") -> int:
+    given = value  # as the user wrote it, for the messages (1e300, not its 301 digits)
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
             raise ConfigError(key, f"expected an integer, got {type(value).__name__} {value!r}")
     if value < lo:
-        raise ConfigError(key, f"must be >= {lo}, got {value!r}")
+        raise ConfigError(key, f"must be >= {lo}, got {given!r}")
     if hi is not None and value > hi:
-        raise ConfigError(key, f"must be <= {hi}{why}, got {value!r}")
+        raise ConfigError(key, f"must be <= {hi}{why}, got {given!r}")
     return value
 
 

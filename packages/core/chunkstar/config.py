@@ -91,7 +91,7 @@ def _key(key: str, help: str, default: Any = _MISSING, **kw: Any) -> Any:
 class LossScaleConfig:
     """fp16 loss scaling with DeepSpeed's keys and meanings."""
 
-    static_scale: float = _key("fp16.loss_scale", "0 (dynamic scaling) or a fixed scale, at most 2**63", 0.0)
+    static_scale: float = _key("fp16.loss_scale", "0 (dynamic scaling) or a fixed scale from 2**-40 to 2**40", 0.0)
     """A fixed scale, or 0 for dynamic scaling."""
     initial_scale_power: int = _key("fp16.initial_scale_power", "an integer 0-63", 16)
     """Dynamic scaling starts at 2**initial_scale_power."""
@@ -99,7 +99,7 @@ class LossScaleConfig:
     """Steps without overflow before the scale doubles."""
     hysteresis: int = _key("fp16.hysteresis", "an integer 1-1000", 2)
     """Overflows tolerated before the scale halves."""
-    min_loss_scale: float = _key("fp16.min_loss_scale", "a number > 0, at most 2**63", 1.0)
+    min_loss_scale: float = _key("fp16.min_loss_scale", "a number from 2**-40 to 2**63", 1.0)
     """The scale never drops below this."""
 
     @property
@@ -117,11 +117,13 @@ class OptimizerConfig:
     """True for AdamW, False for Adam."""
     lr: float = _key("optimizer.params.lr", "a number >= 0", 1e-3)
     betas: tuple[float, float] = _key("optimizer.params.betas", "two numbers in [0, 1]", (0.9, 0.999))
-    eps: float = _key("optimizer.params.eps", "a number > 0", 1e-8)
-    weight_decay: float = _key("optimizer.params.weight_decay", "a number >= 0 (default 0.01 for AdamW, 0 for Adam)", 0.01)
+    eps: float = _key("optimizer.params.eps", "a normal float32 number, 1.2e-38 to 3.4e38", 1e-8)
+    weight_decay: float = _key(
+        "optimizer.params.weight_decay", "a number >= 0, at most 1e4 for Adam (default 0.01 for AdamW, 0 for Adam)", 0.01
+    )
     gradient_clipping: float = _key("gradient_clipping", "a number >= 0", 0.0)
     """Max global L2 norm of the gradients; 0 disables clipping."""
-    accumulation_steps: int = _key("gradient_accumulation_steps", "an integer >= 1", 1)
+    accumulation_steps: int = _key("gradient_accumulation_steps", "an integer from 1 to 1,000,000", 1)
     """engine.backward divides the loss by this; the user steps every N micro-batches."""
     hybrid_adam: bool = _key("hybrid_adam", "true or false", True)
     """Run Adam on the device for the chunks that fit in the margin after the warm-up peak;
@@ -311,11 +313,25 @@ def _parse_disk(value: object) -> DiskConfig | None:
 # fp32 (2**128) and then Python's float (2.0**1024 raises OverflowError). A window
 # longer than any run means the scale never grows, and each overflow hysteresis
 # tolerates is a skipped step: values past these are typos, not settings.
+#
+# A static scale (fp16.loss_scale > 0) never comes down, so its bounds are where no
+# gradient can live: fp16 holds magnitudes from 2**-24 (its smallest subnormal) to
+# 65504 (just under 2**16). Above 2**40 = 2**16 x 2**24 every gradient fp16 could
+# hold unscaled overflows once scaled, so every step is skipped, for ever (a run
+# with 1e13 did nothing); below 2**-40 every one it could hold underflows to 0, so
+# every update is Adam's of a zero gradient (a run with 1e-30 did that). DeepSpeed's
+# 0 means dynamic scaling. The same floor holds for min_loss_scale, which a dynamic
+# scale never passes.
 _MAX_SCALE_POWER = 63
 _MAX_LOSS_SCALE = 2.0**_MAX_SCALE_POWER
+_STATIC_SCALE_POWER = 40
 _MAX_LOSS_SCALE_WINDOW = 10_000_000
 _MAX_HYSTERESIS = 1_000
 _MAX_SLACK = 0.5
+# engine.backward divides the loss by gradient_accumulation_steps (a torch scalar: an
+# integer past 2**63 cannot even be one, and 1e300 failed there with a raw OverflowError);
+# a step every million micro-batches is days of work per step, so more is a typo
+_MAX_ACCUMULATION_STEPS = 1_000_000
 
 _UNITS = {
     "": 1, "b": 1,
@@ -413,7 +429,8 @@ def _parse_optimizer(section: object, cfg: Mapping[str, Any], loss_scale: LossSc
         decoupled=kind == "AdamW", lr=p["lr"], betas=p["betas"], eps=p["eps"], weight_decay=p["weight_decay"],
         gradient_clipping=_number(cfg.get("gradient_clipping", _default(OptimizerConfig, "gradient_clipping")), "gradient_clipping", lo=0.0),
         accumulation_steps=_integer(
-            cfg.get("gradient_accumulation_steps", _default(OptimizerConfig, "accumulation_steps")), "gradient_accumulation_steps", lo=1
+            cfg.get("gradient_accumulation_steps", _default(OptimizerConfig, "accumulation_steps")), "gradient_accumulation_steps",
+            lo=1, hi=_MAX_ACCUMULATION_STEPS, why=" (micro-batches per optimizer step: engine.backward divides the loss by it)",
         ),
         # resolved once: state on disk is updated on the host (Note [disk tier])
         hybrid_adam=_boolean(cfg.get("hybrid_adam", _default(OptimizerConfig, "hybrid_adam")), "hybrid_adam") and not on_disk,
@@ -424,7 +441,7 @@ def _parse_optimizer(section: object, cfg: Mapping[str, Any], loss_scale: LossSc
 def _parse_fp16(sec: Mapping[str, Any]) -> LossScaleConfig:
     p = "fp16."
     return LossScaleConfig(
-        static_scale=_number(sec.get("loss_scale", 0.0), p + "loss_scale", lo=0.0, hi=_MAX_LOSS_SCALE, hi_open=False),
+        static_scale=_static_scale(sec.get("loss_scale", 0.0), p + "loss_scale"),
         initial_scale_power=_integer(
             sec.get("initial_scale_power", 16), p + "initial_scale_power", lo=0, hi=_MAX_SCALE_POWER,
             why=" (larger scales overflow every fp16 gradient; DeepSpeed's default is 16)",
@@ -438,9 +455,26 @@ def _parse_fp16(sec: Mapping[str, Any]) -> LossScaleConfig:
             why=" (each tolerated overflow is a skipped optimizer step; DeepSpeed's default is 2)",
         ),
         min_loss_scale=_number(
-            sec.get("min_loss_scale", 1.0), p + "min_loss_scale", lo=0.0, lo_open=True, hi=_MAX_LOSS_SCALE, hi_open=False
+            sec.get("min_loss_scale", 1.0), p + "min_loss_scale", lo=2.0**-_STATIC_SCALE_POWER, hi=_MAX_LOSS_SCALE, hi_open=False
         ),
     )  # fmt: skip
+
+
+def _static_scale(value: object, key: str) -> float:
+    """0 (dynamic scaling) or a fixed scale at which some fp16 gradient can live (the bounds' comment above)."""
+    v = _number(value, key)
+    lo, hi = 2.0**-_STATIC_SCALE_POWER, 2.0**_STATIC_SCALE_POWER
+    if v != 0.0 and not lo <= v <= hi:
+        raise ConfigError(
+            key,
+            f"must be 0 (dynamic) or between {lo:.2g} and {hi:.2g} (2**-40 to 2**40), got {value!r}: a fixed scale never "
+            f"changes, and fp16 holds gradients from 2**-24 to 65504, so "
+            + ("a scale is positive" if v < 0 else
+               "above 2**40 every scaled gradient would overflow and every step be skipped" if v > hi else
+               "below 2**-40 every scaled gradient would underflow to zero and nothing train")
+            + ". Usual fixed scales are 128 to 65536; 0 lets the scale find its level",
+        )
+    return v
 
 
 def _parse_device(value: object, local_rank: int) -> torch.device:

@@ -3,18 +3,20 @@
 Starting at 2**32 the scaled gradients overflow fp16, so the first steps must
 be skipped (masters untouched, param chunks restored) while the scale halves
 (hysteresis 1: every overflow halves, DeepSpeed's meaning) until steps go
-through.
+through; a fixed scale that overflows every step says so.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
+import pytest
 import torch
 
 import chunkstar
 
-from tests.core._models import CASES, DTYPES, engine_config, eviction_budget
+from tests.core._models import CASES, DTYPES, engine_config, eviction_budget, train_engine
 
 INITIAL_POWER = 32
 STEPS = 24
@@ -59,3 +61,17 @@ def test_overflow_skips_steps_and_lowers_the_scale() -> None:
     assert optimizer.loss_scale == 2.0 ** (INITIAL_POWER - optimizer.skipped_steps), (scales, skipped)
     assert not _same(engine.state_dict(), initial), "the steps after the skipped ones changed nothing"
     assert losses[-1] < losses[0], losses
+
+
+def test_a_fixed_scale_that_overflows_every_step_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A fixed scale never comes down: a step it overflows is skipped, and so is every later
+    one. A dynamic scale's skips are how it finds its level; a fixed scale's are logged."""
+    case = CASES["mlp"]
+    config = engine_config("fp16", budget=1 << 24, fp16={"enabled": True, "loss_scale": 2.0**36})
+    engine, optimizer = chunkstar.initialize_engine(model_func=case.build, local_rank=0, config=config)
+    initial = engine.state_dict()
+    with caplog.at_level(logging.WARNING, logger="chunkstar"):
+        train_engine(engine, optimizer, case, 3, dtype="fp16")
+    assert optimizer.skipped_steps == 3 and _same(engine.state_dict(), initial)
+    said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(said) == 1 and "fixed fp16 loss scale" in said[0] and "fp16.loss_scale" in said[0], said

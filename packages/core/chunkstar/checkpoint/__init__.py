@@ -26,18 +26,26 @@ does), which ``model.load_state_dict`` of the plain model or
 Adam starts afresh). A directory without ``latest`` is read flat (shards
 directly in it, as earlier versions wrote them).
 
+Every tensor of a shard carries its crc32, checked before a load changes
+anything and as a merge reads it (Note [shard checksums]). A save refuses while
+gradients wait for a step (Note [saving between steps]); a load, like an
+optimizer step, is all or nothing (Note [all or nothing]).
+
 The parts: :mod:`.shard` (one rank's file: name, metadata, checked reading,
-Note [shard metadata]), :mod:`.directory` (atomic files and the publication of a
-save, Note [atomic files]), :mod:`.resume` (save and load of an engine) and
-:mod:`.merge`. Data files are safetensors, never pickle.
+Note [shard metadata], Note [shard checksums]), :mod:`.directory` (atomic files
+and the publication of a save, Note [atomic files]), :mod:`.resume` (save and
+load of an engine), :mod:`.interrupts` (what an interrupted step or load
+leaves) and :mod:`.merge`. Data files are safetensors, never pickle.
 """
 
 from __future__ import annotations
 
+from chunkstar.checkpoint.interrupts import deferred_interrupts
 from chunkstar.checkpoint.merge import main_merge, merge_checkpoint
-from chunkstar.checkpoint.resume import Checkpointable, load_checkpoint, save_checkpoint
+from chunkstar.checkpoint.resume import Checkpointable, load_checkpoint, pending_gradients, save_checkpoint
 from chunkstar.checkpoint.shard import CheckpointError, shard_name
 
 __all__ = [
-    "CheckpointError", "Checkpointable", "load_checkpoint", "main_merge", "merge_checkpoint", "save_checkpoint", "shard_name",
+    "CheckpointError", "Checkpointable", "deferred_interrupts", "load_checkpoint", "main_merge", "merge_checkpoint",
+    "pending_gradients", "save_checkpoint", "shard_name",
 ]  # fmt: skip

@@ -2,7 +2,8 @@
 that publishes a save once every rank has written its shard.
 
 Note [atomic files]: a shard (the pointer, merge's output) is written to a
-temporary file ``.NAME.<random>.tmp`` in the same directory, fsynced, renamed
+temporary file ``.NAME.<random>.tmp`` in the same directory (NAME cut short
+where the whole would pass the filesystem's name limit), fsynced, renamed
 over the final name with ``os.replace`` (atomic on POSIX), and the directory is
 fsynced, so a reader sees the old file or the new one, never half of one. A
 write that fails removes its temporary file; one killed leaves it behind, and
@@ -36,9 +37,15 @@ writes into a directory of its own and is published once complete:
    saves that never finished) and flat shards of an earlier version.
 
 A failure in a rank (a full disk, a read-only directory, metadata that cannot be
-saved) becomes its ok = 0 at the next all-gather, so every rank raises (the
-failing one its own :class:`CheckpointError`, the others one naming it) and none
-waits alone; a rank that dies makes the others' next all-gather raise
+saved, gradients no step consumed) becomes its ok = 0 at the next all-gather, so
+every rank raises (the failing one its own :class:`CheckpointError`, the others
+one naming it) and none waits alone. What a failed save wrote goes at once,
+since nothing will ever read it and its space is what the next save needs (a
+full disk kept full by an unpublished shard made every later save fail): after
+step 4 each rank removes its shard, after step 5 (a disk full as the pointer
+is written) rank 0 the whole step directory, unless ``latest`` names it
+already (the rename went through, only the fsync after it failed). A rank that
+dies makes the others' next all-gather raise
 :class:`~chunkstar.distributed.comm.DistributedError` (under gloo at once, under
 NCCL see Note [failures under NCCL]). A kill at any point leaves a loadable
 checkpoint: before step 5's rename, ``latest`` names the previous save, whose
@@ -61,6 +68,8 @@ holds.
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import os
 import re
 import secrets
@@ -71,7 +80,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from chunkstar.checkpoint.shard import SHARD_NAME, CheckpointError
+from chunkstar.checkpoint.shard import SHARD_NAME, CheckpointError, check_regular, os_error
 
 if TYPE_CHECKING:
     from chunkstar.distributed.comm import Comm
@@ -83,8 +92,20 @@ _STEP_DIR = re.compile(r"step-(\d+)-([0-9a-f]{16})")
 
 
 # ---------------------------------------------------------------------- files (Note [atomic files])
+_TMP_SUFFIX = 18  # ".<12 hex digits>.tmp"
+_TMP_NAME_MAX = 255  # bytes in a file name on every common filesystem (NAME_MAX)
+
+
+def _tmp_prefix(path: Path) -> str:
+    """``.NAME``, NAME cut (at a character) so that ``.NAME.<12 hex>.tmp`` fits a file name."""
+    name = path.name
+    while len(os.fsencode(name)) + 1 + _TMP_SUFFIX > _TMP_NAME_MAX:
+        name = name[:-1]
+    return f".{name}"
+
+
 def _leftovers(path: Path) -> list[Path]:
-    return sorted(path.parent.glob(f".{path.name}.*.tmp"))
+    return sorted(path.parent.glob(f"{glob.escape(_tmp_prefix(path))}.*.tmp"))
 
 
 def remove_leftovers(path: Path) -> None:
@@ -107,7 +128,7 @@ def fsync_dir(directory: Path) -> None:
 
 def write_atomic(path: Path, write: Callable[[str], None]) -> None:
     """``write(tmp)`` a temporary file next to ``path``, make it durable, rename it to ``path``."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp = path.with_name(f"{_tmp_prefix(path)}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         write(str(tmp))
         # the permissions of any new file (safetensors creates its files 0600)
@@ -146,8 +167,11 @@ def write_error(path: Path, e: Exception, kept: str) -> CheckpointError | None:
 def resolve(directory: Path) -> Path:
     """The directory whose shards a load or merge of ``directory`` reads: the step directory
     that ``latest`` names, or ``directory`` itself where there is no ``latest`` (flat)."""
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    try:
+        if not directory.is_dir():
+            raise CheckpointError(f"{directory}: no such checkpoint directory")
+    except OSError as e:  # a name too long, a folder that cannot be searched
+        raise os_error(directory, e, "read the checkpoint directory") from e
     pointer = directory / POINTER
     if not os.path.lexists(pointer):
         unpublished = sorted(f.name for f in directory.iterdir() if _STEP_DIR.fullmatch(f.name))
@@ -157,6 +181,7 @@ def resolve(directory: Path) -> Path:
                 f"{' ...' if len(unpublished) > 3 else ''}: every rank must write its shard before one is): save again"
             )
         return directory
+    check_regular(pointer, "the pointer to the latest save")
     try:
         name = pointer.read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as e:
@@ -177,11 +202,13 @@ def resolve(directory: Path) -> Path:
 
 # ---------------------------------------------------------------------- the save protocol
 def _prepare(directory: Path) -> None:
-    if directory.exists() and not directory.is_dir():
-        raise CheckpointError(f"{directory}: is a file; save_checkpoint writes a directory of per-rank shards")
     try:
+        if directory.exists() and not directory.is_dir():
+            raise CheckpointError(f"{directory}: is a file; save_checkpoint writes a directory of per-rank shards")
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            raise os_error(directory, e, "create the checkpoint directory") from e
         raise CheckpointError(
             f"{directory}: cannot create the checkpoint directory ({type(e).__name__}: {e.strerror or e}): "
             "a part of the path is a file, or a folder above it read-only; give another directory"
@@ -244,13 +271,27 @@ def save_step(
         except Exception as e:
             error = write_error(directory / POINTER, e, f"this save was not published, {kept}") or e
     everyone = _agree(comm, device, [int(error is None)], "published")
-    if error is not None:
-        raise error
     if _failed(everyone):
+        # every rank is done with the step directory: unless the pointer names it after all (the
+        # rename went through, the fsync after it failed), it will never be read, and its space is
+        # what the next save needs (Note [multi-rank checkpoints])
+        if comm.rank == 0 and _published_name(directory) != step_dir.name:
+            shutil.rmtree(step_dir, ignore_errors=True)
+        if error is not None:
+            raise error
         raise CheckpointError(f"{directory}: rank 0 could not publish this save (see its error); {kept}")
     if comm.rank == 0:
         _remove_superseded(directory, step_dir.name)
     return path
+
+
+def _published_name(directory: Path) -> str | None:
+    """The step directory ``latest`` names now (None: none, or it cannot be read)."""
+    try:
+        check_regular(directory / POINTER, "the pointer to the latest save")
+        return (directory / POINTER).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError, CheckpointError):
+        return None
 
 
 def _write_text(path: str, text: str) -> None:

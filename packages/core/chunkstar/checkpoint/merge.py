@@ -4,8 +4,11 @@ Every parameter is reassembled from its owner's master chunk (a frozen one from
 its param chunk) and keyed by the model's parameter names (tied parameters once,
 under their first name, as Hugging Face does); the buffers are rank 0's. The
 result loads into the plain model or into an engine of any world size
-(weights only). The output is never written inside the checkpoint, over a
-device or FIFO, or over an existing file without ``overwrite``.
+(weights only). Every tensor read is checked against its checksum (Note [shard
+checksums]). The output is never written inside the checkpoint, over a device
+or FIFO, or over an existing file without ``overwrite``; a path the filesystem
+cannot take (a name too long) is a CheckpointError, as every failure here is,
+and the command prints it as one line.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import torch
 
 from chunkstar.checkpoint.directory import remove_leftovers, resolve, write_atomic, write_error
 from chunkstar.checkpoint.shard import (
-    FORMAT, FORMAT_V1, IDENTITY, MERGED_FORMAT, SHARD_NAME, CheckpointError, ShardMeta, open_shard, read_meta,
-    safetensors_module,
+    FORMAT, FORMAT_V1, IDENTITY, MERGED_FORMAT, SHARD_NAME, CheckpointError, ShardMeta, checksums, open_shard, os_error,
+    read_meta, safetensors_module, verify_tensor,
 )  # fmt: skip
 from chunkstar.chunk.lists import ChunkList
 
@@ -30,6 +33,13 @@ def _check_output(path: Path, directory: Path | None = None, overwrite: bool = F
     """Refuse an output that would destroy something: inside the checkpoint directory being
     read (a shard, or a file a later merge would trip over), anything but a regular file or
     a new path (a device, a FIFO), or an existing file unless ``overwrite``."""
+    try:
+        _check_output_path(path, directory, overwrite)
+    except OSError as e:  # a name too long, a folder that cannot be searched
+        raise os_error(path, e, "write the merged file there") from e
+
+
+def _check_output_path(path: Path, directory: Path | None, overwrite: bool) -> None:
     if path.is_dir():
         raise CheckpointError(f"{path}: is a directory; give a file name for the output (e.g. {path / 'model.safetensors'})")
     if not path.parent.is_dir():
@@ -88,13 +98,20 @@ def merge_checkpoint(
                             f"{first.raw.get(field)!r}: the shards come from different "
                             f"{'steps' if field == 'step' else 'runs'}; keep one save's files only"
                         )
+            wanted: list[tuple[str, str, str]] = []  # (key, kind, rest): the tensors the merge reads
             for key in h.keys():
                 kind, _, cid = key.partition(".")
-                if kind in (ChunkList.MASTER.value, ChunkList.PARAM.value) and cid.isdigit():
-                    # a frozen chunk's values are its param chunk
-                    chunks[int(cid)] = (h.get_tensor(key).float().reshape(-1), f)
-                elif kind == "buffer" and f == files[0]:  # rank 0's buffers
-                    buffers[cid] = h.get_tensor(key)
+                # a frozen chunk's values are its param chunk; the buffers are rank 0's
+                if kind in (ChunkList.MASTER.value, ChunkList.PARAM.value) and cid.isdigit() or kind == "buffer" and f == files[0]:
+                    wanted.append((key, kind, cid))
+            sums = checksums(meta, [key for key, _, _ in wanted])
+            for key, kind, cid in wanted:
+                t = h.get_tensor(key)
+                verify_tensor(meta, key, t, sums)
+                if kind == "buffer":
+                    buffers[cid] = t
+                else:
+                    chunks[int(cid)] = (t.float().reshape(-1), f)
     assert first is not None
     state: dict[str, torch.Tensor] = {}
     for name, cid, offset, numel, shape in first.slots:

@@ -2,10 +2,23 @@
 
 Saving writes this rank's own chunks and the scalar state into one shard of a
 step directory that is published once every rank has written (Note
-[multi-rank checkpoints] in :mod:`chunkstar.checkpoint.directory`); loading
-checks everything on every rank before anything changes. This module reads and
-writes the chunks through the chunk manager's payloads and the optimizer's
-typed doors; it does not decide placement.
+[multi-rank checkpoints] in :mod:`chunkstar.checkpoint.directory`), each tensor
+with its checksum (Note [shard checksums]); loading checks everything on every
+rank, every tensor's bytes included, before anything changes, and a load
+stopped half-way leaves an optimizer that refuses to go on until a load
+completes (Note [all or nothing] in :mod:`chunkstar.checkpoint.interrupts`).
+
+Note [saving between steps]: a checkpoint holds the weights and the optimizer
+state, never gradients. A save while gradients wait for a step (after some of
+``gradient_accumulation_steps`` micro-batches, their sums in the fp32
+accumulators; after the last, in the param slots; kept across a forward) is
+refused, as a load is, rather than resuming without them: saving them would add
+4 bytes per parameter to every rank's shard (each rank accumulates for every
+chunk it computes, Note [accumulation across ranks]) and tie the format to how
+the accumulators are kept, for a save the loop can make one step later.
+
+This module reads and writes the chunks through the chunk manager's payloads
+and the optimizer's typed doors; it does not decide placement.
 """
 
 from __future__ import annotations
@@ -19,9 +32,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 import torch
 
 from chunkstar.checkpoint.directory import remove_leftovers, resolve, save_step
+from chunkstar.checkpoint.interrupts import deferred_interrupts
 from chunkstar.checkpoint.shard import (
-    FORMAT, MERGE_HINT, SHARD_NAME, CheckpointError, ShardMeta, dump_json, json_field, open_shard, optimizer_state,
-    read_meta, safetensors_module, shard_name,
+    CHECKSUMS, FORMAT, MERGE_HINT, SHARD_NAME, CheckpointError, ShardMeta, checksums, dump_json, json_field, open_shard,
+    optimizer_state, read_meta, safetensors_module, shard_name, tensor_checksum, verify_tensor,
 )  # fmt: skip
 from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.layout import TensorSlot, layout_fingerprint
@@ -37,7 +51,7 @@ if TYPE_CHECKING:
     from chunkstar.optim.adam import ChunkAdam
     from chunkstar.optim.loss_scaler import LossScaler
 
-__all__ = ["Checkpointable", "load_checkpoint", "save_checkpoint"]
+__all__ = ["Checkpointable", "load_checkpoint", "pending_gradients", "save_checkpoint"]
 
 
 class Checkpointable(Protocol):
@@ -83,13 +97,35 @@ def _buffers(engine: Checkpointable) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- save
-def save_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str]) -> str:
+def pending_gradients(micro_batches: int, accumulation_steps: int) -> ChunkStateError:
+    """The refusal of a save while gradients wait for a step (Note [saving between steps])."""
+    if micro_batches % accumulation_steps:
+        where = (
+            f"after {micro_batches % accumulation_steps} of {accumulation_steps} micro-batches of gradient accumulation: "
+            "their gradients wait in fp32 accumulators"
+        )
+    else:
+        where = "with gradients that no optimizer.step() has consumed"
+    return ChunkStateError(
+        f"engine.save_checkpoint() {where}, and a checkpoint holds weights and optimizer state, not gradients, so "
+        "training resumed from it would go on without them. Save between steps, after optimizer.step() (say every N "
+        "steps), or drop the gradients with optimizer.zero_grad() first"
+    )
+
+
+def save_checkpoint(
+    engine: Checkpointable, directory: str | os.PathLike[str], *, check: Callable[[], None] | None = None
+) -> str:
     """Write this rank's shard of a new save into ``directory`` (call on every rank); the
-    save is published once every rank has written. Returns the file written."""
+    save is published once every rank has written. Returns the file written. ``check``
+    runs first, in the save's first phase, so a refusal on one rank (gradients no step
+    consumed, :func:`pending_gradients`) reaches every rank and none waits alone."""
     opt = engine.optimizer
     comm = engine.comm
 
     def shard() -> Callable[[str], None]:
+        if check is not None:
+            check()
         st = safetensors_module()
         mgr = engine.mgr
         chunks = mgr.chunks
@@ -125,6 +161,8 @@ def save_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str]) -
         }
         if scalars is not None:
             meta["optimizer"] = dump_json(scalars, "the optimizer's parameter groups")
+        # summed as they are now: nothing changes them before the write (Note [shard checksums])
+        meta[CHECKSUMS] = json.dumps({k: tensor_checksum(t) for k, t in tensors.items()})
         return lambda tmp: st.save_file(tensors, tmp, metadata=meta)
 
     step = opt.step_count if opt is not None else 0
@@ -267,6 +305,12 @@ def _check_own_shard(engine: Checkpointable, directory: Path, path: Path) -> _Ch
             if f"buffer.{key}" in keys and list(h.get_slice(f"buffer.{key}").get_shape()) != list(t.shape):
                 shape = h.get_slice(f"buffer.{key}").get_shape()
                 raise CheckpointError(f"{path}: buffer '{key}' has shape {shape}, this model's {list(t.shape)}")
+        # every tensor's bytes, one at a time, before anything changes (Note [shard checksums])
+        names = sorted(keys)
+        sums = checksums(meta, names)
+        if sums is not None:
+            for key in names:
+                verify_tensor(meta, key, h.get_tensor(key), sums)
     saved = _check_optimizer(engine, meta)
     scaler = json_field(meta, "loss_scaler")
     try:
@@ -309,17 +353,27 @@ def _agree_on_identity(engine: Checkpointable, directory: Path, meta: ShardMeta 
                 )
 
 
-def load_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str], *, pending_grads: bool = False) -> str:
+def load_checkpoint(
+    engine: Checkpointable,
+    directory: str | os.PathLike[str],
+    *,
+    pending_grads: bool = False,
+    check: Callable[[], None] | None = None,
+) -> str:
     """Restore what :func:`save_checkpoint` last published (call on every rank); returns the shard read.
 
     Everything is validated on every rank before anything changes: on an error
-    (say ``pending_grads``: the engine holds gradients no step consumed) no rank
-    has loaded anything, and every rank raises."""
+    (say ``pending_grads``: the engine holds gradients no step consumed, or one
+    ``check`` raises) no rank has loaded anything, and every rank raises. Once the
+    chunks change, a Ctrl-C waits for the load to finish, and anything else that
+    stops it leaves an optimizer that refuses to go on until a load completes
+    (Note [all or nothing])."""
     mgr, comm = engine.mgr, engine.comm
-    chunks = mgr.chunks
     d = Path(directory)
     checked: _Checked | None = None
     try:
+        if check is not None:
+            check()
         if pending_grads:
             raise ChunkStateError("gradients are pending: call optimizer.step() or optimizer.zero_grad() before loading")
         src = resolve(d)
@@ -330,8 +384,29 @@ def load_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str], *
     finally:
         _agree_on_identity(engine, d, checked[0] if checked else None)  # even when this rank failed: the others wait for it
     assert checked is not None
-    meta, saved, scaler = checked
+    opt = engine.optimizer
+    with deferred_interrupts():
+        try:
+            _load(engine, path, checked)
+        except BaseException as e:
+            if opt is not None:
+                opt.interrupted(
+                    f"engine.load_checkpoint({str(directory)!r}) was stopped by {type(e).__name__} after it had loaded "
+                    "some chunks and not others",
+                    "call engine.load_checkpoint again and let it complete",
+                    {"weights", "optimizer"},
+                )
+            raise
+    if opt is not None:
+        opt.restored({"weights", "optimizer"})
+    return str(path)
 
+
+def _load(engine: Checkpointable, path: Path, checked: _Checked) -> None:
+    """Write a checked shard into the engine: chunks, buffers, then the scalar state."""
+    mgr = engine.mgr
+    chunks = mgr.chunks
+    _, saved, scaler = checked
     with torch.no_grad(), mgr.paused_probe(), open_shard(path) as h:
         for name in STATE_LISTS:
             for c in chunks.chunks_of(name):
@@ -354,4 +429,3 @@ def load_checkpoint(engine: Checkpointable, directory: str | os.PathLike[str], *
         else:  # saved before any optimizer existed: its moments are zero, so are the step counts
             fresh = opt.scalar_state()
             opt.load_scalar_state(fresh | {"steps": [0] * len(fresh["steps"]), "skipped_steps": 0, "step_count": 0})
-    return str(path)

@@ -30,7 +30,11 @@ rank its own files, all named ``chunkstar-r<rank>...``), never two live runs.
   unlinked lock never grants two processes the same claim.
 
 The files are a cache of one run's optimizer state, not a checkpoint: nothing
-here reopens them, and nothing is fsynced.
+here reopens them, and nothing is fsynced. A directory deleted under a run
+(its files open, their space held until they close) leaves the end of the run
+nothing to delete: releasing the claim then closes the lock and warns, naming
+the directory, rather than failing an ``engine.close()`` on a lock file it
+cannot create.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import re
 import socket
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
@@ -264,6 +269,15 @@ class DirectoryClaim:
                         os.unlink(path)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.directory / _lock_name(self.rank))  # unlinked while held: Note [directory claim]
+        except FileNotFoundError:
+            if self.directory.is_dir():
+                raise
+            warnings.warn(
+                f"chunkstar disk tier: the directory {self.directory} no longer exists (it was deleted while the run "
+                "used it): its chunk files went with it, so there was nothing left to delete",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         finally:
             self.close()
 

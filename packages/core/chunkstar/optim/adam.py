@@ -36,6 +36,27 @@ chunk/chunk.py): the forward starts while later chunks are still updating.
 With ``overlap: false`` the worker runs each job in place: the same arithmetic
 on the same values in the same order, so both paths give the same bits.
 
+A step is all or nothing (Note [all or nothing] in
+:mod:`chunkstar.checkpoint.interrupts`): a Ctrl-C waits for it to finish, and
+anything else that stops it once it has changed a chunk leaves an optimizer
+that refuses to go on until a load restores a whole state.
+
+Note [the training thread]: the chunks move under a training step (evicted,
+brought back, resized to nothing on the device), so reading or loading them
+from another thread at the same time reads freed memory or half a value, and
+its moves disturb the step's own: a monitoring thread reading ``engine.state_dict()``
+while a GPT-2 trained re-traced the warm-up and, in one run of three, failed the
+training thread on a storage resized to nothing (issue 30 saw a crash). The optimizer
+knows which thread trains: the one of its last step (before any, the one that
+built it). ``engine.state_dict()``, ``load_state_dict``, ``save_checkpoint``,
+``load_checkpoint`` and the optimizer's own state dicts from any other thread,
+while that one lives, raise a ChunkStateError saying so (:meth:`ChunkAdam.check_thread`).
+A lock would not do: a forward and a backward move chunks from hooks spread over
+the user's code, with no one call to hold it across. ``engine.stats()`` reads
+counters only, and is safe from any thread. ``engine.module.state_dict()``
+reaches the chunks through the parameter access (:mod:`chunkstar.runtime.param_access`)
+and is not checked yet.
+
 It subclasses ``torch.optim.Optimizer`` so LR schedulers work through
 ``param_groups`` (a queued update keeps the hyperparameters of its step).
 Parameters that got no gradient are skipped, as ``torch.optim`` skips
@@ -46,6 +67,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Any, Callable, Iterable, Protocol
 
 import torch
@@ -55,6 +77,7 @@ from chunkstar.chunk.layout import TensorSlot
 from chunkstar.chunk.lists import CHUNK_LISTS, ChunkList
 from chunkstar.chunk.state import TensorState
 from chunkstar.chunk.store import ChunkStore
+from chunkstar.checkpoint.interrupts import deferred_interrupts
 from chunkstar.config import EngineConfig
 from chunkstar.device.copy_engine import CopyEvent, HostWorker, InlineWorker
 from chunkstar.distributed.comm import Comm
@@ -182,6 +205,12 @@ class ChunkAdam(torch.optim.Optimizer):
         self._order: tuple[int, list[int]] | None = None  # (id of the trace, chunk ids in next-forward order)
         self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
         self._disk = engine.mgr.chunks.disk  # the disk tier, if the state lives on disk (Note [disk tier])
+        self._thread = threading.current_thread()  # the one that trains (Note [the training thread])
+        self._writing = False  # the running step has begun to change chunks (Note [all or nothing])
+        # what an interrupted step or load left half-changed, and what is still to be restored
+        # ("weights", "optimizer"); None: every chunk is whole (Note [all or nothing])
+        self._unfinished: tuple[str, str] | None = None  # (what was interrupted, how to restore)
+        self._to_restore: set[str] = set()
 
     # ------------------------------------------------------------------ public
     @property
@@ -212,6 +241,7 @@ class ChunkAdam(torch.optim.Optimizer):
                 "run a backward before each step (or call optimizer.zero_grad() first, after which a step changes "
                 "nothing, as in torch.optim)"
             )
+        self.check_consistent("optimizer.step()")
         # a scheduler (or the user) may have changed a group since the config was checked: the
         # same checks, on the values this step uses (a NaN lr would turn every weight NaN)
         for i, g in enumerate(self.param_groups):
@@ -219,21 +249,89 @@ class ChunkAdam(torch.optim.Optimizer):
                 {k: g[k] for k in ADAM_HYPERPARAMS}, f"param_groups[{i}] at step {self.step_count + 1}",
                 decoupled=self._decoupled,
             )  # fmt: skip
-        eng.begin_optimizer_step()
-        try:
-            if self._step():
-                self._applied_at = eng.micro_step
-            self.step_count += 1
-        finally:
-            eng.end_optimizer_step()
+        self._thread = threading.current_thread()  # Note [the training thread]
+        with deferred_interrupts():  # Note [all or nothing]
+            eng.begin_optimizer_step()
+            try:
+                self._writing = False
+                if self._step():
+                    self._applied_at = eng.micro_step
+                self.step_count += 1
+                self._writing = False
+            except BaseException as e:
+                self._step_failed(e)
+                raise
+            finally:
+                eng.end_optimizer_step()
         return loss
+
+    def _step_failed(self, e: BaseException) -> None:
+        """A step stopped (Note [all or nothing]): once it had changed a chunk, nothing goes on
+        until a load; before, it is no step. Either way its gradients go, as by ``zero_grad()``
+        (the load that follows must not find them pending); failing that, the load takes them."""
+        if self._writing:
+            self._writing = False
+            self.interrupted(
+                f"optimizer step {self.step_count + 1} was stopped by {type(e).__name__} after it had updated some chunks "
+                "and not others",
+                "load a checkpoint saved before (engine.load_checkpoint), or load both engine.load_state_dict and "
+                "optimizer.load_state_dict of state dicts saved before, or build the engine again",
+                {"weights", "optimizer"},
+            )
+        try:
+            self._engine.drop_pending_grads()
+        except Exception:  # noqa: BLE001 - the step's own error is the one to see
+            _log.debug("chunkstar: dropping the gradients of an interrupted step failed", exc_info=True)
+        self._applied_at = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the param slots and are consumed by ``step``; if
         some are still pending (no step was taken), drop them and restore the
         parameter values from the fp32 masters."""
+        self.check_consistent("optimizer.zero_grad()")
         self._engine.drop_pending_grads()
         self._applied_at = None  # a step now has no gradients, as torch.optim's after zero_grad
+
+    # ------------------------------------------------------------------ whole states and the training thread
+    def interrupted(self, what: str, restore: str, parts: set[str]) -> None:
+        """``what`` stopped half-way, leaving ``parts`` ("weights", "optimizer") half-changed:
+        refuse to go on until they are restored (Note [all or nothing])."""
+        self._unfinished = (what, restore)
+        self._to_restore |= parts
+
+    def restored(self, parts: set[str]) -> None:
+        """A load completed ``parts`` ("weights", "optimizer"): once all are, training may go on."""
+        self._to_restore -= parts
+        if not self._to_restore:
+            self._unfinished = None
+
+    @property
+    def unfinished(self) -> bool:
+        """Whether an interrupted step or load left chunks half-changed (Note [all or nothing])."""
+        return self._unfinished is not None
+
+    def check_consistent(self, doing: str) -> None:
+        """Refuse ``doing`` while an interrupted step or load left chunks half-changed."""
+        if self._unfinished is None:
+            return
+        what, restore = self._unfinished
+        raise ChunkStateError(
+            f"{doing} refused: {what}, so the weights and the optimizer state are a mix of two states, and training "
+            f"on (or saving) would go on from neither. To go on, {restore}"
+        )
+
+    def check_thread(self, doing: str) -> None:
+        """Refuse ``doing`` from a thread other than the one that trains, while that one lives
+        (Note [the training thread])."""
+        here, owner = threading.current_thread(), self._thread
+        if here is owner or not owner.is_alive():
+            return
+        raise ChunkStateError(
+            f"{doing} from thread '{here.name}' while the engine trains on thread '{owner.name}': its chunks move under "
+            "a training step, so a read or a load from another thread could see half a value or freed memory, and "
+            f"disturb the step. Call it on thread '{owner.name}' (between steps, say every N steps), or save a "
+            "checkpoint there; engine.stats() is safe from any thread"
+        )
 
     # ------------------------------------------------------------------ gradient pipeline
     def take_gradients(self, chunk_id: int) -> None:
@@ -320,15 +418,19 @@ class ChunkAdam(torch.optim.Optimizer):
             total = self._global_norm(grad_slots)  # 0-dim fp32, CPU
             total_f = float(total)
             if not math.isfinite(total_f):  # fp16 overflow, or a non-finite loss or gradient
+                eng.restore_params_from_master(grad_slots)  # first: stopped in it, the step is no step
                 self.skipped_steps += 1
-                if not scaler.enabled and not self._warned_skip:  # fp16 skips as its scale finds its level
+                if not (scaler.enabled and scaler.cfg.dynamic) and not self._warned_skip:
+                    # a dynamic fp16 scale skips as it finds its level; a fixed one never moves
                     self._warned_skip = True
                     _log.warning(
-                        "chunkstar: optimizer step %d skipped: the global gradient norm is %s (a non-finite loss or "
-                        "gradient; too high a learning rate?); engine.stats()['skipped_steps'] counts skipped steps, "
-                        "and later ones are not logged", self.step_count + 1, total_f,
+                        "chunkstar: optimizer step %d skipped: the global gradient norm is %s (%s); "
+                        "engine.stats()['skipped_steps'] counts skipped steps, and later ones are not logged",
+                        self.step_count + 1, total_f,
+                        f"the fixed fp16 loss scale {scaler.scale:g} overflows the gradients, and every step it does is "
+                        "skipped: set fp16.loss_scale lower, or 0 for dynamic scaling" if scaler.enabled else
+                        "a non-finite loss or gradient; too high a learning rate?",
                     )  # fmt: skip
-                eng.restore_params_from_master(grad_slots)
                 scaler.update(overflow=True)
                 return False
             self.last_grad_norm = total_f / scaler.scale
@@ -346,6 +448,7 @@ class ChunkAdam(torch.optim.Optimizer):
             self._partials.clear()
         on_device = {cid: slots for cid, slots in grad_slots.items() if mgr.chunks.chunk(ChunkList.PARAM, cid).tier is not Tier.HOST}
         steps = self._step_tensors(grad_slots)
+        self._writing = True  # from here a stop leaves some chunks stepped (Note [all or nothing])
         self._update(on_device, factor, steps)
         # (a host buffer a copy to the device may still read is waited for by its own update:
         # the chunk's pending event, Note [pending copy]; no device-wide sync here)
@@ -576,6 +679,7 @@ class ChunkAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        self.check_thread("optimizer.state_dict()")
         mgr = self._store
         state: dict[int, dict[str, torch.Tensor]] = {}
         for cid in range(mgr.layout.n_chunks):
@@ -605,6 +709,7 @@ class ChunkAdam(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self.check_thread("optimizer.load_state_dict()")
         if state_dict.get("format") != _FORMAT:
             raise ValueError(
                 f"not a chunkstar optimizer state dict (format {state_dict.get('format')!r}, expected {_FORMAT!r})"
@@ -624,7 +729,22 @@ class ChunkAdam(torch.optim.Optimizer):
                     raise ValueError(
                         f"optimizer state '{key}' of parameter '{s.name}' has {st[key].numel()} elements, expected {s.numel}"
                     )
-        for mine, theirs in zip(self.param_groups, groups):  # checked: now the settings change
+        with deferred_interrupts():  # checked: now things change (Note [all or nothing])
+            try:
+                self._load_state(state_dict, groups)
+            except BaseException as e:
+                self.interrupted(
+                    f"optimizer.load_state_dict() was stopped by {type(e).__name__} after it had loaded some chunks' Adam "
+                    "state and not others",
+                    "call optimizer.load_state_dict again and let it complete",
+                    {"optimizer"},
+                )
+                raise
+        self.restored({"optimizer"})
+
+    def _load_state(self, state_dict: dict[str, Any], groups: list[dict[str, Any]]) -> None:
+        mgr = self._store
+        for mine, theirs in zip(self.param_groups, groups):
             for k, v in theirs.items():
                 if k != "params":
                     mine[k] = tuple(v) if k == "betas" else v

@@ -527,6 +527,12 @@ class ChunkEngine:
                 self._gradients.zero(i)
 
     # ------------------------------------------------------------------ for parameter access
+    def check_thread(self, doing: str) -> None:
+        """Refuse ``doing`` from a thread other than the one that trains (Note [the training
+        thread] in optim/adam.py); an engine with no optimizer has no training thread."""
+        if self._optimizer is not None:
+            self._optimizer.check_thread(doing)
+
     def gradient_kept(self, index: int) -> torch.Tensor | None:
         return self._gradients.kept_value(index)
 
@@ -577,7 +583,10 @@ class ChunkEngine:
 
         The same as ``engine.module.state_dict()`` with buffers copied to the CPU.
         With several processes this is a collective (every rank must call it): the
-        masters, each kept by its owner only, are all-gathered group by group."""
+        masters, each kept by its owner only, are all-gathered group by group. Call it
+        on the thread that trains (Note [the training thread] in :mod:`chunkstar.optim.adam`)."""
+        if self._optimizer is not None:
+            self._optimizer.check_thread("engine.state_dict()")
         return {k: v.detach().to("cpu", copy=True) if v.device.type != "cpu" else v for k, v in self.module.state_dict().items()}
 
     def _value_chunk(self, chunk_id: int) -> torch.Tensor:
@@ -658,18 +667,43 @@ class ChunkEngine:
     def save_checkpoint(self, directory: str) -> str:
         """Write this rank's shard of master and Adam state, optimizer and loss-scaler
         state (call on every rank); :meth:`load_checkpoint` resumes from it bit for bit,
-        ``chunkstar merge-checkpoint`` joins the shards. See :mod:`chunkstar.checkpoint`."""
-        return checkpoint.save_checkpoint(self, directory)
+        ``chunkstar merge-checkpoint`` joins the shards. See :mod:`chunkstar.checkpoint`.
+        Between steps only (Note [saving between steps]), on the thread that trains, and not
+        after a step or load that was interrupted (Note [all or nothing])."""
+        opt, grads = self._optimizer, self._gradients
+
+        def check() -> None:  # in the save's first phase, so a refusal reaches every rank
+            if opt is not None:
+                opt.check_thread("engine.save_checkpoint()")
+                opt.check_consistent("engine.save_checkpoint()")
+            if grads.has_pending() or grads.has_kept():
+                raise checkpoint.pending_gradients(grads.since_step, self.config.optimizer.accumulation_steps)
+
+        return checkpoint.save_checkpoint(self, directory, check=check)
 
     def load_checkpoint(self, directory: str) -> str:
         """Restore what :meth:`save_checkpoint` wrote into this engine and its optimizer
-        (call on every rank; same model, precision, chunk size and world size)."""
-        return checkpoint.load_checkpoint(self, directory, pending_grads=self._has_pending_grads())
+        (call on every rank; same model, precision, chunk size and world size). After a step
+        or load that was interrupted (Note [all or nothing]) its gradients go with the rest."""
+        opt = self._optimizer
+        if opt is not None and opt.unfinished:
+            self.drop_pending_grads()
+        return checkpoint.load_checkpoint(
+            self, directory, pending_grads=self._has_pending_grads() or self._gradients.has_kept(),
+            check=None if opt is None else lambda: opt.check_thread("engine.load_checkpoint()"),
+        )  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Load fp32 values by the model's keys (a tied parameter needs one of its names).
-        Any world size loads a full state dict: each rank takes its own chunks."""
-        if self._has_pending_grads():
+        Any world size loads a full state dict: each rank takes its own chunks. Stopped once
+        it has changed a chunk, it leaves an optimizer that refuses to go on until a load
+        completes (Note [all or nothing])."""
+        opt = self._optimizer
+        if opt is not None:
+            opt.check_thread("engine.load_state_dict()")
+            if opt.unfinished:
+                self.drop_pending_grads()  # an interrupted step's or load's: the values replace them
+        if self._has_pending_grads() or self._gradients.has_kept():
             raise ChunkStateError("gradients are pending: call optimizer.step() or optimizer.zero_grad() before loading")
         slots = self._slot_of_param()
         own = self.module.state_dict(keep_vars=True)
@@ -689,22 +723,34 @@ class ChunkEngine:
             if key in state_dict and tuple(state_dict[key].shape) != tuple(t.shape):
                 raise ValueError(f"'{key}': shape {tuple(state_dict[key].shape)} in the state dict, {tuple(t.shape)} in the model")
         by_chunk: dict[int, list[tuple[TensorSlot, torch.Tensor]]] = {}
-        with torch.no_grad(), mgr.probe.paused():
-            for key, t in own.items():
-                if key not in state_dict:
-                    continue
-                s = slots.get(id(t))
-                if s is None:
-                    t.data.copy_(state_dict[key])
-                elif mgr.chunks.own(s.chunk_id):  # else its owner loads it (any world size can load a full state dict)
-                    by_chunk.setdefault(s.chunk_id, []).append((s, state_dict[key]))
-            for cid, members in sorted(by_chunk.items()):  # one chunk at a time (staged from disk, if there)
-                trainable = not mgr.chunks.frozen(cid)
-                with mgr.chunks.staged([(ChunkList.MASTER, cid)] if trainable else [], write=True):
-                    for s, src in members:
-                        if trainable:
-                            mgr.chunks.slot_view(ChunkList.MASTER, s).copy_(src.reshape(-1))
-                        mgr.chunks.slot_view(ChunkList.PARAM, s).copy_(src.reshape(-1))
+        with checkpoint.deferred_interrupts(), torch.no_grad(), mgr.probe.paused():  # checked: now things change
+            try:
+                for key, t in own.items():
+                    if key not in state_dict:
+                        continue
+                    s = slots.get(id(t))
+                    if s is None:
+                        t.data.copy_(state_dict[key])
+                    elif mgr.chunks.own(s.chunk_id):  # else its owner loads it (any world size can load a full state dict)
+                        by_chunk.setdefault(s.chunk_id, []).append((s, state_dict[key]))
+                for cid, members in sorted(by_chunk.items()):  # one chunk at a time (staged from disk, if there)
+                    trainable = not mgr.chunks.frozen(cid)
+                    with mgr.chunks.staged([(ChunkList.MASTER, cid)] if trainable else [], write=True):
+                        for s, src in members:
+                            if trainable:
+                                mgr.chunks.slot_view(ChunkList.MASTER, s).copy_(src.reshape(-1))
+                            mgr.chunks.slot_view(ChunkList.PARAM, s).copy_(src.reshape(-1))
+            except BaseException as e:
+                if opt is not None:
+                    opt.interrupted(
+                        f"engine.load_state_dict() was stopped by {type(e).__name__} after it had loaded some values and "
+                        "not others",
+                        "call engine.load_state_dict again and let it complete",
+                        {"weights"},
+                    )
+                raise
+        if opt is not None:
+            opt.restored({"weights"})
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

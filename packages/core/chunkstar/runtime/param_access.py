@@ -83,6 +83,7 @@ class AccessHost(Protocol):
     def drop_gradients(self, indices: list[int]) -> None: ...
     def zero_gradient(self, index: int) -> None: ...
     def see_in_dtype(self, index: int, dtype: torch.dtype) -> None: ...
+    def check_thread(self, doing: str) -> None: ...
 
 
 class ReadTargets(Protocol):
@@ -568,6 +569,8 @@ class ParamAccess:
 
     # ------------------------------------------------------------------ module.state_dict()
     def begin_state_dict(self) -> None:
+        if self._sd_depth == 0:
+            self.engine.check_thread("module.state_dict()")  # Note [the training thread] in optim/adam.py
         self._sd_depth += 1
         if self._sd_depth == 1:
             self._sd_memo = {}
