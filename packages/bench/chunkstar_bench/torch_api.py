@@ -401,12 +401,19 @@ def _modes(dev: torch.device) -> str:
     _check(fpopped is fmode, "torch.overrides._pop_mode() did not return the mode pushed")
     with torch._C.DisableTorchFunctionSubclass():
         torch.ones(2).sum()
+    # the watched class's data property reaches torch's own descriptor (Note [data aliases])
+    p = torch.nn.Parameter(torch.ones(3))
+    alias = torch._C.TensorBase.data.__get__(p)
+    alias.mul_(2)
+    _check(alias._version == 1 and p._version == 0 and float(p.sum()) == 6.0, "TensorBase.data does not alias with a counter of its own")
+    torch._C.TensorBase.data.__set__(p, torch.zeros(3))
+    _check(float(p.sum()) == 0.0, "TensorBase.data's setter did not replace the data")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(5)
         torch.get_rng_state()
     with torch.profiler.record_function("chunkstar::probe"):
         torch.ones(2).sum()
-    return "dispatch / function mode push-pop, DisableTorchFunctionSubclass, fork_rng(devices=[]), record_function"
+    return "dispatch / function mode push-pop, DisableTorchFunctionSubclass, TensorBase.data, fork_rng(devices=[]), record_function"
 
 
 _DIST_NAMES = (
@@ -442,7 +449,8 @@ PROBES: tuple[Probe, ...] = (
                              "torch.utils._python_dispatch.TorchDispatchMode", "torch.overrides._push_mode",
                              "torch.overrides._pop_mode", "torch.overrides._get_current_function_mode_stack",
                              "torch.overrides.TorchFunctionMode", "torch._C.DisableTorchFunctionSubclass",
-                             "torch.random.fork_rng", "torch.profiler.record_function"),
+                             "torch._C.TensorBase", "torch._C.TensorBase.data", "torch._C.TensorBase.data.__get__",
+                             "torch._C.TensorBase.data.__set__", "torch.random.fork_rng", "torch.profiler.record_function"),
           "host", _modes),
 )  # fmt: skip
 """In the order they run: the CUDA basics first (a failure there explains the rest)."""
