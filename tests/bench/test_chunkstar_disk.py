@@ -10,8 +10,10 @@ from chunkstar_bench.runner import RunSpec, run
 
 
 def test_a_chunkstar_disk_run_records_its_disk_traffic_and_leaves_no_files(tmp_path: Path) -> None:
+    # params:1.5: the last backward moment (the tied embedding's, with its gradient temporaries)
+    # needs 49 MiB here, past the activation estimate of params:0.6 (Note [the last moment's peak])
     spec = RunSpec(system="chunkstar-disk", model="cpu-tiny", batch=1, seq_len=32, steps=1, warmup=2,
-                   disk_dir=str(tmp_path / "disk"), chunkstar_budget="params:0.6")  # fmt: skip
+                   disk_dir=str(tmp_path / "disk"), chunkstar_budget="params:1.5")  # fmt: skip
     r = run(spec, timeout_s=300, echo=False)
     assert r.status == "ok", r.message
     d = r.details

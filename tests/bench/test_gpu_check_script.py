@@ -11,6 +11,7 @@ reached. Without CUDA and without ``--smoke`` the script must refuse in one line
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import json
 import os
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -185,6 +186,13 @@ def test_rows_the_deadline_leaves_no_time_for_are_skipped_and_the_exit_is_0(tmp_
     rows = _table_rows(proc.stdout)
     assert list(rows) == ROWS and all(r["status"] == "SKIP" for r in rows.values()), proc.stdout
     assert json.loads(out.read_text())["passed"] is True
+    # a SKIP is no failure, so it says why, as it happens and again under the table
+    assert f"SKIPPED ({len(ROWS)} of {len(ROWS)} rows" in proc.stdout, proc.stdout
+    listed = proc.stdout.split("SKIPPED (", 1)[1].splitlines()[1:]
+    assert [line.split(":")[0].strip() for line in listed] == ROWS, proc.stdout
+    assert all("global deadline" in line for line in listed), proc.stdout
+    assert proc.stderr.count(": SKIP: not started:") == len(ROWS), proc.stderr
+    assert f"({len(ROWS)} row(s) SKIPPED, listed under the table)" in proc.stderr, proc.stderr
 
 
 def test_the_gpu_plans_fit_the_deadline_in_priority_order() -> None:
@@ -292,3 +300,39 @@ def test_without_cuda_it_refuses_in_one_line() -> None:
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "no CUDA GPU" in lines[0] and "--smoke" in lines[0], proc.stderr
+
+
+def test_reserved_memory_past_the_budget_fails_a_row() -> None:
+    """Issue 30, item 7: the allocator's reserved peak (cached blocks included) is what a GPU of
+    the budget's size would have had to give; past it (and the 5% tolerance) the row FAILs."""
+    gc = _load_script()
+    meter = SimpleNamespace(cuda=True, base_allocated=0)
+    room = 24 * 10**9
+    record, failures = gc._memory_verdict(meter, {"allocated": 20 * 10**9, "reserved": 27 * 10**9}, {}, room)
+    assert record["real_peak_reserved_bytes"] == 27 * 10**9
+    assert len(failures) == 1 and failures[0].startswith("reserved device peak 27.0 GB"), failures
+    _, failures = gc._memory_verdict(meter, {"allocated": 20 * 10**9, "reserved": 25 * 10**9}, {}, room)
+    assert failures == []  # within 5%
+    # the CPU virtual device reserves nothing: no such check there
+    cpu = SimpleNamespace(cuda=False, base_allocated=0)
+    _, failures = gc._memory_verdict(cpu, {"allocated": None, "reserved": None}, {"device_peak_bytes": 10}, 100)
+    assert failures == []
+
+
+def test_the_6b_row_runs_on_a_128_gb_host_and_is_sized_to_a_smaller_one() -> None:
+    """Issue 30, item 7: the 6B row must not go silently. On a 128 GB host it fits as it is;
+    on a host that cannot hold its 86 GB of chunks it runs the most blocks of its shape that fit
+    (still far above its 24 GB device budget), under its own name, and its note says so."""
+    gc = _load_script()
+    capped = next(p for p in gc._plans(gc._parse_args([])) if p.mode == "capped")
+    cap = int(gc._parse_args([]).host_mem_cap_gib * 2**30)
+    host_128gb = 120 * 10**9  # MemAvailable of a 128 GB machine, roughly
+    assert gc._host_need(capped) <= min(cap, host_128gb)
+    limit = 64 * 2**30
+    sized = gc._sized_to_host(capped, limit)
+    assert sized is not None and sized.name == capped.name and sized.budget == capped.budget
+    assert sized.model.layers < capped.model.layers and gc._host_need(sized) <= limit
+    assert gc._host_need(dataclasses.replace(sized, model=dataclasses.replace(sized.model, layers=sized.model.layers + 1))) > limit
+    assert 14 * gc.n_params(sized.model) > 2 * sized.budget  # still model data far above the device
+    assert f"sized to the host: {sized.model.layers} of {capped.model.layers} blocks" in sized.budget_note
+    assert gc._sized_to_host(capped, 16 * 2**30) is None  # too small a host to make the point: a SKIP

@@ -403,10 +403,10 @@ def _modes(dev: torch.device) -> str:
         torch.ones(2).sum()
     # the watched class's data property reaches torch's own descriptor (Note [data aliases])
     p = torch.nn.Parameter(torch.ones(3))
-    alias = torch._C.TensorBase.data.__get__(p)
+    alias = torch._C.TensorBase.data.__get__(p)  # type: ignore[attr-defined]
     alias.mul_(2)
     _check(alias._version == 1 and p._version == 0 and float(p.sum()) == 6.0, "TensorBase.data does not alias with a counter of its own")
-    torch._C.TensorBase.data.__set__(p, torch.zeros(3))
+    torch._C.TensorBase.data.__set__(p, torch.zeros(3))  # type: ignore[attr-defined]
     _check(float(p.sum()) == 0.0, "TensorBase.data's setter did not replace the data")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(5)

@@ -40,24 +40,35 @@ def _reference_candidates(mgr: ChunkManager, protect: set[Any]) -> list[Resident
             if name == ChunkList.PARAM and mgr.cursor.mode is ScheduleMode.FOLLOWING:
                 after = -1 if mgr.cursor.stage.value in ("optim", "idle") else mgr.cursor.moment
                 next_use = mgr.cursor.trace.next_use(c.chunk_id, after)
-            out.append(ResidentChunk(key, c.nbytes, next_use, mgr._last_use.get(key, 0)))
+            # state on the device is hybrid Adam's, kept for the step (Note [state kept for the step])
+            reserved = name != ChunkList.PARAM and mgr.cursor.stage.value != "optim"
+            out.append(ResidentChunk(key, c.nbytes, next_use, mgr._last_use.get(key, 0), reserved))
     return out
 
 
-def _reference_choice(candidates: Sequence[ResidentChunk], need: int, policy: str) -> list[Hashable] | None:
-    """choose_evictions as it was: a full stable sort, then a prefix."""
+def _reference_choice(
+    candidates: Sequence[ResidentChunk], need: int, policy: str, must_bytes: int | None = None
+) -> list[Hashable] | None:
+    """choose_evictions as it was: a full stable sort, then a prefix; reserved chunks after the
+    others, only as far as ``must_bytes`` (Note [state kept for the step])."""
+    must = need if must_bytes is None else min(must_bytes, need)
     if need <= 0:
         return []
-    if sum(c.nbytes for c in candidates) < need:
+    if sum(c.nbytes for c in candidates) < must:
         return None
     if policy == "furthest_next_use":
-        order = sorted(candidates, key=lambda c: (-(NEVER if c.next_use is None else c.next_use), c.last_use))
+        key: Any = lambda c: (-(NEVER if c.next_use is None else c.next_use), c.last_use)  # noqa: E731
     else:
-        order = sorted(candidates, key=lambda c: c.last_use)
+        key = lambda c: c.last_use  # noqa: E731
     chosen: list[Hashable] = []
     freed = 0
-    for c in order:
+    for c in sorted((c for c in candidates if not c.reserved), key=key):
         if freed >= need:
+            break
+        chosen.append(c.key)
+        freed += c.nbytes
+    for c in sorted((c for c in candidates if c.reserved), key=key):
+        if freed >= must:
             break
         chosen.append(c.key)
         freed += c.nbytes
@@ -95,9 +106,11 @@ def test_evictions_match_the_full_scan(name: str, policy: str, monkeypatch: pyte
         assert got == [c for c in _reference_candidates(mgr, protect) if c.key[0] in names]
         return got
 
-    def checked_choice(candidates: Sequence[ResidentChunk], need: int, pol: str) -> list[Hashable] | None:
-        got = choose(candidates, need, pol)
-        assert got == _reference_choice(candidates, need, pol)
+    def checked_choice(
+        candidates: Sequence[ResidentChunk], need: int, pol: str, must_bytes: int | None = None
+    ) -> list[Hashable] | None:
+        got = choose(candidates, need, pol, must_bytes=must_bytes)
+        assert got == _reference_choice(candidates, need, pol, must_bytes)
         seen["evictions"] += 1
         seen["frozen"] += mgr.cursor.trace.frozen
         return got

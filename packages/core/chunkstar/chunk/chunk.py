@@ -37,6 +37,18 @@ parameters' version counters, which an in-place write by the module itself
 bumps). Whether the copy is clean is this chunk's fact alone. A stale host buffer
 is kept as the destination of the next copy back, so a chunk that travels every
 step does not allocate host memory every step.
+
+Note [pinned once it travels]: on CUDA a copy from or into pageable host memory
+is a blocking copy plus a stream sync, and a param chunk travels every step, so
+its host buffer is pinned from its first placement (:mod:`chunkstar.device.pinned`).
+Optimizer state (master, moments) mostly never travels: host Adam updates it
+where it is, and the state hybrid Adam keeps on the device goes there once and
+stays (Note [state kept for the step] in placement/eviction.py). Pinning all of
+it would lock 12 bytes per parameter of host memory for nothing. So a state
+chunk starts in plain memory, its first trip to the device drops that buffer
+(nothing on the host reads it while the device copy is the payload), and a trip
+back, which means it travels after all, lands in a pinned buffer it keeps for
+life: every later move is an asynchronous copy on a copy stream.
 """
 
 from __future__ import annotations
@@ -64,6 +76,7 @@ class Chunk:
         device: torch.device,
         pinned: PinnedBuffers | None = None,
         memory: DeviceMemory | None = None,
+        pin_from_start: bool = True,
     ) -> None:
         self.chunk_id = chunk_id
         self.list_name = list_name
@@ -73,8 +86,12 @@ class Chunk:
         self.nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.location = ChunkLocation.RELEASED
         # where host buffers come from: exactly-sized pinned ones for a chunk that travels to a
-        # CUDA device (kept for life: pinning costs far more than the bytes), else plain memory
+        # CUDA device (kept for life: pinning costs far more than the bytes), else plain memory.
+        # ``pin_from_start`` False (optimizer state, Note [pinned once it travels]): plain memory
+        # until the chunk first comes back from the device, pinned from then on
         self._pinned = pinned
+        self._pin_from_start = pin_from_start
+        self._host_pinned = False  # the host buffer is one of ``pinned``'s (kept for life)
         # where device payload bytes are allocated and freed, and counted (device/memory.py)
         self._memory = memory if memory is not None else DeviceMemory(device)
         # 1-D, on `device`; storage is 0 bytes unless location is DEVICE, or while a free is pending
@@ -151,9 +168,13 @@ class Chunk:
     def _grow_device(self) -> None:
         self._memory.grow(self._device_buf.untyped_storage(), self.nbytes)
 
-    def _new_host(self) -> torch.Tensor:
-        if self._pinned is not None:
+    def _new_host(self, first: bool = False) -> torch.Tensor:
+        """A host buffer for the payload; ``first``: the first placement (plain memory for a
+        chunk pinned once it travels, Note [pinned once it travels])."""
+        if self._pinned is not None and (self._pin_from_start or not first):
+            self._host_pinned = True
             return self._pinned.take(self.numel, self.dtype)
+        self._host_pinned = False
         return torch.empty(self.numel, dtype=self.dtype)
 
     def allocate(self, tier: Tier) -> None:
@@ -164,7 +185,7 @@ class Chunk:
             self._grow_device()
             self._device_buf.zero_()
         else:
-            self._host_buf = self._new_host()
+            self._host_buf = self._new_host(first=True)
             self._host_buf.zero_()
             self._host_valid = True
         self.location = new
@@ -226,7 +247,8 @@ class Chunk:
                 # the source goes to the copy engine as ``after``: the copy, not this thread, waits.
                 self._grow_device()
             src = self._host_buf  # the copy engine holds the host bytes until done
-            self._host_buf = src if keep_host or self._pinned is not None else None
+            # a pinned buffer stays for the next trip; a plain one goes unless kept as a clean copy
+            self._host_buf = src if keep_host or self._host_pinned else None
             self._host_valid = keep_host
             self._host_version = version(self.chunk_id) if keep_host and version is not None else None
             self._pending = copies.to_device(self._device_buf, src, prefetch=prefetch, after=self._work)
@@ -265,6 +287,7 @@ class Chunk:
         check_location_transition(repr(self), self.location, ChunkLocation.HOST)
         assert buf.numel() == self.numel and buf.dtype == self.dtype, (repr(self), buf.shape, buf.dtype)
         self._host_buf = buf
+        self._host_pinned = False  # a staging buffer of the disk tier, lent
         self._host_valid = True
         self._pending = filling  # the read was ordered after this chunk's last write-behind
         self.location = ChunkLocation.HOST
@@ -278,6 +301,7 @@ class Chunk:
         assert self._host_buf is not None
         buf, last = self._host_buf, self._work or self._pending
         self._host_buf = None
+        self._host_pinned = False
         self._host_valid = False
         self._work = None
         self._pending = None

@@ -52,14 +52,15 @@ class Chunks:
         """The param chunks' dtype (the state lists are fp32)."""
         self._rank = rank
         # param chunks travel every step on a CUDA device: their host buffers are pinned, exactly
-        # sized (device/pinned.py); state chunks travel once at most and stay in plain memory
+        # sized (device/pinned.py), from the start; state chunks start in plain memory and are
+        # pinned once they come back from the device (Note [pinned once it travels] in chunk/chunk.py)
         self.pinned_buffers = PinnedBuffers(device) if device.type == "cuda" else None
         # by list then chunk id; a frozen chunk has its param chunk only (Note [frozen chunks] in
         # chunk/layout.py)
         self._chunks: dict[ChunkList, dict[int, Chunk]] = {
             name: {
                 i: Chunk(i, name.value, n, compute_dtype if name is _PARAM else torch.float32, device,
-                         self.pinned_buffers if name is _PARAM else None, memory)  # fmt: skip
+                         self.pinned_buffers, memory, pin_from_start=name is _PARAM)  # fmt: skip
                 for i, n in enumerate(layout.chunk_sizes)
                 if name is _PARAM or i not in layout.frozen
             }

@@ -45,7 +45,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from chunkstar.device.threads import ops_on_this_thread_only, set_ops_width
+from chunkstar.device.threads import host_worker_width, ops_on_this_thread_only, set_ops_width
 
 __all__ = [
     "DEBUG_DELAY_ENV",
@@ -302,26 +302,42 @@ class HostWorker:
     ``CHUNKSTAR_DEBUG_COPY_DELAY_MS``) sleeps a random time before each job, so a
     reader that forgot to wait for an update sees the old value."""
 
-    def __init__(self, delay: tuple[float, float] | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self, delay: tuple[float, float] | None = None, device: torch.device | None = None, width: int | None = None
+    ) -> None:
         self._lane = _Lane("chunkstar-host-work", device)
         self._delay = delay
         self._rng = random.Random(1)
-        # on the CPU device the worker starts narrow (Note [one OpenMP team]); the process's width now
+        # how wide its ops run once wide: torch's width, or with several processes per node, where
+        # torchrun leaves torch one thread, the rank's share of the cores (Note [the rank's share of
+        # the cores] in device/threads.py)
+        self._width = host_worker_width() if width is None else max(1, width)
+        # on the CPU device the worker starts narrow (Note [one OpenMP team]); on CUDA it is wide from
+        # its first job (a new thread's OpenMP width is the process's: 1 under torchrun)
         self._narrow = device is None or device.type == "cpu"
-        self._width = torch.get_num_threads()
+        if not self._narrow:
+            self._set_width()
+
+    @property
+    def threads(self) -> int:
+        """The threads torch's ops run on in this worker's jobs (1 while narrow)."""
+        return 1 if self._narrow else self._width
+
+    def _set_width(self) -> None:
+        width = self._width
+
+        def wide() -> None:
+            set_ops_width(width)
+
+        self._lane.submit(wide)
 
     def widen(self) -> None:
-        """From the next job on, run torch's ops at the process's width: the frozen schedule
+        """From the next job on, run torch's ops at the worker's width: the frozen schedule
         gave the worker optimizer updates, whose throughput matters more than the compute
         thread's OpenMP spin (Note [one OpenMP team]). Once; nothing to do on CUDA."""
         if self._narrow:
             self._narrow = False
-            width = self._width
-
-            def wide() -> None:
-                set_ops_width(width)
-
-            self._lane.submit(wide)
+            self._set_width()
 
     def submit(self, fn: Callable[[], None], after: CopyEvent | None = None) -> CopyEvent:
         if self._delay is not None:
@@ -350,6 +366,11 @@ class InlineWorker:
 
     def widen(self) -> None:
         """The jobs run on the compute thread, at its width already."""
+
+    @property
+    def threads(self) -> int:
+        """The threads torch's ops run on in these jobs: the compute thread's width."""
+        return torch.get_num_threads()
 
     def close(self) -> None:
         pass

@@ -26,6 +26,20 @@ virtual device the compute thread waits, as that thread is its stream. A chunk
 brought back before its free ran reclaims its bytes (:meth:`reclaim`): the free
 is dropped and nothing is allocated again.
 
+Note [out of memory with frees pending]: the budget counts pending frees as held,
+but the device's allocator may still run out below it: another process holds
+part of the GPU, the caching allocator's blocks are fragmented, or the budget is
+larger than the card gives. When a payload cannot grow (``torch.OutOfMemoryError``)
+while frees are pending, settling them would give the bytes back, and the
+allocator's own retry cannot (to it those blocks are still in use). So
+:meth:`grow` settles every pending free (a stream wait on CUDA), empties the
+allocator's cache on CUDA (``torch.cuda.empty_cache``: blocks cached for other
+sizes go back to the driver; ``cudaFree`` synchronizes the device, so no copy
+still reads a block it returns) and tries once more. Only when that fails too
+does it raise, through :attr:`DeviceMemory.on_out_of_memory`: the chunk
+manager's :class:`~chunkstar.errors.DeviceMemoryError` with its advice, never
+a raw allocator error from inside a hook.
+
 The meter (:attr:`peak_bytes`): on the CPU virtual device the peak over time of
 the chunk bytes held plus the non-model bytes the memory probe sees live (the
 probe reports every allocation it counts, :meth:`observe`); on CUDA the
@@ -34,8 +48,9 @@ allocator's own peak, which the probe folds in before it resets it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -88,6 +103,10 @@ class DeviceMemory:
         """Called with the held bytes before each change (the CUDA probe closes a window) ..."""
         self.after_held_change: Callable[[], None] | None = None
         """... and after it (the CUDA probe opens the next window)."""
+        self.scratch_in_flight: Callable[[], int] = lambda: 0
+        """Device bytes of the collectives' temporaries in flight (under NCCL: Note [flat group
+        buffers] in distributed/comm.py), set by the chunk manager: budgets count them as scratch,
+        so the CUDA probe counts them apart from non-model memory, as it does chunk payloads."""
         self.limit: int | None = None
         """The device's size (the CPU virtual device's budget): the first time the meter goes
         over it is recorded in :attr:`first_overrun`."""
@@ -97,6 +116,13 @@ class DeviceMemory:
         self.frees_run = 0
         self.frees_settled = 0  # of them, run before their copy was seen done (a stream wait or a thread wait)
         self.reclaims = 0
+        self.on_out_of_memory: Callable[[int, BaseException], BaseException] | None = None
+        """The error to raise when a payload of the given bytes still cannot grow after the retry
+        (Note [out of memory with frees pending]; the chunk manager's DeviceMemoryError); None:
+        the allocator's own."""
+        self.out_of_memory_retries = 0
+        """Growths the allocator refused at first and that were tried again after every pending
+        free ran (Note [out of memory with frees pending])."""
 
     # ------------------------------------------------------------------ the meter
     def observe(self, non_model: int) -> None:
@@ -122,7 +148,13 @@ class DeviceMemory:
         delta = nbytes - storage.nbytes()
         if self.before_held_change is not None:
             self.before_held_change(self.held_bytes)
-        storage.resize_(nbytes)
+        try:
+            storage.resize_(nbytes)
+        except BaseException:
+            # nothing changed (the allocator refused): the window that closed opens again
+            if self.after_held_change is not None:
+                self.after_held_change()
+            raise
         self.held_bytes += delta
         if self.after_held_change is not None:
             self.after_held_change()
@@ -131,13 +163,45 @@ class DeviceMemory:
                 self.held_peak = self.held_bytes
             self.observe(self.non_model_live())
 
+    @contextlib.contextmanager
+    def scratch_edge(self) -> Iterator[None]:
+        """The collectives' scratch bytes change inside (a flat buffer is allocated and starts
+        counting, or stops counting and is dropped): the CUDA probe closes its window before,
+        as for chunk bytes, so no window's peak is set against the scratch of another instant."""
+        with self._lock:
+            if self.before_held_change is not None:
+                self.before_held_change(self.held_bytes)
+            try:
+                yield
+            finally:
+                if self.after_held_change is not None:
+                    self.after_held_change()
+
     # ------------------------------------------------------------------ growth and frees
     def grow(self, storage: torch.UntypedStorage, nbytes: int) -> None:
-        """Give ``storage`` its ``nbytes`` on the device (allocated on the calling thread's stream)."""
+        """Give ``storage`` its ``nbytes`` on the device (allocated on the calling thread's stream).
+        An allocator out of memory is retried once after every pending free ran and the cache
+        was emptied, then raised as :attr:`on_out_of_memory` says (Note [out of memory with
+        frees pending])."""
         if storage.nbytes() == nbytes:
             return
-        with self._lock:
-            self._resize(storage, nbytes)
+        try:
+            with self._lock:
+                self._resize(storage, nbytes)
+            return
+        except torch.OutOfMemoryError:
+            pass  # retried below, outside this handler: its traceback keeps frames (and tensors) alive
+        self.out_of_memory_retries += 1
+        self.settle()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            with self._lock:
+                self._resize(storage, nbytes)
+        except torch.OutOfMemoryError as e:
+            if self.on_out_of_memory is None:
+                raise
+            raise self.on_out_of_memory(nbytes, e) from e
 
     def free(self, storage: torch.UntypedStorage) -> None:
         """Free ``storage``'s device bytes now (nothing else reads them)."""

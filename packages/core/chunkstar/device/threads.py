@@ -34,16 +34,30 @@ cores are the host Adam's, and the compute is the GPU's. And the CPU virtual dev
 as autograd does for CPU tensors, unless the strict device asks for a device
 thread of its own (``CHUNKSTAR_STRICT_DEVICE=1``: the test suite's setting;
 :mod:`chunkstar.device.virtual`), which costs that thread's team.
+
+Note [the rank's share of the cores]: torch's width is the process's, and under
+``torchrun`` with several processes per node it is 1: torchrun sets
+``OMP_NUM_THREADS=1`` for every rank unless the user set it, so that N ranks do
+not each start an OpenMP team as wide as the node. For the compute thread of a
+GPU rank that is right (the GPU computes); for the host worker it is not: host
+Adam is the one CPU-bound part of a step, and on one core per rank it leaves
+the node's other cores idle and takes seconds for a 1B model. So with several
+processes per node (``LOCAL_WORLD_SIZE``, which torchrun sets, above 1) the host
+worker's width is the rank's share of the CPUs this process may run on
+(``os.sched_getaffinity``, which a container's cpuset narrows), divided evenly
+among the node's processes; alone on its node the worker keeps torch's width.
+``engine.stats()["host_worker_threads"]`` says the width it runs at.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Callable
+import os
+from typing import Callable, Mapping
 
 import torch
 
-__all__ = ["ops_on_this_thread_only", "set_ops_width"]
+__all__ = ["host_worker_width", "ops_on_this_thread_only", "rank_share_of_cores", "set_ops_width"]
 
 
 def _find_omp_set_num_threads() -> Callable[[int], None] | None:
@@ -80,3 +94,39 @@ def ops_on_this_thread_only() -> bool:
     """Make torch's CPU ops called from this thread run on it alone, with no OpenMP team
     of their own (Note [one OpenMP team])."""
     return set_ops_width(1)
+
+
+def _local_world_size(environ: Mapping[str, str]) -> int:
+    """``LOCAL_WORLD_SIZE`` (the processes on this node, set by torchrun); 1 when unset or not a
+    positive integer (a launcher that does not set it runs one process per node as far as we know)."""
+    try:
+        return max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's cpuset or a binding narrows it)."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if getaffinity is not None:
+        try:
+            return max(1, len(getaffinity(0)))
+        except OSError:
+            pass
+    return max(1, os.cpu_count() or 1)
+
+
+def rank_share_of_cores(environ: Mapping[str, str] | None = None, cpus: int | None = None) -> int:
+    """This process's share of the CPUs it may run on, among the ``LOCAL_WORLD_SIZE`` processes
+    of its node (Note [the rank's share of the cores]); at least 1. ``environ`` and ``cpus``
+    default to the process's own."""
+    local = _local_world_size(os.environ if environ is None else environ)
+    return max(1, (_usable_cpus() if cpus is None else cpus) // local)
+
+
+def host_worker_width(environ: Mapping[str, str] | None = None, cpus: int | None = None) -> int:
+    """How wide the host worker runs torch's ops (Note [the rank's share of the cores]): torch's
+    width for a process alone on its node, the rank's share of the cores with several."""
+    if _local_world_size(os.environ if environ is None else environ) <= 1:
+        return torch.get_num_threads()
+    return rank_share_of_cores(environ, cpus)

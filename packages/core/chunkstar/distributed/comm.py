@@ -37,6 +37,20 @@ stay referenced until then. Their device bytes are what
 by collectives started and not yet waited for. When the exchange device is the
 CPU (gloo) the temporaries are host memory and count 0 device bytes.
 
+Note [scratch counted once]: the temporaries are device memory the caching
+allocator reports like activations, and budgets count them as scratch (a
+gather's joins the room its moment makes, a reduction makes room for its own,
+and what is in flight lowers every moment's chunk budget). Counted as non-model
+memory too, they were counted twice, and worse, by timing: how many reductions
+are still in flight when a moment begins depends on how fast NCCL ran, so the
+frozen schedule's check of the live non-model memory against the trace could
+find it grown and re-trace on timing alone. So they are counted as scratch
+only: the CUDA probe subtracts :attr:`Comm.scratch_bytes_in_flight` as it
+subtracts the chunk bytes, and each allocation of a temporary, and its release,
+happens inside :attr:`Comm.scratch_edge` (the device memory's window edge, set
+by the chunk manager), so no measured peak is set against the scratch of
+another instant.
+
 Under gloo (on the CPU) nothing changes: a group's reduction is an all-reduce
 of the flat buffer and each rank keeps its own part (twice the traffic, same
 result; gloo's reduce-scatter is missing from older torch builds), and a
@@ -74,9 +88,10 @@ trace, never from per-rank measurements), so the ranks always agree.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -166,9 +181,12 @@ class _Pending:
                 self._error = self._comm._fail(self._what, e)
                 raise self._error from e
             finally:
-                self._finish = None
-                self._keep = ()  # the temporaries go back to the allocator, stream-ordered
-                self._release()
+                # the temporaries go back to the allocator, stream-ordered, as they stop counting
+                # as scratch (Note [scratch counted once])
+                with self._comm.scratch_edge() if self._scratch else contextlib.nullcontext():
+                    self._finish = None
+                    self._keep = ()
+                    self._release()
             self._waited = True
 
     def _release(self) -> None:
@@ -226,6 +244,9 @@ class Comm:
         self._scratch_live: weakref.WeakSet[_Pending] = weakref.WeakSet()
         self._scratch_lock = threading.Lock()
         self.scratch_bytes_peak = 0  # the most scratch_bytes_in_flight was, since reset_scratch_peak()
+        self.scratch_edge: Callable[[], ContextManager[None]] = contextlib.nullcontext
+        """Entered around each allocation and release of a device temporary (Note [scratch
+        counted once]): the chunk manager sets the device memory's window edge."""
 
     @classmethod
     def from_environment(cls) -> Comm:
@@ -348,11 +369,12 @@ class Comm:
         n = own.numel()
         try:
             if self.distributed and self.on_device(own.device):
-                flat = torch.empty(self.world_size * n, dtype=own.dtype, device=own.device)
-                scratch = _nbytes(flat)
-                work = _all_gather_flat(flat, own.reshape(-1))
-                keep = (*(o for o in outputs if o is not None), own, flat)
-                return PendingCollective(work, keep, self, label, scratch, lambda: self._copy_out(flat, outputs, own))
+                with self.scratch_edge():  # Note [scratch counted once]
+                    flat = torch.empty(self.world_size * n, dtype=own.dtype, device=own.device)
+                    scratch = _nbytes(flat)
+                    work = _all_gather_flat(flat, own.reshape(-1))
+                    keep = (*(o for o in outputs if o is not None), own, flat)
+                    return PendingCollective(work, keep, self, label, scratch, lambda: self._copy_out(flat, outputs, own))
             outs = [torch.empty_like(own) if (o is None or _same_memory(o, own)) else o for o in outputs]
             work = dist.all_gather(outs, own, async_op=True)
             return PendingCollective(work, (*outs, own), self, label)
@@ -384,14 +406,18 @@ class Comm:
         dtype = own.dtype if dtype is None else dtype
         n = own.numel()
         try:
+            if self.on_device(where):
+                with self.scratch_edge():  # Note [scratch counted once]
+                    flat = torch.empty(len(chunks) * n, dtype=dtype, device=where)
+                    for r, c in enumerate(chunks):
+                        flat[r * n : (r + 1) * n].copy_(c.reshape(-1))
+                    out = torch.empty(n, dtype=dtype, device=where)
+                    scratch = _nbytes(flat) + _nbytes(out)
+                    work = _reduce_scatter_flat(out, flat)
+                    return PendingReduce(work, out, (flat,), self, what, scratch)
             flat = torch.empty(len(chunks) * n, dtype=dtype, device=where)
             for r, c in enumerate(chunks):
                 flat[r * n : (r + 1) * n].copy_(c.reshape(-1))
-            if self.on_device(where):
-                out = torch.empty(n, dtype=dtype, device=where)
-                scratch = _nbytes(flat) + _nbytes(out)
-                work = _reduce_scatter_flat(out, flat)
-                return PendingReduce(work, out, (flat,), self, what, scratch)
             work = dist.all_reduce(flat, async_op=True)
             return PendingReduce(work, flat[self.rank * n : (self.rank + 1) * n], (flat,), self, what)
         except Exception as e:

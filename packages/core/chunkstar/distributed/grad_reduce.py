@@ -147,6 +147,13 @@ class GroupReducer:
         own_id = group[self.comm.rank]
         if self.device.type == "cuda" and not mgr.resident((ChunkList.PARAM, own_id)):
             mgr.make_resident([(ChunkList.PARAM, own_id)], MoveReason.ACCESS, where=f"the gradient reduction of chunk {own_id}")
+        # under NCCL its flat buffers are scratch the measured non-model memory leaves out: room is
+        # made for them here (Note [scratch counted once] in distributed/comm.py)
+        numel = mgr.chunks.chunk(ChunkList.PARAM, own_id).numel
+        scratch = self.comm.reduce_scratch_bytes(numel, self.reduce_dtype, self.device)
+        if scratch:
+            keys = [(ChunkList.PARAM, k) for k in group]
+            mgr.make_room(scratch, protect=set(keys), where=f"the gradient reduction of chunks {group[0]}..{group[-1]}", required=keys)
         with torch.no_grad(), mgr.probe.paused():
             payloads = [mgr.chunks.chunk(ChunkList.PARAM, k).payload for k in group]
             # Note [reduction in flight]: the collective works on a copy of the group (one flat

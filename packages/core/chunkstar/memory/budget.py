@@ -15,7 +15,9 @@ from typing import Callable
 
 from chunkstar.memory.tracer import ScheduleMode
 
-__all__ = ["chunk_budget", "device_capacity", "memory_error_advice", "minimum_budget", "room_target"]
+__all__ = [
+    "chunk_budget", "device_capacity", "memory_error_advice", "minimum_budget", "out_of_memory_advice", "room_target",
+]  # fmt: skip
 
 
 def device_capacity(budget: int | None, slack: float, usable: int | None = None) -> int:
@@ -87,4 +89,19 @@ def memory_error_advice(free: int, biggest: tuple[str, int] | None) -> str:
         "raise 'device_memory_budget'; or lower the batch size or sequence length, or enable activation "
         "checkpointing, to shrink the non-model memory; or lower 'default_chunk_size' so this moment's working "
         "set needs fewer whole chunks"
+    )
+
+
+def out_of_memory_advice(free: int) -> str:
+    """What a :class:`~chunkstar.errors.DeviceMemoryError` advises when the device's allocator
+    ran out of memory below the budget, after every pending free ran and its cache was
+    emptied (Note [out of memory with frees pending] in device/memory.py): the device gave
+    less than the budget says it has, so the budget, not the model, is what to change first."""
+    return (
+        "the device's allocator ran out of memory although the budget had room for this, even after every "
+        "pending free ran and its cache was emptied: the GPU gives this process less than "
+        "'device_memory_budget' (another process holds part of it, or the budget is larger than the card), or "
+        "its free memory is fragmented. Lower 'device_memory_budget' to what the GPU can give this process (or "
+        "raise 'device_memory_slack'), or free the GPU of other processes; "
+        + memory_error_advice(free, None)
     )

@@ -6,11 +6,13 @@ into their slots) is *non-model* memory and has to be measured:
 
 * CUDA: the caching allocator's own figures (``memory_allocated`` and its
   peak), minus the chunk payload bytes the device holds (resident chunks and
-  frees still pending: Note [deferred free] in :mod:`chunkstar.device.memory`).
-  A moment's peak is taken window by window: whenever the chunk bytes change
-  (a move, a free) the allocator's peak so far, less the chunk bytes that held
-  during the window, closes a window, so a peak is never compared with chunk
-  bytes of another instant.
+  frees still pending: Note [deferred free] in :mod:`chunkstar.device.memory`)
+  and the flat buffers of collectives in flight, which budgets count as scratch
+  (Note [scratch counted once] in :mod:`chunkstar.distributed.comm`).
+  A moment's peak is taken window by window: whenever those bytes change
+  (a move, a free, a collective's buffer) the allocator's peak so far, less the
+  bytes that held during the window, closes a window, so a peak is never
+  compared with chunk bytes of another instant.
 * CPU virtual device: PyTorch keeps no allocator statistics for CPU, so
   :class:`LiveTensorTracker` (a ``TorchDispatchMode``) watches every op while
   it is active and counts the bytes of storages the op *allocates* (outputs
@@ -272,11 +274,18 @@ class CudaProbe(MemoryProbe):
             self.memory.observe_total(torch.cuda.max_memory_allocated(self.device))
         torch.cuda.reset_peak_memory_stats(self.device)
 
+    def _scratch(self) -> int:
+        """The collectives' scratch bytes now: counted apart from non-model memory (Note [scratch
+        counted once] in distributed/comm.py). Within a window they only fall (a window closes
+        before each rises), so the figure at a window's end is the least it held in it: never
+        more than what was allocated beside the window's peak."""
+        return self.memory.scratch_in_flight() if self.memory is not None else 0
+
     def _close_window(self, held_before: int) -> None:
-        """The chunk bytes are about to change from ``held_before``: the window that held them closes."""
+        """The chunk (or scratch) bytes are about to change from ``held_before``: the window that held them closes."""
         if not self.active:
             return
-        peak = torch.cuda.max_memory_allocated(self.device) - held_before
+        peak = torch.cuda.max_memory_allocated(self.device) - held_before - self._scratch()
         if peak > self._window_peak:
             self._window_peak = peak
 
@@ -290,10 +299,10 @@ class CudaProbe(MemoryProbe):
         self._reset()
 
     def non_model_now(self, chunk_bytes: int) -> int:
-        return max(0, torch.cuda.memory_allocated(self.device) - chunk_bytes)
+        return max(0, torch.cuda.memory_allocated(self.device) - chunk_bytes - self._scratch())
 
     def take_peak(self, chunk_bytes: int) -> int:
-        peak = max(self._window_peak, torch.cuda.max_memory_allocated(self.device) - chunk_bytes)
+        peak = max(self._window_peak, torch.cuda.max_memory_allocated(self.device) - chunk_bytes - self._scratch())
         self._window_peak = 0
         self._reset()
         return max(0, peak)

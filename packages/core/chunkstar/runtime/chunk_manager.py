@@ -25,6 +25,17 @@ the non-model bytes expected during that moment: measured live during warm-up,
 read from the warm-up trace afterwards. Room is made when a moment begins,
 i.e. before that moment's activations are allocated, so a moment never has to
 evict while its own module is running.
+
+Note [the last moment settles]: a moment's budget counts the frees still
+pending as held, and settles only as many as it needs. The iteration's last
+moment is the last time this engine polls its frees before the next step, but
+not always the end of what the device runs: the rest of the same backward may
+be another engine's (the DCGAN tutorial's ``errG.backward()`` runs the
+discriminator's backward, then the generator's) or the user's hooks, none of
+it in this engine's trace. Frees left pending there would hold their bytes, by
+timing (a copy seen done is reaped, one still running is not), through
+everything that runs after. So the last moment of a frozen iteration settles
+every pending free (on CUDA a stream wait, no host sync).
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.gather import GroupGathers
 from chunkstar.errors import DeviceMemoryError
 from chunkstar.events import EventBus, MoveReason, Stage, Tier
-from chunkstar.memory.budget import chunk_budget, memory_error_advice, minimum_budget, room_target
+from chunkstar.memory.budget import chunk_budget, memory_error_advice, minimum_budget, out_of_memory_advice, room_target
 from chunkstar.memory.probes import MemoryProbe
 from chunkstar.memory.tracer import ScheduleMode
 from chunkstar.placement.eviction import ResidentChunk, choose_evictions
@@ -102,6 +113,14 @@ class ChunkManager:
         self.memory = DeviceMemory(device)
         self.memory.limit = capacity
         self.memory.where = lambda: f"moment {self.cursor.moment} '{self.cursor.module}' ({self.cursor.stage.value})"
+        # the allocator refused a payload even after the pending frees ran: the usual error, with
+        # its advice (Note [out of memory with frees pending] in device/memory.py)
+        self.memory.on_out_of_memory = self._out_of_memory
+        # under NCCL the collectives' flat buffers are scratch, counted once: budgets count what is in
+        # flight, the probe leaves it out of non-model memory (Note [scratch counted once] in
+        # distributed/comm.py)
+        self.memory.scratch_in_flight = lambda: self.comm.scratch_bytes_in_flight
+        self.comm.scratch_edge = self.memory.scratch_edge
         probe.attach(self.memory)
         # how chunk payloads travel (CUDA streams, the CPU copy thread, or serial): chunk.py's
         # Note [pending copy]; set by the engine from the config (overlap, device_link_bandwidth)
@@ -230,13 +249,16 @@ class ChunkManager:
         room, evict nothing and go over the budget until the next access, rather than fail."""
         memory = self.memory
         memory.reap()  # copies out that are done give their bytes back first (Note [deferred free])
-        budget = self.chunk_budget()
         cur = self.cursor
+        if memory.pending_bytes and cur.mode is ScheduleMode.FOLLOWING and cur.moment == cur.trace.n_moments - 1:
+            memory.settle()  # Note [the last moment settles]
+        budget = self.chunk_budget()
         # with no trace to trust (warm-up, or an evaluation before the first step) nothing knows what
         # the moment will allocate: it keeps only what it needs (Note [budget per moment])
         target = room_target(budget, cur.mode, cur.stage is Stage.FWD or cur.stage is Stage.BWD)
         # the device holds the resident chunks and the frees still pending (both count), and under
-        # NCCL the flat buffers of collectives in flight (a gather ahead, the gradient reductions)
+        # NCCL the flat buffers of collectives in flight (a gather ahead, the gradient reductions),
+        # which only this counts (Note [scratch counted once] in distributed/comm.py)
         target -= self.comm.scratch_bytes_in_flight
         if memory.held_bytes + need <= target:
             return
@@ -245,7 +267,10 @@ class ChunkManager:
             memory.settle(memory.held_bytes + need - target)
             return
         candidates = self._eviction_candidates(protect)
-        victims = choose_evictions(candidates, excess, self.policy.value)
+        # what must go for the moment's budget (a warm-up target of 0 asks more): the state hybrid
+        # Adam keeps on the device goes only for that (Note [state kept for the step])
+        must = self.counters.device_chunk_bytes + need - (budget - self.comm.scratch_bytes_in_flight)
+        victims = choose_evictions(candidates, excess, self.policy.value, must_bytes=must)
         if victims is None and optional:
             return
         if victims is None:
@@ -285,7 +310,10 @@ class ChunkManager:
                 continue
             ids = ids - {cid for n, cid in protect if n == name}
             if name is not _PARAM:
-                out += [ResidentChunk(k, chunk(name, k[1]).nbytes, None, last_use.get(k, 0)) for k in _keys(name, ids)]
+                # state on the device is hybrid Adam's, kept for the step (Note [state kept for the
+                # step] in placement/eviction.py); during the step itself it is fair game
+                reserved = self.cursor.stage is not Stage.OPTIM
+                out += [ResidentChunk(k, chunk(name, k[1]).nbytes, None, last_use.get(k, 0), reserved) for k in _keys(name, ids)]
                 continue
             # not in use, and not a gathered remote copy (freed on a schedule all ranks share)
             count = self.tensors.compute_count
@@ -318,6 +346,21 @@ class ChunkManager:
         return DeviceMemoryError(
             device=str(self.device), needed=needed, free=max(free, 0), budget=self.capacity, where=where,
             minimum=minimum_budget(needed, max(non_model, 0), self.slack), advice=advice,
+        )  # fmt: skip
+
+    def _out_of_memory(self, nbytes: int, error: BaseException) -> DeviceMemoryError:
+        """The error for a chunk payload of ``nbytes`` the device's allocator refused, ``error``,
+        though the budget had room and every pending free ran (Note [out of memory with frees
+        pending] in device/memory.py): the device gives less than the budget says."""
+        memory = self.memory
+        non_model = self.probe.non_model_now(memory.held_bytes)
+        free = self.capacity - non_model - memory.held_bytes
+        # its first sentence ("CUDA out of memory. Tried to allocate ..."); the whole is the cause
+        first = str(error).strip().split(". ")[0][:200] or type(error).__name__
+        return DeviceMemoryError(
+            device=str(self.device), needed=nbytes, free=max(free, 0), budget=self.capacity,
+            where=f"a chunk's payload at {memory.where()} (the allocator said: {first})",
+            advice=out_of_memory_advice(free),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ moves

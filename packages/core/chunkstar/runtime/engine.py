@@ -768,6 +768,12 @@ class ChunkEngine:
             "device_pending_free_bytes": mgr.memory.pending_bytes,
             "deferred_frees": mgr.memory.frees_run,
             "deferred_frees_waited": mgr.memory.frees_settled,
+            # payloads the allocator refused at first, tried again once every pending free ran
+            # (Note [out of memory with frees pending] in device/memory.py)
+            "device_out_of_memory_retries": mgr.memory.out_of_memory_retries,
+            # threads of the host worker's ops (host Adam): the rank's share of the node's cores with
+            # several processes per node (Note [the rank's share of the cores] in device/threads.py)
+            "host_worker_threads": self.host_work.threads,
             "chunk_moves_to_device": counters.moves_to_device,
             "chunk_moves_to_host": counters.moves_to_host,
             "bytes_to_device": counters.bytes_to_device,

@@ -224,7 +224,7 @@ class Schedule:
         mgr.probe.release(_METER)
         self._measuring = False
         if mgr.probe.held_by(_WARMUP):
-            self._close_traced_moment()  # the last moment's peak
+            self._close_traced_moment(cur.moment)  # the last moment's own peak (Note [the last moment's peak])
             mgr.probe.release(_WARMUP)
             too_small, self._too_small = self._too_small, None
             path, peak, need = hash(cur.trace.pass_path()), cur.trace.pass_peak, self._pass_need
@@ -294,7 +294,7 @@ class Schedule:
         mgr = self.mgr
         cur = self.cursor
         if mgr.probe.held_by(_WARMUP):
-            self._close_traced_moment()
+            self._close_traced_moment(cur.moment - 1)  # the moment before the one that begins
             if not cur.trace.record(cur.moment, MomentRecord(module, stage, chunk_ids)):
                 self._warmup_disagrees = True
         elif self.phase is TracePhase.FROZEN and not self._diverged_why:
@@ -396,19 +396,34 @@ class Schedule:
             self._required_peak = max(self._required_peak, required)
         return self._measuring
 
-    def _close_traced_moment(self) -> None:
-        """Warm-up: the moment before the running one is over; its peak is known. A moment
-        whose chunks and non-model peak exceed the device is remembered for the error
-        raised at the end of this warm-up iteration (with the whole minimum)."""
+    def _close_traced_moment(self, m: int) -> None:
+        """Warm-up: moment ``m`` is over (a new moment began, or the iteration ended after
+        it); its peak is known. A moment whose chunks and non-model peak exceed the device
+        is remembered for the error raised at the end of this warm-up iteration (with the
+        whole minimum).
+
+        Note [the last moment's peak]: the peak since the previous reading belongs to the
+        moment that was running, which at the end of the iteration is the last one (the
+        running moment), not the one before it. Closed as the one before, the last
+        backward moment (the embedding's, where the embedding gradient and the loss's
+        tensors peak) was traced at 0 bytes and the one before it took its peak: on the
+        frozen schedule the last moment's chunk budget was the whole device, so it took
+        its chunks without settling the frees still pending from the moment before, and
+        the device held its peak beside them. Whether those copies were done by then was
+        timing: with two busy processes on the machine, or slow copies, the meter went
+        over the budget (docs/design.md, 'Budgets, eviction and prefetch')."""
         mgr = self.mgr
         cur = self.cursor
-        m = cur.moment - 1
         cur.trace.set_peak(m, mgr.probe.take_peak(mgr.memory.held_bytes))
+        # the collectives' flat buffers the moment held (under NCCL): scratch beside its chunks, not
+        # in its non-model peak (Note [scratch counted once] in distributed/comm.py)
+        scratch = self.comm.scratch_bytes_peak
+        self.comm.reset_scratch_peak()
         rec = cur.trace.pass_moment(m)  # this pass's own moment (Note [every path measured])
         if rec is None:
             return
         # the moment's chunks, or more when it went over the budget with others pinned beside them
-        chunks = max(self._moment_chunk_bytes(rec.chunks), self._required_peak)
+        chunks = max(self._moment_chunk_bytes(rec.chunks), self._required_peak) + scratch
         self._required_peak = 0
         need = minimum_budget(chunks, rec.non_model_peak, mgr.slack)
         self._pass_need = max(self._pass_need, need)
