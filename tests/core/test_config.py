@@ -17,7 +17,7 @@ import torch
 
 import chunkstar
 from chunkstar.config import host_memory_bytes
-from chunkstar.optim.param_groups import validate_param_group
+from chunkstar.config.hyperparams import validate_param_group
 
 NAN, INF = math.nan, math.inf
 HOST = host_memory_bytes() or 1 << 40

@@ -20,13 +20,13 @@ from torch import nn
 
 from chunkstar.checkpoint import CheckpointError
 from chunkstar.config import EngineConfig, parse_bytes, parse_config
+from chunkstar.config.hyperparams import validate_param_group
 from chunkstar.construction import PretrainedError, init_weights
 from chunkstar.construction.pretrained import PretrainedSource
 from chunkstar.distributed.comm import DistributedError
 from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError
 from chunkstar.events import EventBus, Stage, Tier
 from chunkstar.optim.adam import ChunkAdam
-from chunkstar.optim.param_groups import validate_param_group
 from chunkstar.runtime.engine import ChunkEngine
 
 __all__ = [

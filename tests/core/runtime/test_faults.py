@@ -4,7 +4,7 @@ engine closed after its disk directory was deleted.
 
 A step and a load either complete (a Ctrl-C that arrives meanwhile is raised once they
 have) or, when something else stops them half-way, leave an engine that refuses to go on
-until a load completes (Note [all or nothing] in chunkstar/checkpoint/interrupts.py). The
+until a load completes (Note [all or nothing] in chunkstar/interrupts.py). The
 interrupts are injected deterministically: a function the step or load calls midway raises
 KeyboardInterrupt, or sends the process a real SIGINT, on its Nth call."""
 

@@ -34,18 +34,17 @@ optimizer step, is all or nothing (Note [all or nothing]).
 The parts: :mod:`.shard` (one rank's file: name, metadata, checked reading,
 Note [shard metadata], Note [shard checksums]), :mod:`.directory` (atomic files
 and the publication of a save, Note [atomic files]), :mod:`.resume` (save and
-load of an engine), :mod:`.interrupts` (what an interrupted step or load
-leaves) and :mod:`.merge`. Data files are safetensors, never pickle.
+load of an engine) and :mod:`.merge`; what an interrupted step or load leaves is
+:mod:`chunkstar.interrupts` (the optimizer's step holds interrupts off too). Data files are safetensors, never pickle.
 """
 
 from __future__ import annotations
 
-from chunkstar.checkpoint.interrupts import deferred_interrupts
 from chunkstar.checkpoint.merge import main_merge, merge_checkpoint
 from chunkstar.checkpoint.resume import Checkpointable, load_checkpoint, pending_gradients, save_checkpoint
 from chunkstar.checkpoint.shard import CheckpointError, shard_name
 
 __all__ = [
-    "CheckpointError", "Checkpointable", "deferred_interrupts", "load_checkpoint", "main_merge", "merge_checkpoint",
+    "CheckpointError", "Checkpointable", "load_checkpoint", "main_merge", "merge_checkpoint",
     "pending_gradients", "save_checkpoint", "shard_name",
 ]  # fmt: skip

@@ -6,7 +6,7 @@ step directory that is published once every rank has written (Note
 with its checksum (Note [shard checksums]); loading checks everything on every
 rank, every tensor's bytes included, before anything changes, and a load
 stopped half-way leaves an optimizer that refuses to go on until a load
-completes (Note [all or nothing] in :mod:`chunkstar.checkpoint.interrupts`).
+completes (Note [all or nothing] in :mod:`chunkstar.interrupts`).
 
 Note [saving between steps]: a checkpoint holds the weights and the optimizer
 state, never gradients. A save while gradients wait for a step (after some of
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 import torch
 
 from chunkstar.checkpoint.directory import remove_leftovers, resolve, save_step
-from chunkstar.checkpoint.interrupts import deferred_interrupts
+from chunkstar.interrupts import deferred_interrupts
 from chunkstar.checkpoint.shard import (
     CHECKSUMS, FORMAT, MERGE_HINT, SHARD_NAME, CheckpointError, ShardMeta, checksums, dump_json, json_field, open_shard,
     optimizer_state, read_meta, safetensors_module, shard_name, tensor_checksum, verify_tensor,

@@ -30,12 +30,35 @@ from chunkstar.errors import ChunkStateError
 
 if TYPE_CHECKING:
     from chunkstar.events import MoveReason
-    from chunkstar.runtime.cursor import Cursor
-    from chunkstar.runtime.disk_tier import DiskTier
+    from chunkstar.memory.cursor import Cursor
 
-__all__ = ["Chunks", "ChunkStore"]
+__all__ = ["Chunks", "ChunkStore", "DiskStaging"]
 
 _PARAM = ChunkList.PARAM
+
+
+class DiskStaging(Protocol):
+    """The disk tier as the chunks and their users see it: which lists live in files, and
+    staging a chunk's payload into a host buffer and back (Note [disk tier] in
+    :mod:`chunkstar.runtime.disk_tier`, which satisfies it). A layer below the runtime, so
+    it names what it asks for instead of importing the tier."""
+
+    lists: tuple[ChunkList, ...]
+    """The lists whose chunks live on disk."""
+    budget: int
+    """Host bytes for staged chunks."""
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes the chunk files hold now."""
+
+    def on_disk(self, name: ChunkList) -> bool: ...
+    def staged(self, chunks: list[Chunk], *, write: bool) -> contextlib.AbstractContextManager[None]: ...
+    def stage_in(self, chunk: Chunk) -> None: ...
+    def stage_out(self, chunk: Chunk, *, write: bool) -> None: ...
+    def stats(self) -> dict[str, float | int]: ...
+    def close(self) -> None: ...
+    def discard(self) -> None: ...
 
 
 class Chunks:
@@ -67,7 +90,7 @@ class Chunks:
             for name in CHUNK_LISTS
         }
         self._param_chunks = list(self._chunks[_PARAM].values())  # by chunk id: the list hot paths read
-        self.disk: DiskTier | None = None
+        self.disk: DiskStaging | None = None
         """The disk tier, when the config has one (:meth:`attach_disk`)."""
 
     # ------------------------------------------------------------------ lookups
@@ -133,7 +156,7 @@ class Chunks:
         """This rank's chunks of lists ``names`` by chunk id (what a disk tier stores)."""
         return {n: {cid: c for cid, c in self._chunks[n].items() if self.own(cid)} for n in names}
 
-    def attach_disk(self, tier: DiskTier) -> None:
+    def attach_disk(self, tier: DiskStaging) -> None:
         """From now on the chunks of ``tier.lists`` live on disk (before any chunk is allocated)."""
         self.disk = tier
 
@@ -145,7 +168,7 @@ class Chunks:
     def staged(self, keys: Iterable[tuple[ChunkList, int]], *, write: bool) -> Iterator[None]:
         """Inside the block, the chunks ``keys`` that live on disk are staged into host buffers
         (their payloads readable and writable as usual), and go back to disk at its end,
-        written back with ``write`` (:meth:`DiskTier.staged`); nothing happens for chunks in
+        written back with ``write`` (:meth:`DiskStaging.staged`); nothing happens for chunks in
         memory."""
         tier = self.disk
         if tier is None:

@@ -27,13 +27,13 @@ from typing import Iterable, Protocol, Sequence
 import torch
 
 from chunkstar.chunk.chunk import Chunk
+from chunkstar.chunk.counters import ChunkCounters
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.state import ChunkLocation
 from chunkstar.chunk.store import Chunks
 from chunkstar.distributed.comm import Comm
 from chunkstar.events import MoveReason, Tier
 from chunkstar.memory.probes import MemoryProbe
-from chunkstar.runtime.counters import ChunkCounters
 
 __all__ = ["GroupGathers"]
 

@@ -30,24 +30,40 @@ each gradient costs a comparison, not a scan of its group's slots.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Protocol, Sequence
 
 import torch
 
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.state import TensorState
+from chunkstar.chunk.store import ChunkStore
 from chunkstar.distributed.comm import Comm, PendingReduce
+from chunkstar.distributed.gather import GroupGathers
 from chunkstar.events import MoveReason
 from chunkstar.placement.gathered import groups_to_release
-from chunkstar.runtime.chunk_manager import ChunkManager
 
-__all__ = ["GroupReducer"]
+__all__ = ["GroupReducer", "ReduceStore"]
+
+
+class ReduceStore(ChunkStore, Protocol):
+    """What the reducer asks of the chunk store beyond the optimizer's door: its gathered
+    groups, which chunks the running moment pins, how many slots of a chunk hold their
+    gradient (Note [pending gradients]), and room for a reduction's scratch."""
+
+    gathers: GroupGathers
+
+    def pinned(self, chunk_id: int) -> bool: ...
+    def grads_in(self, chunk_id: int) -> int: ...
+    def make_room(
+        self, need: int, protect: set[tuple[ChunkList, int]], where: str,
+        required: Iterable[tuple[ChunkList, int]] = (), optional: bool = False,
+    ) -> None: ...  # fmt: skip
 
 
 class GroupReducer:
     def __init__(
         self,
-        mgr: ChunkManager,
+        mgr: ReduceStore,
         comm: Comm,
         device: torch.device,
         params: Sequence[torch.Tensor],
@@ -154,7 +170,7 @@ class GroupReducer:
         if scratch:
             keys = [(ChunkList.PARAM, k) for k in group]
             mgr.make_room(scratch, protect=set(keys), where=f"the gradient reduction of chunks {group[0]}..{group[-1]}", required=keys)
-        with torch.no_grad(), mgr.probe.paused():
+        with torch.no_grad(), mgr.paused_probe():
             payloads = [mgr.chunks.chunk(ChunkList.PARAM, k).payload for k in group]
             # Note [reduction in flight]: the collective works on a copy of the group (one flat
             # buffer in the config's reduce_dtype, fp32 by default, that the copy converts to), so
@@ -180,7 +196,7 @@ class GroupReducer:
         mgr = self.mgr
         still: list[tuple[int, PendingReduce]] = []
         inv = 1.0 / self.comm.world_size
-        with torch.no_grad(), mgr.probe.paused():
+        with torch.no_grad(), mgr.paused_probe():
             for own_id, pending in self._inflight:
                 if not wait and not pending.done():
                     still.append((own_id, pending))
@@ -193,7 +209,7 @@ class GroupReducer:
         self._inflight = still
 
 
-def _gradient_runs(mgr: ChunkManager, chunk_id: int) -> list[tuple[int, int]]:
+def _gradient_runs(mgr: ReduceStore, chunk_id: int) -> list[tuple[int, int]]:
     """(start, end) element ranges of the chunk's slots in HOLD_AFTER_BWD, adjacent slots merged."""
     runs: list[tuple[int, int]] = []
     if not mgr.grads_in(chunk_id):

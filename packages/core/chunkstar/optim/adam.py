@@ -37,7 +37,7 @@ With ``overlap: false`` the worker runs each job in place: the same arithmetic
 on the same values in the same order, so both paths give the same bits.
 
 A step is all or nothing (Note [all or nothing] in
-:mod:`chunkstar.checkpoint.interrupts`): a Ctrl-C waits for it to finish, and
+:mod:`chunkstar.interrupts`): a Ctrl-C waits for it to finish, and
 anything else that stops it once it has changed a chunk leaves an optimizer
 that refuses to go on until a load restores a whole state.
 
@@ -77,14 +77,14 @@ from chunkstar.chunk.layout import TensorSlot
 from chunkstar.chunk.lists import CHUNK_LISTS, ChunkList
 from chunkstar.chunk.state import TensorState
 from chunkstar.chunk.store import ChunkStore
-from chunkstar.checkpoint.interrupts import deferred_interrupts
 from chunkstar.config import EngineConfig
+from chunkstar.config.hyperparams import ADAM_HYPERPARAMS, validate_param_group
 from chunkstar.device.copy_engine import CopyEvent, HostWorker, InlineWorker
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError
 from chunkstar.events import MoveReason, Tier
+from chunkstar.interrupts import deferred_interrupts
 from chunkstar.optim.loss_scaler import LossScaler
-from chunkstar.optim.param_groups import ADAM_HYPERPARAMS, validate_param_group
 
 _log = logging.getLogger("chunkstar")
 

@@ -8,7 +8,7 @@ tensor's state and the derived counts of those states
 its own: ``set_state`` also swaps each parameter's class when its tensor enters or
 leaves COMPUTE, Note [parameter guard] in :mod:`chunkstar.hooks.param_guard`), and
 the index of the chunks on the device. Its byte and move counters, and the events
-of every move, are one :class:`chunkstar.runtime.counters.ChunkCounters` each move
+of every move, are one :class:`chunkstar.chunk.counters.ChunkCounters` each move
 path records into once; with several processes the all-gathers of chunk groups are
 :class:`chunkstar.distributed.gather.GroupGathers`, which ``make_resident`` calls.
 Others ask it for what they need (``make_resident``, ``set_state``, ``to_host``,
@@ -17,7 +17,7 @@ see only the :class:`chunkstar.chunk.store.ChunkStore` Protocol. It asks the pur
 policies in :mod:`chunkstar.placement` and :mod:`chunkstar.memory.budget` what to
 evict, prefetch and keep, and hands the copies to its copy engine
 (:mod:`chunkstar.device`). It reads the iteration's
-:class:`chunkstar.runtime.cursor.Cursor` and never writes it.
+:class:`chunkstar.memory.cursor.Cursor` and never writes it.
 
 Note [budget per moment]: the device holds chunks *and* non-model data
 (activations, temporaries). The chunk budget of a moment is the capacity minus
@@ -46,6 +46,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from chunkstar.chunk.counters import ChunkCounters
 from chunkstar.chunk.layout import ChunkLayout, TensorSlot
 from chunkstar.chunk.lists import CHUNK_LISTS, ChunkList
 from chunkstar.chunk.state import ChunkLocation, TensorState
@@ -58,12 +59,11 @@ from chunkstar.distributed.gather import GroupGathers
 from chunkstar.errors import DeviceMemoryError
 from chunkstar.events import EventBus, MoveReason, Stage, Tier
 from chunkstar.memory.budget import chunk_budget, memory_error_advice, minimum_budget, out_of_memory_advice, room_target
+from chunkstar.memory.cursor import Cursor
 from chunkstar.memory.probes import MemoryProbe
 from chunkstar.memory.tracer import ScheduleMode
 from chunkstar.placement.eviction import ResidentChunk, choose_evictions
 from chunkstar.placement.prefetch import PrefetchView, Upcoming, plan_prefetch
-from chunkstar.runtime.counters import ChunkCounters
-from chunkstar.runtime.cursor import Cursor
 from chunkstar.runtime.tensor_states import TensorStates
 
 __all__ = ["ChunkManager", "Key"]
@@ -103,7 +103,7 @@ class ChunkManager:
         self.probe = probe
         self.events = events
         # the iteration's cursor (stage, moment, trace, ...): read here and by the store's users,
-        # written by the schedule only (runtime/cursor.py)
+        # written by the schedule only (memory/cursor.py)
         self.cursor = Cursor() if cursor is None else cursor
 
         # the device: every device payload grows and shrinks through `memory`: the bytes the device
@@ -129,7 +129,7 @@ class ChunkManager:
         # what the store owns: the chunks and the disk tier they may live in (chunk/store.py); every
         # tensor's state, its derived counts per chunk and the parameter guard
         # (runtime/tensor_states.py), whose hot methods are the store's own, bound once; the byte
-        # and move counters and the events of every move (runtime/counters.py)
+        # and move counters and the events of every move (chunk/counters.py)
         self.chunks = Chunks(layout, compute_dtype, device, self.memory, self.comm.rank)
         self.tensors = TensorStates(layout)
         self.slots: tuple[TensorSlot, ...] = layout.slots
@@ -462,5 +462,5 @@ class ChunkManager:
         """Samples of the device, host and disk tiers now, for the profiler (when events are on)."""
         if self.events.active:
             disk = self.chunks.disk
-            files = disk.files.file_bytes if disk is not None else None
+            files = disk.file_bytes if disk is not None else None
             self.counters.sample(self.probe.non_model_now(self.memory.held_bytes), self.capacity, files)

@@ -119,6 +119,10 @@ class DiskTier:
         self.clean_stage_outs = 0  # staged out without a write (nothing changed)
         self.wait_s = 0.0  # main-thread seconds waiting for a staging buffer
 
+    @property
+    def file_bytes(self) -> int:
+        return self.files.file_bytes
+
     def on_disk(self, name: ChunkList) -> bool:
         return name in self.lists
 

@@ -24,7 +24,7 @@ stats) and the wiring of the parts; what each hook does is
 :mod:`chunkstar.runtime.hook_targets`, the iteration's lifecycle
 :mod:`chunkstar.runtime.iteration`, gradient folding and accumulation
 :mod:`chunkstar.runtime.gradients`, where the iteration is
-:mod:`chunkstar.runtime.cursor` (written by :mod:`chunkstar.runtime.schedule`
+:mod:`chunkstar.memory.cursor` (written by :mod:`chunkstar.runtime.schedule`
 only), moving bytes :class:`ChunkManager`'s job and choosing the policies'.
 """
 
@@ -56,13 +56,14 @@ from chunkstar.events import EventBus, Stage
 from chunkstar.hooks.module_hooks import EngineHook, HookedModule, install_hooks
 from chunkstar.hooks.param_guard import guarded_class, watched_class
 from chunkstar.hooks.param_upcast import install_upcasts  # issue 18.5: Note [norm dtypes]
+from chunkstar.interrupts import deferred_interrupts
 from chunkstar.memory.budget import device_capacity
+from chunkstar.memory.cursor import Cursor
 from chunkstar.memory.host_heap import HostHeap, bound_heap_retention
 from chunkstar.memory.probes import MemoryProbe, cuda_usable_bytes, make_probe
 from chunkstar.optim.loss_scaler import LossScaler
 from chunkstar.placement.module_dtype import upcast_dtype  # issue 18.5: Note [norm dtypes]
 from chunkstar.runtime.chunk_manager import ChunkManager
-from chunkstar.runtime.cursor import Cursor
 from chunkstar.runtime.disk_tier import DiskTier
 from chunkstar.runtime.gradients import Gradients
 from chunkstar.runtime.hook_targets import HookTargets
@@ -723,7 +724,7 @@ class ChunkEngine:
             if key in state_dict and tuple(state_dict[key].shape) != tuple(t.shape):
                 raise ValueError(f"'{key}': shape {tuple(state_dict[key].shape)} in the state dict, {tuple(t.shape)} in the model")
         by_chunk: dict[int, list[tuple[TensorSlot, torch.Tensor]]] = {}
-        with checkpoint.deferred_interrupts(), torch.no_grad(), mgr.probe.paused():  # checked: now things change
+        with deferred_interrupts(), torch.no_grad(), mgr.probe.paused():  # checked: now things change
             try:
                 for key, t in own.items():
                     if key not in state_dict:

@@ -38,8 +38,8 @@ from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.errors import ChunkStateError
 from chunkstar.events import MoveReason, Stage
+from chunkstar.memory.cursor import Cursor
 from chunkstar.runtime.chunk_manager import ChunkManager
-from chunkstar.runtime.cursor import Cursor
 
 __all__ = ["GradientConsumer", "Gradients"]
 

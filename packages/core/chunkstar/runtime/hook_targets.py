@@ -29,10 +29,10 @@ from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.events import EventBus, MomentBegin, MomentEnd, MoveReason, Stage
 from chunkstar.hooks.module_hooks import AfterBackward, HookedModule, output_tensors, substitute
+from chunkstar.memory.cursor import Cursor
 from chunkstar.memory.host_heap import release_at_moment
 from chunkstar.memory.tracer import TracePhase
 from chunkstar.runtime.chunk_manager import ChunkManager
-from chunkstar.runtime.cursor import Cursor
 from chunkstar.runtime.gradients import Gradients
 from chunkstar.runtime.iteration import Iteration
 

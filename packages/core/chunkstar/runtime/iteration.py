@@ -33,10 +33,10 @@ from chunkstar.hooks.module_hooks import output_tensors
 from chunkstar.memory.host_heap import (
     NO_HEAP, HeapPlan, HostHeap, plan_heap_release, release_after_step, release_at_turn, release_before_step,
 )  # fmt: skip
+from chunkstar.memory.cursor import Cursor
 from chunkstar.memory.tracer import TracePhase
 from chunkstar.placement.optimizer import plan_device_adam
 from chunkstar.runtime.chunk_manager import ChunkManager
-from chunkstar.runtime.cursor import Cursor
 from chunkstar.runtime.gradients import Gradients
 from chunkstar.runtime.schedule import Schedule
 

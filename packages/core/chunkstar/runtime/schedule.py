@@ -70,9 +70,9 @@ from chunkstar.distributed.comm import Comm
 from chunkstar.errors import DeviceMemoryError
 from chunkstar.events import EventBus, Stage, StageChanged
 from chunkstar.memory.budget import minimum_budget
+from chunkstar.memory.cursor import Cursor
 from chunkstar.memory.tracer import MemoryTrace, MomentRecord, ScheduleMode, TracePhase, check_phase_transition
 from chunkstar.runtime.chunk_manager import ChunkManager
-from chunkstar.runtime.cursor import Cursor
 
 __all__ = ["MAX_REPLANS", "WARMUP_PASSES", "Schedule"]
 

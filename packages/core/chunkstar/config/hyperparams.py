@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from chunkstar.checks import number
+from chunkstar.config.checks import number
 from chunkstar.errors import ConfigError
 
 __all__ = ["ADAM_HYPERPARAMS", "MAX_COUPLED_WEIGHT_DECAY", "check_coupled_decay", "check_decoupled_decay", "validate_param_group"]

@@ -18,7 +18,7 @@ import time
 
 from chunkstar.chunk.chunk import Chunk
 from chunkstar.events import ChunkAllocated, ChunkFreed, ChunkMoved, EventBus, MemorySample, MoveReason, Tier
-from chunkstar.runtime.cursor import Cursor
+from chunkstar.memory.cursor import Cursor
 
 __all__ = ["ChunkCounters"]
 

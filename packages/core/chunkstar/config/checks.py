@@ -2,7 +2,7 @@
 integers, booleans. Each failure is a :class:`~chunkstar.errors.ConfigError` naming the key.
 
 A leaf module (it imports nothing else of chunkstar but the errors), so the config parser
-and the optimizer's parameter-group checks (:mod:`chunkstar.optim.param_groups`) share it.
+and the optimizer's parameter-group checks (:mod:`chunkstar.config.hyperparams`) share it.
 """
 
 from __future__ import annotations
