@@ -131,7 +131,7 @@ def test_a_reduction_makes_room_for_its_scratch_before_it_starts(world: FakeWorl
         resident=lambda key: True,
         # the collectives issued by then (the fake world records each as it is called)
         make_room=lambda need, protect, where, required=(): log.append((need, sorted(protect), world.names())),
-        probe=SimpleNamespace(paused=contextlib.nullcontext),
+        paused_probe=contextlib.nullcontext,
         grads_in=lambda k: 1,
         slots_of=lambda k: slots[k],
         states=states,

@@ -131,8 +131,8 @@ def initialize_engine(
                 raise ValueError(f"param_groups_fn left out parameters: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         # the config's checks for each group's own lr/betas/eps/weight_decay (betas become a tuple)
         groups = [validate_param_group(g, f"param_groups[{i}]", decoupled=opt.decoupled, defaults=defaults) for i, g in enumerate(groups)]
-        optimizer = ChunkAdam(engine, groups, defaults)
-        engine.optimizer = optimizer  # its gradient pipeline, steps and checkpoints (the optimizer never sees the engine)
+        optimizer = ChunkAdam(engine, opt, groups, defaults)
+        engine.optimizer = optimizer  # the engine's checkpoints carry its state (the optimizer never sees the engine)
         return engine, optimizer
     except BaseException:
         engine.close()  # a failed start leaves no threads, chunk files or directory lock behind

@@ -85,7 +85,18 @@ class PendingFree:
 
 
 class DeviceMemory:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        limit: int | None = None,
+        where: Callable[[], str] = lambda: "",
+        scratch_in_flight: Callable[[], int] = lambda: 0,
+        on_out_of_memory: Callable[[int, BaseException], BaseException] | None = None,
+    ) -> None:
+        """The owner (the chunk manager) hands in what it knows: the device's size, where the
+        run is, the collectives' scratch in flight, and the error for a payload that cannot
+        grow (each described with its attribute below)."""
         self.device = device
         self._lock = threading.Lock()
         self._pending: list[PendingFree] = []  # oldest first
@@ -103,20 +114,20 @@ class DeviceMemory:
         """Called with the held bytes before each change (the CUDA probe closes a window) ..."""
         self.after_held_change: Callable[[], None] | None = None
         """... and after it (the CUDA probe opens the next window)."""
-        self.scratch_in_flight: Callable[[], int] = lambda: 0
+        self.scratch_in_flight = scratch_in_flight
         """Device bytes of the collectives' temporaries in flight (under NCCL: Note [flat group
-        buffers] in distributed/comm.py), set by the chunk manager: budgets count them as scratch,
+        buffers] in distributed/comm.py), the chunk manager's: budgets count them as scratch,
         so the CUDA probe counts them apart from non-model memory, as it does chunk payloads."""
-        self.limit: int | None = None
+        self.limit = limit
         """The device's size (the CPU virtual device's budget): the first time the meter goes
         over it is recorded in :attr:`first_overrun`."""
         self.first_overrun: str | None = None
-        self.where: Callable[[], str] = lambda: ""
-        """Where the run is now, for :attr:`first_overrun` (set by the chunk manager)."""
+        self.where = where
+        """Where the run is now, for :attr:`first_overrun` (the chunk manager's cursor)."""
         self.frees_run = 0
         self.frees_settled = 0  # of them, run before their copy was seen done (a stream wait or a thread wait)
         self.reclaims = 0
-        self.on_out_of_memory: Callable[[int, BaseException], BaseException] | None = None
+        self.on_out_of_memory = on_out_of_memory
         """The error to raise when a payload of the given bytes still cannot grow after the retry
         (Note [out of memory with frees pending]; the chunk manager's DeviceMemoryError); None:
         the allocator's own."""

@@ -41,7 +41,7 @@ import enum
 import numbers
 import weakref
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
@@ -51,17 +51,20 @@ from torch.utils.hooks import RemovableHandle
 
 from chunkstar.hooks.compiled import CompiledUnit, UnitHandle, compiled_modules
 
-__all__ = ["AfterBackward", "EngineHook", "HookTarget", "HookedModule", "install_hooks", "output_tensors", "substitute"]
+__all__ = ["AfterBackward", "EngineHook", "HookTarget", "HookedModule", "hooked_modules", "install_hooks", "output_tensors", "substitute"]
 
 
 @dataclass(frozen=True)
 class HookedModule:
     key: int
-    """Position in the list :func:`install_hooks` returns."""
+    """Position in the list :func:`hooked_modules` returns."""
     label: str
     """Qualified name in the model (the model's class name for the root)."""
     own: tuple[int, ...]
-    """Slot indices of the parameters the module registered itself."""
+    """Slot indices of the parameters the module registered itself (a compiled unit: all of its own)."""
+    module: nn.Module = field(compare=False, repr=False)
+    compiled: bool = False
+    """A compiled module, hooked as one unit (Note [compiled units])."""
 
 
 class HookTarget(Protocol):
@@ -269,36 +272,43 @@ class AfterBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def install_hooks(
-    model: nn.Module, index_of: Mapping[int, int], target: HookTarget
-) -> tuple[list[HookedModule], list[RemovableHandle | UnitHandle], list[CompiledUnit]]:
-    """Hook every module owning parameters and every parameter needing grad; a
-    compiled module is hooked as one unit (Note [compiled units]).
-
-    ``index_of`` maps ``id(param)`` to the parameter's slot index.
-    """
-    handles: list[RemovableHandle | UnitHandle] = []
+def hooked_modules(model: nn.Module, index_of: Mapping[int, int]) -> list[HookedModule]:
+    """The modules whose hooks begin moments: every module owning parameters, and each
+    compiled module as one unit with every parameter inside it (Note [compiled units]).
+    ``index_of`` maps ``id(param)`` to the parameter's slot index. Installs nothing: the
+    hook targets are built with this list, then :func:`install_hooks` points the hooks at
+    them."""
     modules: list[HookedModule] = []
-    units: list[CompiledUnit] = []
     compiled = dict(compiled_modules(model))
     inside = tuple(f"{name}." if name else "" for name in compiled)
     for name, mod in model.named_modules():
         if name in compiled:
             own = tuple(sorted({index_of[id(p)] for p in mod.parameters()}))
             if own:
-                key = len(modules)
-                modules.append(HookedModule(key, name or type(mod).__name__, own))
-                unit, handle = CompiledUnit.install(key, mod, target)
-                units.append(unit)
-                handles.append(handle)
+                modules.append(HookedModule(len(modules), name or type(mod).__name__, own, mod, compiled=True))
             continue
         if any(name.startswith(p) for p in inside):
             continue  # inside a unit: its parameters are the unit's
         own = tuple(sorted({index_of[id(p)] for p in mod.parameters(recurse=False)}))
-        if not own:
+        if own:
+            modules.append(HookedModule(len(modules), name or type(mod).__name__, own, mod))
+    return modules
+
+
+def install_hooks(
+    model: nn.Module, modules: list[HookedModule], index_of: Mapping[int, int], target: HookTarget
+) -> tuple[list[RemovableHandle | UnitHandle], list[CompiledUnit]]:
+    """Hook the modules of :func:`hooked_modules` (a compiled one as one unit) and every
+    parameter of ``model`` needing grad, all pointing at ``target``."""
+    handles: list[RemovableHandle | UnitHandle] = []
+    units: list[CompiledUnit] = []
+    for hm in modules:
+        key, mod = hm.key, hm.module
+        if hm.compiled:
+            unit, handle = CompiledUnit.install(key, mod, target)
+            units.append(unit)
+            handles.append(handle)
             continue
-        key = len(modules)
-        modules.append(HookedModule(key, name or type(mod).__name__, own))
 
         def pre(m: nn.Module, args: Any, kwargs: Any, key: int = key, mod: nn.Module = mod) -> tuple[Any, Any] | None:
             if m is mod:
@@ -319,4 +329,4 @@ def install_hooks(
         seen.add(id(p))
         idx = index_of[id(p)]
         handles.append(p.register_post_accumulate_grad_hook(_GradHook(target, idx)))
-    return modules, handles, units
+    return handles, units

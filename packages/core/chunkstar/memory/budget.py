@@ -16,6 +16,7 @@ from typing import Callable
 from chunkstar.memory.tracer import ScheduleMode
 
 __all__ = [
+    "Overrun",
     "chunk_budget", "device_capacity", "memory_error_advice", "minimum_budget", "out_of_memory_advice", "room_target",
 ]  # fmt: skip
 
@@ -105,3 +106,25 @@ def out_of_memory_advice(free: int) -> str:
         "raise 'device_memory_slack'), or free the GPU of other processes; "
         + memory_error_advice(free, None)
     )
+
+
+class Overrun:
+    """A warm-up's allowance to go over the budget. While :attr:`measuring` (a warm-up pass:
+    the schedule decides), a moment whose chunks do not fit is let through rather than
+    refused, and the most chunk bytes a moment had to hold at once is kept, so the error at
+    the end of the iteration names the smallest budget for all of it instead of failing at
+    the first moment. The chunk manager asks (:meth:`let_through`), the schedule
+    (:mod:`chunkstar.runtime.schedule`) turns it on and off and reads what it kept; built
+    before both and handed to each."""
+
+    def __init__(self) -> None:
+        self.measuring = False
+        self.required_peak = 0
+        """The most chunk bytes a moment let through had to hold at once (since the last reset)."""
+
+    def let_through(self, required: int) -> bool:
+        """No room for a moment's chunks, ``required`` bytes of which must be held at once:
+        whether to go over the budget (and keep ``required``)."""
+        if self.measuring:
+            self.required_peak = max(self.required_peak, required)
+        return self.measuring

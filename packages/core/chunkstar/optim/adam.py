@@ -22,19 +22,10 @@ no clipping and no loss scale the gradients are not scaled), so the parameters
 get the same bits. The decision is the engine config's and the attribute's, so
 every rank makes the same one (the norm is a collective with several processes).
 
-Note [gradient pipeline]: with one process, a chunk whose gradients are
-complete during backward is handed over at once (:meth:`ChunkAdam.take_gradients`):
-a host-Adam chunk starts its copy to the host and its per-range norms are
-taken where the gradient lies (on CUDA on the device before it leaves; on the
-CPU virtual device by the host worker once the copy has landed), so both
-overlap the rest of the backward. At the step, the global norm needs every
-partial (clipping is exact, so nothing is updated before it is known); then
-each host-Adam chunk's update is one job on the host worker, queued in the
-order the next forward needs the chunks, and its param chunk's next copy to
-the device is ordered after that job only (Note [pending copy] in
-chunk/chunk.py): the forward starts while later chunks are still updating.
-With ``overlap: false`` the worker runs each job in place: the same arithmetic
-on the same values in the same order, so both paths give the same bits.
+Note [gradient pipeline] (:mod:`chunkstar.optim.pipeline`): complete gradient
+chunks leave for the host during backward with their norms taken on the way;
+at the step, each host-Adam chunk's update is one job on the host worker,
+queued in the order the next forward needs the chunks.
 
 A step is all or nothing (Note [all or nothing] in
 :mod:`chunkstar.interrupts`): a Ctrl-C waits for it to finish, and
@@ -68,7 +59,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -77,7 +68,7 @@ from chunkstar.chunk.layout import TensorSlot
 from chunkstar.chunk.lists import CHUNK_LISTS, ChunkList
 from chunkstar.chunk.state import TensorState
 from chunkstar.chunk.store import ChunkStore
-from chunkstar.config import EngineConfig
+from chunkstar.config import OptimizerConfig
 from chunkstar.config.hyperparams import ADAM_HYPERPARAMS, validate_param_group
 from chunkstar.device.copy_engine import CopyEvent, HostWorker, InlineWorker
 from chunkstar.distributed.comm import Comm
@@ -85,21 +76,21 @@ from chunkstar.errors import ChunkStateError
 from chunkstar.events import MoveReason, Tier
 from chunkstar.interrupts import deferred_interrupts
 from chunkstar.optim.loss_scaler import LossScaler
+from chunkstar.optim.pipeline import GradientPipeline, range_norms, runs
 
 _log = logging.getLogger("chunkstar")
 
-__all__ = ["ChunkAdam", "OptimizerHost", "global_grad_norm", "range_norms"]
+__all__ = ["ChunkAdam", "OptimizerHost", "global_grad_norm"]
 
 
 class OptimizerHost(Protocol):
     """What the optimizer needs of the engine it updates: the chunks (through the store's
-    narrow door), the processes, the config, where Adam runs (hybrid Adam's device chunks,
-    the host worker), the loss scaler, the micro-step count (Note [a step consumes its
+    narrow door), the processes, where Adam runs (hybrid Adam's device chunks, the host
+    worker), the gradient pipeline that takes complete chunks during backward, the loss scaler, the micro-step count (Note [a step consumes its
     gradients]), the parameters' slot indices, and the step's begin and end. It never
     sees the engine itself."""
 
     comm: Comm
-    config: EngineConfig
     device: torch.device
     scaler: LossScaler
     host_work: HostWorker | InlineWorker
@@ -108,6 +99,8 @@ class OptimizerHost(Protocol):
     def mgr(self) -> ChunkStore: ...
     @property
     def device_adam_chunks(self) -> set[int]: ...
+    @property
+    def gradient_pipeline(self) -> GradientPipeline: ...
     @property
     def micro_step(self) -> int: ...
     def index_of(self, p: torch.Tensor) -> int: ...
@@ -134,25 +127,6 @@ def _batch_elements(device: torch.device) -> int:
     return _HOST_BATCH_ELEMENTS if device.type == "cpu" else _BATCH_ELEMENTS
 
 
-def _runs(slots: list[TensorSlot], key: Callable[[TensorSlot], Any]) -> list[tuple[Any, int, int]]:
-    """Merge slots (sorted by offset) into contiguous (key, start, end) element ranges."""
-    out: list[tuple[Any, int, int]] = []
-    for s in slots:
-        k = key(s)
-        if out and out[-1][0] == k and out[-1][2] == s.offset:
-            out[-1] = (k, out[-1][1], s.end)
-        else:
-            out.append((k, s.offset, s.end))
-    return out
-
-
-def range_norms(ranges: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of each gradient range, as one 1-D fp32 tensor where they lie (one foreach call)."""
-    if not ranges:
-        return torch.zeros(0)
-    return torch.stack(torch._foreach_norm(ranges, 2, dtype=torch.float32))
-
-
 def global_grad_norm(norms: list[torch.Tensor], comm: Comm, device: torch.device) -> torch.Tensor:
     """The L2 norm of every rank's gradients from their per-range norms (1-D fp32
     tensors, :func:`range_norms`, on any device): a 0-dim fp32 CPU tensor, inf or nan
@@ -174,11 +148,19 @@ def global_grad_norm(norms: list[torch.Tensor], comm: Comm, device: torch.device
 
 
 class ChunkAdam(torch.optim.Optimizer):
-    def __init__(self, engine: OptimizerHost, param_groups: list[dict[str, Any]], defaults: dict[str, Any]) -> None:
+    def __init__(
+        self, engine: OptimizerHost, config: OptimizerConfig, param_groups: list[dict[str, Any]], defaults: dict[str, Any]
+    ) -> None:
+        """``config``: the config's optimizer section (Note [config sections]); ``param_groups``
+        checked against it (:func:`chunkstar.config.hyperparams.validate_param_group`)."""
         super().__init__(param_groups, defaults)
         self._engine = engine
+        self._config = config
         self._store: ChunkStore = engine.mgr  # the chunks, through the store's narrow door only
-        self._decoupled = engine.config.optimizer.decoupled
+        # chunks handed over during backward and their per-range gradient norms (Note [gradient
+        # pipeline] in optim/pipeline.py): built with the engine, read here at the step
+        self._pipeline = engine.gradient_pipeline
+        self._decoupled = config.decoupled
         self._steps: list[int] = [0] * len(engine.mgr.slots)
         self._group_of: list[int] = [0] * len(engine.mgr.slots)
         for g, group in enumerate(self.param_groups):
@@ -193,15 +175,7 @@ class ChunkAdam(torch.optim.Optimizer):
         """The global gradient norm of the last step (before clipping, the fp16 loss scale
         divided out), or None when that step did not measure it (Note [norm only when
         needed]) or overflowed (fp16: the step was skipped, ``skipped_steps`` counts it)."""
-        self.measure_grad_norm = False
-        """Measure the global gradient norm (``last_grad_norm``) at every step even when
-        neither clipping nor fp16 needs it (Note [norm only when needed]); set it alike on
-        every rank."""
         self.step_count = 0  # optimizer.step() calls, skipped ones included (a checkpoint's "step")
-        # chunks handed over during backward (Note [gradient pipeline]) and their per-range
-        # gradient norms: the event of the job computing them (None: already computed) and its
-        # result, or (None, None) when the step needs no norm (Note [norm only when needed])
-        self._partials: dict[int, tuple[CopyEvent | None, list[torch.Tensor] | None]] = {}
         self._order: tuple[int, list[int]] | None = None  # (id of the trace, chunk ids in next-forward order)
         self._scratch_bufs: dict[str, torch.Tensor] = {}  # see _scratch
         self._disk = engine.mgr.chunks.disk  # the disk tier, if the state lives on disk (Note [disk tier])
@@ -217,9 +191,16 @@ class ChunkAdam(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return self._engine.scaler.scale
 
-    def _needs_norm(self) -> bool:
-        """Whether this step measures the global gradient norm (Note [norm only when needed])."""
-        return self._engine.config.optimizer.gradient_clipping > 0 or self._engine.scaler.enabled or self.measure_grad_norm
+    @property
+    def measure_grad_norm(self) -> bool:
+        """Measure the global gradient norm (``last_grad_norm``) at every step even when
+        neither clipping nor fp16 needs it (Note [norm only when needed]); set it alike on
+        every rank."""
+        return self._pipeline.measure_grad_norm
+
+    @measure_grad_norm.setter
+    def measure_grad_norm(self, value: bool) -> None:
+        self._pipeline.measure_grad_norm = bool(value)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -333,49 +314,6 @@ class ChunkAdam(torch.optim.Optimizer):
             "checkpoint there; engine.stats() is safe from any thread"
         )
 
-    # ------------------------------------------------------------------ gradient pipeline
-    def take_gradients(self, chunk_id: int) -> None:
-        """The engine's backward is done with param chunk ``chunk_id`` (Note [gradient
-        pipeline]): a host-Adam chunk goes to the host now and its gradient norms are
-        taken on the way; a device-Adam chunk waits for the step where it is."""
-        eng = self._engine
-        mgr = self._store
-        if chunk_id in eng.device_adam_chunks or chunk_id in self._partials:
-            return
-        slots = [s for s in mgr.slots_of(chunk_id) if mgr.states[s.index] is TensorState.HOLD_AFTER_BWD]
-        if not slots:
-            return
-        if not self._needs_norm():
-            self._partials[chunk_id] = (None, None)
-            mgr.offload(chunk_id)
-            return
-        spans = [(a, b) for _, a, b in _runs(slots, lambda s: 0)]
-        chunk = mgr.chunks.chunk(ChunkList.PARAM, chunk_id)
-        cur = mgr.cursor
-        last = cur.moment >= cur.trace.n_moments - 1  # no backward left to hide the copy behind
-        if eng.device.type == "cuda" or last:
-            # where the gradient lies, before the chunk leaves: on CUDA on the compute stream;
-            # on the CPU virtual device for the chunks the last moment completes, so the step
-            # does not wait for their copy (the same kernel on the same values either way)
-            g = chunk.payload
-            self._partials[chunk_id] = (None, [range_norms([g[a:b] for a, b in spans])])
-            mgr.offload(chunk_id)
-            return
-        mgr.offload(chunk_id)
-        host = chunk.host_buffer
-        box: list[torch.Tensor] = []
-        event = eng.host_work.submit(lambda: box.append(range_norms([host[a:b] for a, b in spans])), after=chunk.pending_copy)
-        self._partials[chunk_id] = (event, box)
-
-    def forget_gradients(self, chunk_ids: Iterable[int] | None = None) -> None:
-        """The pending gradients were dropped (zero_grad without a step, a failed backward), or
-        changed after this took them (``chunk_ids`` only: a module's zero_grad(), a forward that
-        kept them, Note [gradients kept across a forward] in runtime/gradients.py)."""
-        for cid in list(self._partials) if chunk_ids is None else [c for c in chunk_ids if c in self._partials]:
-            event, _ = self._partials.pop(cid)
-            if event is not None:
-                event.wait()  # its job reads a buffer the restore is about to write
-
     def _forward_order(self) -> list[int]:
         """Chunk ids in the order the next forward first needs them (the frozen trace's
         order; chunks it never uses, or no trace yet, in id order after them)."""
@@ -404,7 +342,7 @@ class ChunkAdam(torch.optim.Optimizer):
             if mgr.states[s.index] is TensorState.HOLD_AFTER_BWD:  # only own chunks hold gradients
                 grad_slots.setdefault(s.chunk_id, []).append(s)
         if not grad_slots and not comm.distributed:
-            self.forget_gradients()
+            self._pipeline.forget()
             return False
 
         # pass 1: place, then (only when the step needs it: Note [norm only when needed]) the
@@ -412,9 +350,9 @@ class ChunkAdam(torch.optim.Optimizer):
         for cid in grad_slots:
             self._place(cid)
         self.last_grad_norm = None
-        clip = eng.config.optimizer.gradient_clipping
+        clip = self._config.gradient_clipping
         factor: float | None = None  # what the gradients are multiplied by; None: nothing
-        if self._needs_norm():
+        if self._pipeline.needs_norm():
             total = self._global_norm(grad_slots)  # 0-dim fp32, CPU
             total_f = float(total)
             if not math.isfinite(total_f):  # fp16 overflow, or a non-finite loss or gradient
@@ -445,7 +383,7 @@ class ChunkAdam(torch.optim.Optimizer):
                     coef = coef / scaler.scale
                 factor = float(coef)
         else:
-            self._partials.clear()
+            self._pipeline.partials.clear()
         on_device = {cid: slots for cid, slots in grad_slots.items() if mgr.chunks.chunk(ChunkList.PARAM, cid).tier is not Tier.HOST}
         steps = self._step_tensors(grad_slots)
         self._writing = True  # from here a stop leaves some chunks stepped (Note [all or nothing])
@@ -471,29 +409,24 @@ class ChunkAdam(torch.optim.Optimizer):
         batched: dict[torch.device, list[torch.Tensor]] = {}
         pieces: list[tuple[int, torch.device | None, int, int]] = []  # (chunk, device or None: a partial, start, count)
         for cid, slots in grad_slots.items():
-            part = self._partials.get(cid)
-            if part is not None and part[1] is not None:
+            if self._pipeline.has_norm(cid):
                 pieces.append((cid, None, 0, 0))
                 continue
             # not handed over, or handed over by a backward that needed no norm (measure_grad_norm
             # turned on since): measured here, where the chunk now lies
             g = mgr.chunks.chunk(ChunkList.PARAM, cid).payload
             ranges = batched.setdefault(g.device, [])
-            spans = [g[a:b] for _, a, b in _runs(slots, lambda s: 0)]
+            spans = [g[a:b] for _, a, b in runs(slots, lambda s: 0)]
             pieces.append((cid, g.device, len(ranges), len(spans)))
             ranges.extend(spans)
         stacked = {dev: range_norms(rs) for dev, rs in batched.items()}
         norms: list[torch.Tensor] = []
         for cid, dev, start, count in pieces:
             if dev is None:
-                event, box = self._partials[cid]
-                if event is not None:
-                    event.wait()
-                assert box is not None
-                norms.append(box[0])
+                norms.append(self._pipeline.norm_of(cid))
             else:
                 norms.append(stacked[dev][start : start + count])
-        self._partials.clear()
+        self._pipeline.partials.clear()
         eng = self._engine
         return global_grad_norm(norms, eng.comm, eng.device)
 
@@ -539,7 +472,7 @@ class ChunkAdam(torch.optim.Optimizer):
         convert = p.dtype != torch.float32
         group_of = self._group_of
         batch = _batch_elements(p.device)
-        for (gi, step), a, b in _runs(slots, lambda s: (group_of[s.index], step_of(s.index))):
+        for (gi, step), a, b in runs(slots, lambda s: (group_of[s.index], step_of(s.index))):
             for lo in range(a, b, batch):
                 hi = min(lo + batch, b)
                 if pending + hi - lo > batch:
@@ -782,7 +715,7 @@ class ChunkAdam(torch.optim.Optimizer):
             entry["params"] = [self._engine.index_of(p) for p in group["params"]]
             groups.append(entry)
         return {
-            "kind": self._engine.config.optimizer.type_name,
+            "kind": self._config.type_name,
             "steps": [self._steps[s.index] if mgr.chunks.own(s.chunk_id) else 0 for s in mgr.slots],
             "param_groups": groups,
             "skipped_steps": self.skipped_steps,

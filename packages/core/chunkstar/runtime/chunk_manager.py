@@ -51,8 +51,8 @@ from chunkstar.chunk.layout import ChunkLayout, TensorSlot
 from chunkstar.chunk.lists import CHUNK_LISTS, ChunkList
 from chunkstar.chunk.state import ChunkLocation, TensorState
 from chunkstar.chunk.store import Chunks
-from chunkstar.config import EvictionPolicyName
-from chunkstar.device.copy_engine import CopyEngine, SerialCopies
+from chunkstar.config import PlacementConfig
+from chunkstar.device.copy_engine import CopyEngine
 from chunkstar.device.memory import DeviceMemory
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.gather import GroupGathers
@@ -82,55 +82,64 @@ class ChunkManager:
     def __init__(
         self,
         layout: ChunkLayout,
-        compute_dtype: torch.dtype,
-        device: torch.device,
+        placement: PlacementConfig,
         capacity: int,
-        policy: EvictionPolicyName,
+        compute_dtype: torch.dtype,
+        *,
         probe: MemoryProbe,
         events: EventBus,
-        comm: Comm | None = None,
-        copies: CopyEngine | None = None,
-        cursor: Cursor | None = None,
-        slack: float = 0.0,
+        comm: Comm,
+        copies: CopyEngine,
+        cursor: Cursor,
+        let_through: Callable[[int], bool] = lambda _required: False,
     ) -> None:
+        """``placement``: the config's section (Note [config sections]); ``capacity``: the
+        device bytes the engine plans with, resolved once from it (the budget, the slack and
+        what the GPU has: :func:`chunkstar.memory.budget.device_capacity`); the parts it calls:
+        the memory probe, the event bus, the process group, the copy engine, the iteration's
+        cursor (read here, written by the schedule only: memory/cursor.py), and
+        ``let_through``, asked by :meth:`make_room` when a moment's chunks cannot fit, with the
+        bytes it must hold at once, whether to let it through (the schedule's warm-up measures
+        the smallest budget that fits instead of raising at once: runtime/schedule.py)."""
         self.layout = layout
-        self.comm = comm or Comm()
-        self.device = device
+        self.comm = comm
+        self.device = placement.device
         self.capacity = capacity
         # fraction of the device budget kept free (config device_memory_slack): capacity = budget * (1 - slack)
-        self.slack = slack
-        self.policy = policy
+        self.slack = placement.slack
+        self.policy = placement.eviction_policy
         self.probe = probe
         self.events = events
-        # the iteration's cursor (stage, moment, trace, ...): read here and by the store's users,
-        # written by the schedule only (memory/cursor.py)
-        self.cursor = Cursor() if cursor is None else cursor
+        self.cursor = cursor
+        self.let_through = let_through
 
         # the device: every device payload grows and shrinks through `memory`: the bytes the device
         # really holds for chunks, frees deferred until their copy is done (Note [deferred free]),
         # the meter. Payloads come from the allocator the activations use, so the bytes an eviction
-        # frees can hold activations (a private pool would keep them for chunks only).
-        self.memory = DeviceMemory(device)
-        self.memory.limit = capacity
-        self.memory.where = lambda: f"moment {self.cursor.moment} '{self.cursor.module}' ({self.cursor.stage.value})"
-        # the allocator refused a payload even after the pending frees ran: the usual error, with
-        # its advice (Note [out of memory with frees pending] in device/memory.py)
-        self.memory.on_out_of_memory = self._out_of_memory
-        # under NCCL the collectives' flat buffers are scratch, counted once: budgets count what is in
-        # flight, the probe leaves it out of non-model memory (Note [scratch counted once] in
+        # frees can hold activations (a private pool would keep them for chunks only). When the
+        # allocator refuses a payload even after the pending frees ran: the usual error, with
+        # its advice (Note [out of memory with frees pending] in device/memory.py); under NCCL the
+        # collectives' flat buffers are scratch, counted once: budgets count what is in flight,
+        # the probe leaves it out of non-model memory (Note [scratch counted once] in
         # distributed/comm.py)
-        self.memory.scratch_in_flight = lambda: self.comm.scratch_bytes_in_flight
+        cur = cursor
+        self.memory = DeviceMemory(
+            self.device, limit=capacity, where=lambda: f"moment {cur.moment} '{cur.module}' ({cur.stage.value})",
+            scratch_in_flight=lambda: comm.scratch_bytes_in_flight, on_out_of_memory=self._out_of_memory,
+        )  # fmt: skip
+        # the two instruments that watch the device's bytes are attached here, once, by the
+        # memory's owner: the collectives' scratch edge and the probe's windows
         self.comm.scratch_edge = self.memory.scratch_edge
         probe.attach(self.memory)
         # how chunk payloads travel (CUDA streams, the CPU copy thread, or serial): chunk.py's
-        # Note [pending copy]; set by the engine from the config (overlap, device_link_bandwidth)
-        self.copies: CopyEngine = SerialCopies() if copies is None else copies
+        # Note [pending copy]; built by the engine from the config (overlap, device_link_bandwidth)
+        self.copies = copies
 
         # what the store owns: the chunks and the disk tier they may live in (chunk/store.py); every
         # tensor's state, its derived counts per chunk and the parameter guard
         # (runtime/tensor_states.py), whose hot methods are the store's own, bound once; the byte
         # and move counters and the events of every move (chunk/counters.py)
-        self.chunks = Chunks(layout, compute_dtype, device, self.memory, self.comm.rank)
+        self.chunks = Chunks(layout, compute_dtype, self.device, self.memory, self.comm.rank)
         self.tensors = TensorStates(layout)
         self.slots: tuple[TensorSlot, ...] = layout.slots
         self.states: list[TensorState] = self.tensors.states
@@ -151,10 +160,6 @@ class ChunkManager:
         self._own_param_chunks = sum(1 for i in range(layout.n_chunks) if self.chunks.own(i))
         self._clock = 0
         self._last_use: dict[Key, int] = {}
-        # asked by make_room when a moment's chunks cannot fit, with the bytes it must hold at once:
-        # whether to let it through (the schedule's warm-up measures the smallest budget that fits
-        # instead of raising at once: runtime/schedule.py); by default never
-        self.let_through: Callable[[int], bool] = lambda _required: False
         # several processes: the all-gathers of chunk groups (distributed/gather.py)
         self.gathers = GroupGathers(self, self.chunks, self.comm, probe, self.counters)
 
@@ -452,6 +457,34 @@ class ChunkManager:
     def to_host(self, key: Key, reason: MoveReason) -> None:
         if self.resident(key):
             self.move(key, Tier.HOST, reason)
+
+    # ------------------------------------------------------------------ writes the model makes
+    def absorb_writes(self, indices: list[int]) -> None:
+        """The model wrote parameters ``indices`` in place during a forward (Note [writes in a
+        forward] in :mod:`chunkstar.runtime.hook_targets`): copy the elements that changed into
+        their fp32 masters. Only what changed, so a master keeps its precision elsewhere (in bf16
+        an unchanged element is exactly its master rounded). The chunks' clean host copies, if
+        any, are stale now."""
+        mgr = self
+        by_chunk: dict[int, list[int]] = {}
+        for i in indices:
+            by_chunk.setdefault(mgr.slots[i].chunk_id, []).append(i)
+        for cid, members in by_chunk.items():
+            chunk = mgr.chunks.chunk(ChunkList.PARAM, cid)
+            chunk.mark_dirty()
+            if mgr.chunks.frozen(cid) or not mgr.chunks.own(cid):
+                continue  # no master (the param slot is the value), or another rank's chunk
+            with torch.no_grad(), mgr.chunks.staged([(ChunkList.MASTER, cid)], write=True):
+                param = chunk.payload
+                for i in members:
+                    s = mgr.slots[i]
+                    if mgr.states[i] is TensorState.HOLD_AFTER_BWD:
+                        continue  # the slot holds a gradient
+                    master = mgr.chunks.slot_view(ChunkList.MASTER, s)
+                    value = param[s.offset : s.end].to(master.device)
+                    changed = value != master.to(value.dtype)
+                    if bool(changed.any()):
+                        master[changed] = value[changed].to(master.dtype)
 
     # ------------------------------------------------------------------ the probe and memory samples
     def paused_probe(self) -> contextlib.AbstractContextManager[None]:

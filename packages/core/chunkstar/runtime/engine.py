@@ -31,13 +31,12 @@ only), moving bytes :class:`ChunkManager`'s job and choosing the policies'.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from chunkstar import checkpoint
 from chunkstar.chunk.layout import TensorSlot, build_layout, search_chunk_size
@@ -51,139 +50,35 @@ from chunkstar.device.virtual import DeviceThread, strict_device
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.distributed.startup import agree_on_startup
-from chunkstar.errors import ChunkStateError, ConfigError
+from chunkstar.errors import ChunkStateError
 from chunkstar.events import EventBus, Stage
-from chunkstar.hooks.module_hooks import EngineHook, HookedModule, install_hooks
+from chunkstar.hooks.module_hooks import EngineHook, hooked_modules, install_hooks
 from chunkstar.hooks.param_guard import guarded_class, watched_class
 from chunkstar.hooks.param_upcast import install_upcasts  # issue 18.5: Note [norm dtypes]
-from chunkstar.interrupts import deferred_interrupts
-from chunkstar.memory.budget import device_capacity
+from chunkstar.memory.budget import Overrun
 from chunkstar.memory.cursor import Cursor
 from chunkstar.memory.host_heap import HostHeap, bound_heap_retention
-from chunkstar.memory.probes import MemoryProbe, cuda_usable_bytes, make_probe
+from chunkstar.memory.probes import MemoryProbe, make_probe
 from chunkstar.optim.loss_scaler import LossScaler
+from chunkstar.optim.pipeline import GradientPipeline
 from chunkstar.placement.module_dtype import upcast_dtype  # issue 18.5: Note [norm dtypes]
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.disk_tier import DiskTier
-from chunkstar.runtime.gradients import Gradients
 from chunkstar.runtime.hook_targets import HookTargets
 from chunkstar.runtime.iteration import Iteration
 from chunkstar.runtime.param_access import ParamAccess
+from chunkstar.runtime.reads import ReadState
 from chunkstar.runtime.schedule import Schedule
+from chunkstar.runtime.start_checks import (
+    check_inputs, check_units_fit, device_capacity_of, disk_chunk_cap, refuse_foreign_optimizers, refuse_sparse_gradients,
+)  # fmt: skip
+from chunkstar.runtime.state_dict import full_masters, match_values, tied_names, write_values
 
 if TYPE_CHECKING:
     from chunkstar.optim.adam import ChunkAdam
 
 __all__ = ["ChunkEngine"]
 
-
-
-def _device_capacity(cfg: EngineConfig) -> int:
-    """Bytes the engine plans with (:func:`chunkstar.memory.budget.device_capacity`)."""
-    usable = None if cfg.device.type == "cpu" else cuda_usable_bytes(cfg.device)
-    return device_capacity(cfg.placement.budget, cfg.placement.slack, usable)
-
-
-def _check_inputs(model: nn.Module, cfg: EngineConfig, n_elements: int, capacity: int) -> None:
-    """Refuse, before any chunk is built, a ``default_chunk_size`` the device cannot hold
-    or the model cannot fill."""
-    size = cfg.placement.chunk_size
-    if size is None:  # "auto" searches a size that fits the parameters
-        return
-    if size > n_elements:
-        raise ConfigError(
-            "default_chunk_size",
-            f"{size} elements is more than the whole model has ({n_elements} parameter elements), so every chunk "
-            f"would be mostly padding; use \"auto\" or a size <= {n_elements}",
-        )
-    chunk_bytes = size * cfg.precision.dtype.itemsize
-    if chunk_bytes > capacity:
-        raise ConfigError(
-            "default_chunk_size",
-            f"one param chunk of {size} elements x {cfg.precision.dtype.itemsize} bytes ({cfg.precision.value}) is "
-            f"{chunk_bytes} bytes, more than the device can hold: {capacity} bytes (device_memory_budget "
-            f"{cfg.placement.budget} on {cfg.device}, less device_memory_slack {cfg.placement.slack}). "
-            "Lower default_chunk_size, use \"auto\", or raise device_memory_budget",
-        )
-
-
-def _refuse_sparse_gradients(model: nn.Module) -> None:
-    """A module asked for sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``):
-    a gradient is folded over its parameter's dense slot, so there is nothing sparse to keep."""
-    for name, mod in model.named_modules():
-        if getattr(mod, "sparse", False) is True and any(p.requires_grad for p in mod.parameters(recurse=False)):
-            raise ValueError(
-                f"module '{name or type(mod).__name__}' ({type(mod).__name__}) has sparse=True: chunkstar keeps each "
-                "gradient dense, in its parameter's chunk slot (and its Adam state dense beside it), so sparse "
-                "gradients cannot be kept. Build it with sparse=False (the default); the update is the same as "
-                "dense Adam's"
-            )
-
-
-def _refuse_foreign_optimizers(engine: ChunkEngine) -> Callable[[], None]:
-    """Note [foreign optimizers]: ``torch.optim.AdamW(engine.parameters())`` would read the
-    gradients' read-only copies and write the parameters through the guard, bypassing the
-    engine's masters, Adam state and step bookkeeping (with fused kernels it fails inside
-    them; with foreach ones it seems to run). A process-wide step pre-hook refuses the step of
-    any optimizer but the engine's own that holds one of the engine's parameters. It holds the
-    engine weakly; the returned function removes it."""
-    ref = weakref.ref(engine)
-
-    def check(optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        eng = ref()
-        if eng is None or getattr(optimizer, "_engine", None) is eng:
-            return
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                i = eng.param_index(p)
-                if i is not None:
-                    raise ChunkStateError(
-                        f"{type(optimizer).__name__}.step() would update parameter '{eng.mgr.slots[i].name}' of a "
-                        "chunkstar engine: the engine keeps the parameters, their fp32 masters, gradients and Adam "
-                        "state in its chunks, so an optimizer of your own over engine.parameters() cannot update "
-                        "them. Use the optimizer initialize_engine returned (its param_groups take per-group lr, "
-                        "betas and weight_decay; the config's 'optimizer' section picks the type)"
-                    )
-
-    remove = register_optimizer_step_pre_hook(check).remove
-    weakref.finalize(engine, remove)  # an engine never closed takes its hook along when collected
-    return remove
-
-
-DISK_AUTO_CHUNK_CAP = 16 * 2**20
-"""Elements per chunk at most when "auto" picks the size and the disk tier is on without a
-staging budget: 192 MB of fp32 master and Adam state per chunk, large sequential I/O, and a
-default staging pool (two chunks' state) of 384 MB rather than gigabytes."""
-
-
-def _disk_chunk_cap(cfg: EngineConfig) -> int | None:
-    """The largest chunk "auto" may pick with the disk tier: two chunks' state must fit the
-    staging budget (one is updated while the next is read ahead)."""
-    if cfg.disk is None:
-        return None
-    if cfg.disk.staging_budget is None:
-        return DISK_AUTO_CHUNK_CAP
-    per_element = 4 * len(cfg.disk.lists)  # fp32 master and moments
-    return max(64, cfg.disk.staging_budget // (2 * per_element))
-
-
-def _check_units_fit(modules: list[HookedModule], unit_keys: list[int], mgr: ChunkManager) -> None:
-    """Refuse a compiled module whose chunks the device cannot hold at once: it is one
-    moment (Note [compiled units]), so all of them must be resident while it runs."""
-    for key in unit_keys:
-        mod = modules[key]
-        chunk_ids = sorted({mgr.slots[i].chunk_id for i in mod.own})
-        need = sum(mgr.chunks.chunk(ChunkList.PARAM, c).nbytes for c in chunk_ids)
-        if need > mgr.capacity:
-            whole = len(mod.own) == len(mgr.slots)  # the model itself is compiled
-            raise ConfigError(
-                "device_memory_budget",
-                f"the compiled module '{mod.label}' runs as one unit, so its {len(chunk_ids)} param chunks "
-                f"({need} bytes) must be on the device at once, and the device holds {mgr.capacity} bytes. "
-                + ("Compile the model's blocks instead of the whole model (for block in model.transformer.h: "
-                   "block.compile()), " if whole else "Compile smaller modules, ")
-                + "lower default_chunk_size, or raise device_memory_budget",
-            )
 
 
 class ChunkEngine:
@@ -234,11 +129,11 @@ class ChunkEngine:
         frozen = [not p.requires_grad for p in self._params]
         self._frozen_params = [p for p, f in zip(self._params, frozen) if f]
         chunk_size = cfg.placement.chunk_size or search_chunk_size(
-            numels, world_size=world, frozen=frozen, max_size=_disk_chunk_cap(cfg)
+            numels, world_size=world, frozen=frozen, max_size=disk_chunk_cap(cfg)
         )
-        capacity = _device_capacity(cfg)  # resolved once: the GPU's free memory is read here only
-        _check_inputs(model, cfg, sum(numels), capacity)
-        _refuse_sparse_gradients(model)
+        capacity = device_capacity_of(cfg)  # resolved once: the GPU's free memory is read here only
+        check_inputs(model, cfg, sum(numels), capacity)
+        refuse_sparse_gradients(model)
         layout = build_layout(
             [n for n, _ in named], [tuple(p.shape) for p in self._params], chunk_size, world_size=world, frozen=frozen
         )
@@ -257,9 +152,11 @@ class ChunkEngine:
             self._optimizer: ChunkAdam | None = None
             placement = cfg.placement
             cursor = Cursor()  # where the iteration is: the schedule writes it, the manager and the targets read it
+            overrun = Overrun()  # a warm-up's allowance to go over the budget: the schedule sets it, the manager asks
             self.mgr = ChunkManager(
-                layout, dtype, cfg.device, capacity, placement.eviction_policy, make_probe(cfg.device), self.events,
-                self.comm, make_copy_engine(cfg.device, placement.overlap, placement.link_bandwidth), cursor, placement.slack,
+                layout, placement, capacity, dtype, probe=make_probe(cfg.device), events=self.events, comm=self.comm,
+                copies=make_copy_engine(cfg.device, placement.overlap, placement.link_bandwidth), cursor=cursor,
+                let_through=overrun.let_through,
             )  # fmt: skip
             self.heap_retention_bounded = False
             if cfg.disk is not None:  # Note [disk tier]: the state lists' chunks live in files
@@ -312,26 +209,38 @@ class ChunkEngine:
             self._device_baseline = torch.cuda.memory_allocated(cfg.device) - self.mgr.memory.held_bytes
             torch.cuda.reset_peak_memory_stats(cfg.device)
             self.mgr.memory.peak_bytes = 0
+        # "auto": four times the largest param chunk (ScheduleConfig.prefetch_window), resolved once
         self.prefetch_window = cfg.schedule.prefetch_window or 4 * max(c.nbytes for c in self.mgr.chunks.chunks_of(ChunkList.PARAM))
 
-        # the parts: gradients, the iteration (with the schedule), the guard's handler, the hook targets
-        self._gradients = Gradients(self.mgr, cursor, self.comm, self.reducer, cfg.optimizer.accumulation_steps)
+        # the parts: the gradient pipeline (the optimizer reads what it takes), the iteration (with
+        # the schedule and the gradients), the hook targets, the guard's handler
+        device_adam_chunks: set[int] = set()  # hybrid Adam's chunks: the iteration plans them when the trace freezes
+        opt = cfg.optimizer
+        self.gradient_pipeline = GradientPipeline(
+            self.mgr, cfg.device, self.host_work, device_adam_chunks,
+            norm_by_config=opt.gradient_clipping > 0 or self.scaler_enabled,
+        )  # fmt: skip
         self._views = [p.data for p in self._params]  # each parameter's view into its param chunk's device tensor
+        reads = ReadState(self.mgr)  # what parameter reads leave behind: the targets, the iteration and the access settle it
         self._iteration = Iteration(
-            cfg, self.mgr, cursor, self.comm, self.events, self._gradients, self.reducer, self.prefetch_window
-        )
+            dataclasses.replace(cfg.schedule, prefetch_window=self.prefetch_window), self.mgr, cursor, self.comm,
+            self.events, self.reducer, accumulation_steps=opt.accumulation_steps, consumer=self.gradient_pipeline,
+            device_adam_chunks=device_adam_chunks, hybrid_adam=opt.hybrid_adam, loss_scaling=self.scaler_enabled,
+            overrun=overrun, reads=reads,
+        )  # fmt: skip
+        self._gradients = self._iteration.gradients
+        modules = hooked_modules(model, self._index)
         self._targets = HookTargets(
-            self.mgr, cursor, self.comm, self.events, self._iteration, self._gradients, self.reducer, self._params
+            self.mgr, cursor, self.comm, self.events, self._iteration, self._gradients, self.reducer, self._params, modules, reads
         )
-        self.access = ParamAccess(self, self._targets, self._iteration)
-        self._unhook_optimizers = _refuse_foreign_optimizers(self)
-        modules, self._handles, self._units = install_hooks(model, self._index, self._targets)
-        self._targets.set_modules(modules)
+        self.access = ParamAccess(self, self._targets, self._iteration, reads)
+        self._unhook_optimizers = refuse_foreign_optimizers(self)
+        self._handles, self._units = install_hooks(model, modules, self._index, self._targets)
         # issue 18.5: norm layers see their parameters in fp32 within their forward, as under
         # autocast over fp32 weights (Note [norm dtypes]); after install_hooks (Note [parameter upcast])
         self._handles += install_upcasts(model, lambda m: upcast_dtype(m, dtype))
         self._casts: dict[int, torch.dtype] = {}  # id(module) -> dtype it cast its parameters to (see_in_dtype)
-        _check_units_fit(modules, [u.key for u in self._units], self.mgr)
+        check_units_fit(modules, [u.key for u in self._units], self.mgr)
         # one guarded and one watched class per parameter class (Note [parameter guard], Note [data aliases])
         guarded: dict[type, tuple[type, type]] = {}
         for p in self._params:
@@ -354,7 +263,6 @@ class ChunkEngine:
     @optimizer.setter
     def optimizer(self, opt: ChunkAdam | None) -> None:
         self._optimizer = opt
-        self._gradients.optimizer = opt  # it takes complete chunks during backward (Note [gradient pipeline])
 
     @property
     def schedule(self) -> Schedule:
@@ -441,9 +349,7 @@ class ChunkEngine:
                 "backward used up the forward's graph (and its gradients wait for optimizer.step()); run the "
                 "model again for each backward, or combine the losses of one forward into one before it"
             )
-        gas = self.config.optimizer.accumulation_steps
-        if gas > 1:
-            loss = loss / gas
+        loss = self._gradients.scale_loss(loss)
         if self.scaler_enabled:
             loss = loss * self.scaler.scale
         it = self._iteration
@@ -590,33 +496,10 @@ class ChunkEngine:
             self._optimizer.check_thread("engine.state_dict()")
         return {k: v.detach().to("cpu", copy=True) if v.device.type != "cpu" else v for k, v in self.module.state_dict().items()}
 
-    def _value_chunk(self, chunk_id: int) -> torch.Tensor:
-        """Chunk ``chunk_id``'s values: its fp32 master, or a frozen chunk's param chunk in fp32."""
-        chunks = self.mgr.chunks
-        if chunks.frozen(chunk_id):
-            return chunks.chunk(ChunkList.PARAM, chunk_id).payload.float()
-        if chunks.on_disk(ChunkList.MASTER):  # a copy: the staging buffer goes back (Note [disk tier])
-            with chunks.staged([(ChunkList.MASTER, chunk_id)], write=False):
-                return chunks.chunk(ChunkList.MASTER, chunk_id).payload.clone()
-        return chunks.chunk(ChunkList.MASTER, chunk_id).payload
-
     def full_masters(self) -> dict[int, torch.Tensor]:
-        """Every chunk's fp32 values by id: the master chunks, and a frozen chunk's param chunk
-        in fp32 (gathered from their owners with several processes: a collective)."""
-        mgr = self.mgr
-        if not self.comm.distributed:
-            return {i: self._value_chunk(i) for i in range(mgr.layout.n_chunks)}
-        where = self.comm.exchange_device(self.device)
-        out: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            for g in range(0, mgr.layout.n_chunks, self.comm.world_size):
-                group = list(mgr.layout.group(g))
-                own = self._value_chunk(group[self.comm.rank]).to(where)
-                outs = [torch.empty_like(own) for _ in group]
-                self.comm.all_gather_group(outs, own, what=f"master chunks {group[0]}..{group[-1]}")
-                for k, t in zip(group, outs):
-                    out[k] = t.to("cpu")
-        return out
+        """Every chunk's fp32 values by id (a collective with several processes:
+        :func:`chunkstar.runtime.state_dict.full_masters`)."""
+        return full_masters(self.mgr, self.comm, self.device)
 
     def gathered_parameters(
         self,
@@ -656,14 +539,7 @@ class ChunkEngine:
 
     def parameter_aliases(self) -> dict[str, list[str]]:
         """Tied parameters: first name -> the other names of the same tensor."""
-        first: dict[int, str] = {}
-        out: dict[str, list[str]] = {}
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            if id(p) in first:
-                out.setdefault(first[id(p)], []).append(name)
-            else:
-                first[id(p)] = name
-        return out
+        return tied_names(self.module)
 
     def save_checkpoint(self, directory: str) -> str:
         """Write this rank's shard of master and Adam state, optimizer and loss-scaler
@@ -678,7 +554,7 @@ class ChunkEngine:
                 opt.check_thread("engine.save_checkpoint()")
                 opt.check_consistent("engine.save_checkpoint()")
             if grads.has_pending() or grads.has_kept():
-                raise checkpoint.pending_gradients(grads.since_step, self.config.optimizer.accumulation_steps)
+                raise checkpoint.pending_gradients(grads.since_step, grads.accumulation_steps)
 
         return checkpoint.save_checkpoint(self, directory, check=check)
 
@@ -706,50 +582,18 @@ class ChunkEngine:
                 self.drop_pending_grads()  # an interrupted step's or load's: the values replace them
         if self._has_pending_grads() or self._gradients.has_kept():
             raise ChunkStateError("gradients are pending: call optimizer.step() or optimizer.zero_grad() before loading")
-        slots = self._slot_of_param()
-        own = self.module.state_dict(keep_vars=True)
-        state_dict = dict(state_dict)
-        for name, others in self.parameter_aliases().items():  # fill tied names from whichever is given
-            for n in [name, *others]:
-                if n in state_dict:
-                    for m in [name, *others]:
-                        state_dict.setdefault(m, state_dict[n])
-                    break
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
-        if strict and (missing or unexpected):
-            raise KeyError(f"state dict mismatch: missing keys {missing}, unexpected keys {unexpected}")
-        mgr = self.mgr
-        for key, t in own.items():
-            if key in state_dict and tuple(state_dict[key].shape) != tuple(t.shape):
-                raise ValueError(f"'{key}': shape {tuple(state_dict[key].shape)} in the state dict, {tuple(t.shape)} in the model")
-        by_chunk: dict[int, list[tuple[TensorSlot, torch.Tensor]]] = {}
-        with deferred_interrupts(), torch.no_grad(), mgr.probe.paused():  # checked: now things change
-            try:
-                for key, t in own.items():
-                    if key not in state_dict:
-                        continue
-                    s = slots.get(id(t))
-                    if s is None:
-                        t.data.copy_(state_dict[key])
-                    elif mgr.chunks.own(s.chunk_id):  # else its owner loads it (any world size can load a full state dict)
-                        by_chunk.setdefault(s.chunk_id, []).append((s, state_dict[key]))
-                for cid, members in sorted(by_chunk.items()):  # one chunk at a time (staged from disk, if there)
-                    trainable = not mgr.chunks.frozen(cid)
-                    with mgr.chunks.staged([(ChunkList.MASTER, cid)] if trainable else [], write=True):
-                        for s, src in members:
-                            if trainable:
-                                mgr.chunks.slot_view(ChunkList.MASTER, s).copy_(src.reshape(-1))
-                            mgr.chunks.slot_view(ChunkList.PARAM, s).copy_(src.reshape(-1))
-            except BaseException as e:
-                if opt is not None:
-                    opt.interrupted(
-                        f"engine.load_state_dict() was stopped by {type(e).__name__} after it had loaded some values and "
-                        "not others",
-                        "call engine.load_state_dict again and let it complete",
-                        {"weights"},
-                    )
-                raise
+        own, values = match_values(self.module, state_dict, strict)  # checked: nothing changed yet
+
+        def stopped(e: BaseException) -> None:
+            if opt is not None:
+                opt.interrupted(
+                    f"engine.load_state_dict() was stopped by {type(e).__name__} after it had loaded some values and "
+                    "not others",
+                    "call engine.load_state_dict again and let it complete",
+                    {"weights"},
+                )
+
+        write_values(self.mgr, own, values, self._slot_of_param(), on_stopped=stopped)
         if opt is not None:
             opt.restored({"weights"})
 

@@ -19,7 +19,7 @@ folded into a group that may not be gathered, on every rank alike: the ranks
 agree on that at the boundary (one small all-reduce) and refuse it together.
 
 Once a chunk's gradients are complete, the optimizer may take it during the
-backward (Note [gradient pipeline] in :mod:`chunkstar.optim.adam`); with
+backward (Note [gradient pipeline] in :mod:`chunkstar.optim.pipeline`); with
 several processes the reducer averages each group's gradients instead
 (:mod:`chunkstar.distributed.grad_reduce`). This module decides neither where
 the update runs nor how chunks move: it only writes slots and states.
@@ -47,21 +47,29 @@ _PARAM = ChunkList.PARAM  # read per gradient
 
 
 class GradientConsumer(Protocol):
-    """Who takes finished gradient chunks during backward (the optimizer: Note [gradient
-    pipeline]) and forgets what it took when the gradients are dropped."""
+    """Who takes finished gradient chunks during backward (the gradient pipeline: Note
+    [gradient pipeline] in optim/pipeline.py) and forgets what it took when the gradients
+    are dropped."""
 
-    def take_gradients(self, chunk_id: int) -> None: ...
-    def forget_gradients(self, chunk_ids: Iterable[int] | None = None) -> None: ...
+    def take(self, chunk_id: int) -> None: ...
+    def forget(self, chunk_ids: Iterable[int] | None = None) -> None: ...
 
 
 class Gradients:
-    def __init__(self, mgr: ChunkManager, cursor: Cursor, comm: Comm, reducer: GroupReducer, accumulation_steps: int) -> None:
+    def __init__(
+        self, mgr: ChunkManager, cursor: Cursor, comm: Comm, reducer: GroupReducer, accumulation_steps: int,
+        consumer: GradientConsumer, on_plain_backward: Callable[[], None],
+    ) -> None:  # fmt: skip
+        """``accumulation_steps``: the config's gradient_accumulation_steps, read here only (the
+        engine and the iteration ask this object: :meth:`scale_loss`, :meth:`check_step`);
+        ``consumer`` takes complete chunks during backward; ``on_plain_backward`` is called
+        when a gradient arrives outside the backward stage (Note [plain backward])."""
         self.mgr = mgr
         self.cursor = cursor
         self.comm = comm
         self.reducer = reducer  # several processes only
         self.accumulation_steps = accumulation_steps
-        self.optimizer: GradientConsumer | None = None  # takes complete chunks during backward (set by the engine)
+        self.consumer = consumer
         self.since_step = 0  # micro-batches since the last optimizer step
         self.boundary = False  # the running backward is the last micro-batch before a step
         # chunk id -> 1-D fp32 host, grads of earlier micro-batches (or of backwards a forward
@@ -83,9 +91,29 @@ class Gradients:
         # the graph task of the running backward (the first one a hook saw): a gradient from another
         # one comes from a reentrant checkpoint's inner backward (Note [reentrant regions])
         self.root_task: int | None = None
-        # called when a gradient arrives outside the backward stage: a plain loss.backward() began
-        self.on_plain_backward: Callable[[], None] = lambda: None
+        self.on_plain_backward = on_plain_backward
         self.arrived = 0  # gradients the running backward delivered (none: its loss is not the engine's)
+
+    # ------------------------------------------------------------------ accumulation's rules
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``engine.backward(loss)``: the loss a micro-batch back-propagates (divided by
+        gradient_accumulation_steps, so N micro-batches sum to their mean)."""
+        return loss / self.accumulation_steps if self.accumulation_steps > 1 else loss
+
+    def begin_plain_backward(self) -> None:
+        """A plain ``loss.backward()`` began: nobody divided its loss, so each gradient is
+        divided as it arrives (Note [plain backward])."""
+        self.factor = 1.0 / self.accumulation_steps if self.accumulation_steps > 1 else 1.0
+
+    def check_step(self) -> None:
+        """``optimizer.step()`` comes at an accumulation boundary, or raises."""
+        gas = self.accumulation_steps
+        since = self.since_step
+        if since % gas != 0 or since == 0 and self.has_pending():
+            raise ChunkStateError(
+                f"optimizer.step() after {since} micro-batch(es) but gradient_accumulation_steps is {gas}: "
+                f"call engine.backward() {gas} times per optimizer step"
+            )
 
     def begin_backward(self) -> None:
         self.boundary = self.since_step + 1 >= self.accumulation_steps
@@ -165,7 +193,7 @@ class Gradients:
         """Whether a chunk's gradients go to the optimizer as soon as they are complete
         (Note [gradient pipeline]): one process, the last micro-batch before a step with no
         earlier micro-batches' gradients waiting, on the frozen schedule."""
-        return self.optimizer is not None and self.boundary and not self._accumulated and self.cursor.follows_trace()
+        return self.boundary and not self._accumulated and self.cursor.follows_trace()
 
     def _grads_complete(self, chunk_id: int) -> None:
         """Note [gradient pipeline]: every tensor of the chunk is done with this backward
@@ -176,8 +204,7 @@ class Gradients:
         nu = cur.trace.next_use(chunk_id, cur.moment)
         if nu is not None and cur.moment + nu < cur.trace.n_moments:
             return  # read again later in this backward
-        assert self.optimizer is not None
-        self.optimizer.take_gradients(chunk_id)
+        self.consumer.take(chunk_id)
 
     def end_backward(self) -> None:
         """The backward is over: reduce what is left (several processes), release the
@@ -301,8 +328,7 @@ class Gradients:
                    for cid in range(mgr.layout.n_chunks) if mgr.grads_in(cid)}  # fmt: skip
         if not pending:
             return
-        if self.optimizer is not None:
-            self.optimizer.forget_gradients(pending)  # what it took early is not the whole sum
+        self.consumer.forget(pending)  # what it took early is not the whole sum
         scale = float(self.comm.world_size) if self.comm.distributed else 1.0
         moved = 0
         with torch.no_grad(), mgr.probe.paused():
@@ -355,8 +381,7 @@ class Gradients:
             if mgr.states[i] is TensorState.HOLD_AFTER_BWD:
                 in_slot.setdefault(s.chunk_id, []).append(s)
         if in_slot:
-            if self.optimizer is not None:
-                self.optimizer.forget_gradients(in_slot)
+            self.consumer.forget(in_slot)
             self.restore_params_from_master(in_slot)
         if not self._accumulated and not self.has_pending():
             self.since_step = 0  # no gradient is left: as after optimizer.zero_grad()
@@ -368,8 +393,7 @@ class Gradients:
         self._accumulated.discard(index)
         self._scaled.discard(index)
         if mgr.states[index] is TensorState.HOLD_AFTER_BWD:
-            if self.optimizer is not None:
-                self.optimizer.forget_gradients([s.chunk_id])
+            self.consumer.forget([s.chunk_id])
             with torch.no_grad():
                 mgr.chunks.chunk(ChunkList.PARAM, s.chunk_id).payload[s.offset : s.end].zero_()
 
@@ -411,8 +435,7 @@ class Gradients:
         for s in self.mgr.slots:
             if self.mgr.states[s.index] is TensorState.HOLD_AFTER_BWD:
                 pending.setdefault(s.chunk_id, []).append(s)
-        if self.optimizer is not None:
-            self.optimizer.forget_gradients()
+        self.consumer.forget()
         if pending:
             self.restore_params_from_master(pending)
         self._accumulated.clear()

@@ -18,7 +18,7 @@ reads in the constructor and keeps to one method call per decision.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -35,15 +35,13 @@ from chunkstar.memory.tracer import TracePhase
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.gradients import Gradients
 from chunkstar.runtime.iteration import Iteration
+from chunkstar.runtime.reads import ReadState, alias_written
 
 __all__ = ["HookTargets"]
 
 _PARAM = ChunkList.PARAM  # read per moment
 
 
-def _alias_written(taken: list[tuple[torch.Tensor, int]]) -> bool:
-    """Whether any of these .data aliases was written since it was noted (its own counter)."""
-    return any(a._version != v for a, v in taken)
 # the phases in which the engine does not measure (the warm-up and an unscheduled run do)
 _COMPILED_PHASES = frozenset({TracePhase.FROZEN, TracePhase.DIVERGED})
 
@@ -51,8 +49,12 @@ _COMPILED_PHASES = frozenset({TracePhase.FROZEN, TracePhase.DIVERGED})
 class HookTargets:
     def __init__(
         self, mgr: ChunkManager, cursor: Cursor, comm: Comm, events: EventBus, iteration: Iteration,
-        gradients: Gradients, reducer: GroupReducer, params: Sequence[nn.Parameter],
+        gradients: Gradients, reducer: GroupReducer, params: Sequence[nn.Parameter], modules: list[HookedModule], reads: ReadState,
     ) -> None:  # fmt: skip
+        """``modules``: the hooked modules (:func:`chunkstar.hooks.module_hooks.hooked_modules`),
+        whose hooks the engine points here once this is built; each accesses its own
+        parameters to begin with; ``reads``: what parameter reads left behind, settled at
+        module boundaries here (runtime/reads.py)."""
         self.mgr = mgr
         self.cursor = cursor
         self.comm = comm
@@ -64,25 +66,17 @@ class HookTargets:
         self._stack = iteration.stack  # the same list: the iteration clears it
         self.gradients = gradients
         self.on_grad = gradients.on_grad  # the gradient hook's target (a bound method: no extra call)
-        self.modules: list[HookedModule] = []  # set by the engine once the hooks are installed
-        self._access_sets: list[tuple[int, ...]] = []
-        self._access_chunks: list[tuple[int, ...]] = []  # the sorted chunk ids of each access set
+        self.modules = modules
+        self._access_sets: list[tuple[int, ...]] = [m.own for m in modules]
+        self._access_chunks = [self._chunk_ids(m.own) for m in modules]  # the sorted chunk ids of each access set
         # slot index -> (its parameter's version counter when noted, stack position of the module
         # that noted it) while a module or op that holds it runs (Note [writes in a forward])
         self._versions: dict[int, tuple[int, int]] = {}
-        # slot index -> the .data aliases a forward took of it, each with its own counter then
-        # (Note [data aliases] in hooks/param_guard.py); checked where the versions are
-        self._aliases: dict[int, list[tuple[torch.Tensor, int]]] = {}
-        # slot index -> its state before: parameters whose .data a forward took outside every
-        # module, held in COMPUTE until the next module boundary (flush_loose)
-        self._loose: dict[int, TensorState] = {}
-        self.absorb_writes: Callable[[list[int]], None] = lambda indices: None  # set by the engine (ParamAccess.absorb_writes)
-
-    def set_modules(self, modules: list[HookedModule]) -> None:
-        """The hooked modules (:func:`install_hooks`); each accesses its own parameters to begin with."""
-        self.modules = modules
-        self._access_sets = [m.own for m in modules]
-        self._access_chunks = [self._chunk_ids(m.own) for m in modules]
+        # .data aliases a forward took and parameters held loose outside every module (Note [data
+        # aliases]): the read state's own dicts, checked where the versions are
+        self._reads = reads
+        self._aliases = reads.aliases
+        self._loose = reads.loose
 
     def _chunk_ids(self, indices: Sequence[int]) -> tuple[int, ...]:
         slots = self.mgr.slots
@@ -143,7 +137,7 @@ class HookTargets:
     # sets its .data, which keeps the counter, and never writes through the parameter itself);
     # so each access records the counters of its parameters (outside the backward), each
     # module's end compares them while they are still in COMPUTE, and a parameter written in
-    # between has what changed copied into its master (ParamAccess.absorb_writes). A write to a
+    # between has what changed copied into its master (ChunkManager.absorb_writes). A write to a
     # parameter outside COMPUTE goes through the guard instead (runtime/param_access.py).
     def _note_versions(self, indices: Sequence[int], depth: int) -> None:
         """Record the parameters' counters for the module at stack position ``depth`` (one an
@@ -156,7 +150,7 @@ class HookTargets:
             if seen is None or depth == 0:  # (no module runs: what is left is an aborted forward's)
                 versions[i] = (now, depth)
             elif seen[0] != now:
-                self.absorb_writes([i])
+                self.mgr.absorb_writes([i])
                 versions[i] = (now, seen[1])
 
     def check_writes(self, indices: Sequence[int], depth: int) -> bool:
@@ -171,7 +165,7 @@ class HookTargets:
             seen = versions.get(i)
             if seen is None:
                 if aliases and i in aliases and i not in self._loose:
-                    if _alias_written(aliases.pop(i)):  # noted with no version (an op's own moment)
+                    if alias_written(aliases.pop(i)):  # noted with no version (an op's own moment)
                         written.append(i)
                 continue
             now = params[i]._version
@@ -183,7 +177,7 @@ class HookTargets:
                 del versions[i]
             if aliases and i in aliases:
                 taken = aliases[i]
-                wrote = _alias_written(taken) or wrote
+                wrote = alias_written(taken) or wrote
                 if kept:
                     aliases[i] = [(a, a._version) for a, _ in taken]
                 else:
@@ -191,41 +185,12 @@ class HookTargets:
             if wrote:
                 written.append(i)
         if written:
-            self.absorb_writes(written)
+            self.mgr.absorb_writes(written)
         return bool(written)
 
-    def note_alias(self, index: int, alias: torch.Tensor) -> None:
-        """A forward took ``p.data`` of slot ``index`` (Note [data aliases])."""
-        self._aliases.setdefault(index, []).append((alias, alias._version))
-
-    def hold_loose(self, indices: list[int], prior: dict[int, TensorState]) -> None:
-        """A forward took ``.data`` of these parameters outside every module: they stay in
-        COMPUTE until the next module boundary (:meth:`flush_loose`)."""
-        for i in indices:
-            self._loose.setdefault(i, prior[i])
-
-    def flush_loose(self) -> None:
-        """Absorb what was written through the loose aliases and release their parameters."""
-        if not self._loose:
-            return
-        loose, self._loose = self._loose, {}
-        written = [i for i in loose if _alias_written(self._aliases.pop(i, []))]
-        states = self.mgr.states
-        if written:
-            self.absorb_writes([i for i in written if states[i] is TensorState.COMPUTE])
-        for i, prior in loose.items():
-            if states[i] is TensorState.COMPUTE:
-                self.mgr.set_state(i, TensorState.HOLD if prior is TensorState.COMPUTE else prior)
-
-    def forget_aliases(self) -> None:
-        """The iteration ended or was aborted: nothing noted is checked any more."""
-        self._aliases.clear()
-        self._loose.clear()
-
-    # ------------------------------------------------------------------ module hooks
     def on_pre_forward(self, module_key: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
         if self._loose:
-            self.flush_loose()
+            self._reads.flush_loose()
         if self.cursor.stage is Stage.IDLE:
             self.iteration.begin_implicit()
         mod = self.modules[module_key]
@@ -255,7 +220,7 @@ class HookTargets:
 
     def on_post_forward(self, module_key: int, output: Any) -> None:
         if self._loose:
-            self.flush_loose()
+            self._reads.flush_loose()
         mgr = self.mgr
         cur = self.cursor
         mod = self.modules[module_key]
@@ -305,7 +270,7 @@ class HookTargets:
         """A module's output gradient is ready: its parameters are needed again (a plain
         loss.backward() begins here when it is the first hook: Note [plain backward])."""
         if self._loose:
-            self.flush_loose()
+            self._reads.flush_loose()
         if self.cursor.stage is not Stage.BWD:
             self.iteration.backward_hook([self._params[i] for i in indices])
         else:
@@ -348,7 +313,7 @@ class HookTargets:
     def access_outside_modules(self, label: str, indices: list[int], backward: bool = False) -> None:
         """Parameters read by code outside any module (a moment of their own)."""
         if self._loose:
-            self.flush_loose()
+            self._reads.flush_loose()
         if backward and self.cursor.stage is not Stage.BWD:
             self.iteration.backward_hook([self._params[i] for i in indices])  # Note [plain backward]
             if self.cursor.stage is not Stage.BWD:

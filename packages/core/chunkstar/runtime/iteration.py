@@ -17,14 +17,14 @@ module's hooks do (:mod:`chunkstar.runtime.hook_targets`); gradients are
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 from chunkstar.chunk.lists import STATE_LISTS, ChunkList
 from chunkstar.chunk.state import TensorState
-from chunkstar.config import EngineConfig, Precision
+from chunkstar.config import ScheduleConfig
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.errors import ChunkStateError, DeviceMemoryError
@@ -33,11 +33,13 @@ from chunkstar.hooks.module_hooks import output_tensors
 from chunkstar.memory.host_heap import (
     NO_HEAP, HeapPlan, HostHeap, plan_heap_release, release_after_step, release_at_turn, release_before_step,
 )  # fmt: skip
+from chunkstar.memory.budget import Overrun
 from chunkstar.memory.cursor import Cursor
 from chunkstar.memory.tracer import TracePhase
 from chunkstar.placement.optimizer import plan_device_adam
 from chunkstar.runtime.chunk_manager import ChunkManager
-from chunkstar.runtime.gradients import Gradients
+from chunkstar.runtime.gradients import GradientConsumer, Gradients
+from chunkstar.runtime.reads import ReadState
 from chunkstar.runtime.schedule import Schedule
 
 __all__ = ["Iteration"]
@@ -45,29 +47,36 @@ __all__ = ["Iteration"]
 
 class Iteration:
     def __init__(
-        self, cfg: EngineConfig, mgr: ChunkManager, cursor: Cursor, comm: Comm, events: EventBus,
-        gradients: Gradients, reducer: GroupReducer, prefetch_window: int,
+        self, schedule: ScheduleConfig, mgr: ChunkManager, cursor: Cursor, comm: Comm, events: EventBus,
+        reducer: GroupReducer, *, accumulation_steps: int, consumer: GradientConsumer, device_adam_chunks: set[int],
+        hybrid_adam: bool, loss_scaling: bool, overrun: Overrun, reads: ReadState,
     ) -> None:  # fmt: skip
+        """``schedule``: the config's section, its prefetch window resolved (Note [config
+        sections]); ``accumulation_steps`` and ``consumer`` go to the gradients this builds
+        (:class:`Gradients`); ``device_adam_chunks``: the set hybrid Adam's plan is written
+        into when the trace freezes (the gradient pipeline reads it); ``hybrid_adam``: the
+        optimizer section's, resolved (off with the state on disk); ``loss_scaling``: fp16's
+        dynamic loss scale is on, so a plain ``loss.backward()`` is refused; ``overrun``: the
+        warm-up's allowance to go over the budget, shared with the chunk manager; ``reads``:
+        what parameter reads left behind, settled when a forward or an iteration ends or
+        aborts (runtime/reads.py)."""
         self.mgr = mgr
         self.cursor = cursor
         self.comm = comm
-        self.gradients = gradients
         self.reducer = reducer
-        # parameter access, built after the iteration and the hook targets it reads through
-        # (runtime/param_access.py), hands these in: forget what a state_dict() or a model pass
-        # memoised, and whether a gathered_parameters() block is open
-        self.reset_reads: Callable[[], None] = lambda: None
-        self.reads_gathered: Callable[[], bool] = lambda: False
-        # the forward is over: absorb writes through .data aliases taken outside modules and
-        # release their parameters (HookTargets.flush_loose, Note [data aliases])
-        self.flush_reads: Callable[[], None] = lambda: None
-        self.accumulation_steps = cfg.optimizer.accumulation_steps
-        self.prefetch = cfg.schedule.prefetch
-        self.prefetch_window = prefetch_window
-        self.hybrid_adam = cfg.optimizer.hybrid_adam  # off with the state on disk (resolved by the config)
+        # gradient folding and accumulation, told when a gradient arrives outside the backward
+        # stage (Note [plain backward])
+        self.gradients = Gradients(
+            mgr, cursor, comm, reducer, accumulation_steps, consumer, on_plain_backward=self._gradient_outside_backward
+        )
+        self.reads = reads
+        self.prefetch = schedule.prefetch
+        assert schedule.prefetch_window is not None, "the engine resolves the prefetch window"
+        self.prefetch_window = schedule.prefetch_window
+        self.hybrid_adam = hybrid_adam
         # the iteration and its schedule (Note [iteration] in runtime/schedule.py)
-        self.schedule = Schedule(mgr, cursor, comm, cfg.device, events, on_freeze=self._plan_adam)
-        self.device_adam_chunks: set[int] = set()  # chunks whose Adam runs on the device (hybrid Adam)
+        self.schedule = Schedule(mgr, cursor, comm, mgr.device, events, overrun, on_freeze=self._plan_adam)
+        self.device_adam_chunks = device_adam_chunks  # chunks whose Adam runs on the device (hybrid Adam)
         self.micro_step = 0
         self.open = False  # a training forward began and its backward has not ended
         self.implicit = False  # a module was called directly (not through the engine) at IDLE
@@ -76,20 +85,19 @@ class Iteration:
         self.stack: list[tuple[int, int]] = []
         # CPU virtual device: the heap's free pages go back to the system right before each
         # iteration's non-model peak (Note [host heap] in memory/host_heap.py)
-        self.host_heap: HostHeap | None = HostHeap() if cfg.device.type == "cpu" else None
+        self.host_heap: HostHeap | None = HostHeap() if mgr.device.type == "cpu" else None
         self.heap_plan: HeapPlan = NO_HEAP  # this iteration's (memory/host_heap.py decides)
         self._heap_released = False  # the heap was released in this iteration
         self._moves_at_iteration = 0  # param chunk loads (access, prefetch) when the iteration began
         self._frozen_before = False  # the iteration before ran on the frozen schedule
         self._bytes_before_step = 0
         # Note [plain backward]
-        self.loss_scaling = cfg.precision is Precision.FP16
+        self.loss_scaling = loss_scaling
         self.plain_backward = False  # the running backward is a plain loss.backward()
         self._decided_task: int | None = None  # the graph task whose kind was last decided
         # Note [closed engine]: engine.close() stopped the copy threads and the host worker, so a
         # forward, backward or step would wait on them for ever; each refuses instead
         self.closed = False
-        gradients.on_plain_backward = self._gradient_outside_backward
 
     # ------------------------------------------------------------------ begin
     def _check_open(self) -> None:
@@ -109,7 +117,7 @@ class Iteration:
         if self.gradients.has_pending():
             self.gradients.keep_pending()  # a second backward before the step (Note [gradients kept across a forward])
         self.open = True
-        self.reset_reads()
+        self.reads.reset()
         self.stack.clear()
         mgr = self.mgr
         self.schedule.begin_iteration(sum(t.nbytes for t in output_tensors((args, kwargs))))
@@ -136,13 +144,13 @@ class Iteration:
         self.schedule.begin_untraced(nbytes, between_steps=not self.open)
 
     def end_untraced(self) -> None:
-        self.flush_reads()
+        self.reads.flush_loose()
         if self.schedule.end_untraced() and not self.open:
             self.schedule.set_stage(Stage.IDLE)
 
     def begin_implicit(self) -> None:
         """A module of the model was called directly, not through the engine."""
-        if self.reads_gathered():
+        if self.reads.gathered_active():
             raise ChunkStateError("the model cannot run inside engine.gathered_parameters(): leave the block first")
         self.implicit = True
         if torch.is_grad_enabled():
@@ -234,8 +242,7 @@ class Iteration:
                 "which a plain backward skips; call engine.backward(loss) instead"
             )
         self.plain_backward = True
-        if self.accumulation_steps > 1:
-            self.gradients.factor = 1.0 / self.accumulation_steps
+        self.gradients.begin_plain_backward()
         self.begin_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_plain_backward)
 
@@ -248,7 +255,7 @@ class Iteration:
     # ------------------------------------------------------------------ backward and end
     def begin_backward(self) -> None:
         self._check_open()
-        self.flush_reads()
+        self.reads.flush_loose()
         self.gradients.begin_backward()
         if release_at_turn(self.heap_plan, self._heap_released, self.cursor.moment):
             self.release_heap_at_peak()
@@ -286,7 +293,7 @@ class Iteration:
         self.open = False
         self.implicit = False
         self.stack.clear()
-        self.reset_reads()
+        self.reads.reset()
         if self.comm.distributed:
             self.reducer.reset()
         with torch.no_grad():
@@ -309,18 +316,13 @@ class Iteration:
         planned = plan_device_adam(
             [chunks.chunk(ChunkList.PARAM, i).nbytes for i in range(n)], state_bytes, mgr.capacity, self.cursor.trace.max_non_model
         )
-        self.device_adam_chunks = {i for i in planned if not chunks.frozen(i)}
+        self.device_adam_chunks.clear()  # in place: the gradient pipeline reads the same set
+        self.device_adam_chunks.update(i for i in planned if not chunks.frozen(i))
 
     # ------------------------------------------------------------------ the optimizer step
     def begin_optimizer_step(self) -> None:
         self._check_open()
-        gas = self.accumulation_steps
-        since = self.gradients.since_step
-        if since % gas != 0 or since == 0 and self.gradients.has_pending():
-            raise ChunkStateError(
-                f"optimizer.step() after {since} micro-batch(es) but gradient_accumulation_steps is {gas}: "
-                f"call engine.backward() {gas} times per optimizer step"
-            )
+        self.gradients.check_step()
         self.gradients.fold_kept()  # gradients a forward kept with no backward since
         self.schedule.begin_optimizer_step()
         mgr = self.mgr

@@ -49,6 +49,7 @@ from chunkstar.hooks.param_guard import (
     ReadOnlyGradient, ReadOnlySnapshot, mutated_tensors, op_name, plain, plain_data, snapshot, tensor_args,
 )  # fmt: skip
 from chunkstar.runtime.chunk_manager import ChunkManager
+from chunkstar.runtime.reads import ReadState
 
 __all__ = ["ParamAccess", "GATHER_HINT"]
 
@@ -89,28 +90,17 @@ class AccessHost(Protocol):
 class ReadTargets(Protocol):
     """What a read inside a model pass needs of the hook targets (runtime/hook_targets.py)."""
 
-    absorb_writes: Callable[[list[int]], None]
-
-    def note_alias(self, index: int, alias: torch.Tensor) -> None: ...
-    def hold_loose(self, indices: list[int], prior: dict[int, TensorState]) -> None: ...
-    def flush_loose(self) -> None: ...
     def running_module(self) -> int | None: ...
     def attach_to_running_module(self, indices: list[int], what: str) -> None: ...
     def access_outside_modules(self, label: str, indices: list[int], backward: bool = False) -> None: ...
     def release_outside_modules(self, indices: list[int], prior: dict[int, TensorState], building_graph: bool) -> None: ...
     def release_after_backward(self, indices: list[int]) -> None: ...
-    def forget_aliases(self) -> None: ...
     def check_writes(self, indices: Sequence[int], depth: int) -> bool: ...
 
 
 class ReadIteration(Protocol):
     """What a read needs of the iteration (runtime/iteration.py): whether a model pass runs,
-    and to open one from a read between steps; the access hands it back its reset and
-    whether a gathered_parameters() block is open."""
-
-    reset_reads: Callable[[], None]
-    reads_gathered: Callable[[], bool]
-    flush_reads: Callable[[], None]
+    and to open one from a read between steps."""
 
     def in_model_pass(self) -> bool: ...
     def begin_from_read(self) -> None: ...
@@ -119,23 +109,15 @@ class ReadIteration(Protocol):
 class ParamAccess:
     """The engine's handler for guarded parameter accesses (one per engine)."""
 
-    def __init__(self, engine: AccessHost, targets: ReadTargets, iteration: ReadIteration) -> None:
+    def __init__(self, engine: AccessHost, targets: ReadTargets, iteration: ReadIteration, reads: ReadState) -> None:
+        """``targets`` and ``iteration``: the parts a read during a model pass goes through,
+        built before this one; ``reads``: what reads leave behind (aliases, loose holds, the
+        gathered block, a state_dict()'s memo), which they settle too (runtime/reads.py)."""
         self.engine = engine
         self.mgr = engine.mgr
-        self._sd_depth = 0  # nesting of module.state_dict() calls in progress
-        self._sd_memo: dict[int, torch.Tensor] = {}  # slot index -> fp32 value handed out in this state_dict()
-        self._sd_masters: dict[int, torch.Tensor] | None = None  # gathered master chunks (several processes)
-        self._sd_chunk: tuple[int, torch.Tensor] | None = None  # the last master chunk staged from disk, a copy
-        self._gathered: set[int] = set()  # slot indices inside gathered_parameters()
-        # the parts a read during a model pass goes through, built before this one (the engine
-        # builds in dependency order: gradients, iteration, hook targets, then this); they get
-        # back what they call of it
         self._targets = targets
         self._iteration = iteration
-        targets.absorb_writes = self.absorb_writes
-        iteration.reset_reads = self.reset
-        iteration.flush_reads = targets.flush_loose
-        iteration.reads_gathered = self.gathered_active
+        self._reads = reads
 
     # ------------------------------------------------------------------ dispatch
     def param_index(self, p: torch.Tensor) -> int | None:
@@ -186,7 +168,7 @@ class ParamAccess:
         alias = plain_data(p)
         i = self.engine.param_index(p)
         if i is not None and self.mgr.cursor.stage is Stage.FWD:
-            self._targets.note_alias(i, alias)
+            self._reads.note_alias(i, alias)
         return alias
 
     def on_param_access(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -202,7 +184,7 @@ class ParamAccess:
         mutated = [t for t in mutated_tensors(func, args, kwargs) if id(t) in found]
         if mutated:
             return self._write_through(func, args, kwargs, indices, {id(t) for t in mutated})
-        if self._sd_depth > 0 and op_name(func) == "detach" and len(indices) == 1:
+        if self._reads.sd_depth > 0 and op_name(func) == "detach" and len(indices) == 1:
             return self.state_dict_value(next(iter(indices.values())))
         readable = all(self.mgr.states[i] in _READABLE for i in indices.values())
         it = self._iteration
@@ -291,7 +273,7 @@ class ParamAccess:
             targets.attach_to_running_module(indices, what=f"parameter {names}")
             out = plain(func, args, kwargs)
             if data and self.mgr.cursor.stage is Stage.FWD:
-                targets.note_alias(indices[0], out)  # Note [data aliases]: the module's end checks it
+                self._reads.note_alias(indices[0], out)  # Note [data aliases]: the module's end checks it
             return out
         label = f"parameter {names} outside modules"
         prior = {i: self.mgr.states[i] for i in indices}
@@ -302,8 +284,8 @@ class ParamAccess:
             # module boundary, which checks the alias and releases it
             out = plain(func, args, kwargs)
             if self.mgr.cursor.stage is Stage.FWD:
-                targets.note_alias(indices[0], out)
-            targets.hold_loose(indices, prior)
+                self._reads.note_alias(indices[0], out)
+            self._reads.hold_loose(indices, prior)
             return out
         building = torch.is_grad_enabled() and any(self._param(i).requires_grad for i in indices)
         if building:
@@ -404,33 +386,6 @@ class ParamAccess:
             return type(out)(back.get(id(o), o) if isinstance(o, torch.Tensor) else o for o in out)
         return out
 
-    def absorb_writes(self, indices: list[int]) -> None:
-        """The model wrote parameters ``indices`` in place during a forward (Note [writes in a
-        forward] in :mod:`chunkstar.runtime.hook_targets`): copy the elements that changed into
-        their fp32 masters. Only what changed, so a master keeps its precision elsewhere (in bf16
-        an unchanged element is exactly its master rounded). The chunks' clean host copies, if
-        any, are stale now."""
-        mgr = self.mgr
-        by_chunk: dict[int, list[int]] = {}
-        for i in indices:
-            by_chunk.setdefault(mgr.slots[i].chunk_id, []).append(i)
-        for cid, members in by_chunk.items():
-            chunk = mgr.chunks.chunk(ChunkList.PARAM, cid)
-            chunk.mark_dirty()
-            if mgr.chunks.frozen(cid) or not mgr.chunks.own(cid):
-                continue  # no master (the param slot is the value), or another rank's chunk
-            with torch.no_grad(), mgr.chunks.staged([(ChunkList.MASTER, cid)], write=True):
-                param = chunk.payload
-                for i in members:
-                    s = mgr.slots[i]
-                    if mgr.states[i] is TensorState.HOLD_AFTER_BWD:
-                        continue  # the slot holds a gradient
-                    master = mgr.chunks.slot_view(ChunkList.MASTER, s)
-                    value = param[s.offset : s.end].to(master.device)
-                    changed = value != master.to(value.dtype)
-                    if bool(changed.any()):
-                        master[changed] = value[changed].to(master.dtype)
-
     def absorb_value(self, index: int, value: torch.Tensor) -> None:
         """``p.data = value`` in a forward, parameter ``index`` in COMPUTE: the elements that
         differ from the slot go into the slot and, from ``value`` itself (exact, whatever its
@@ -509,7 +464,7 @@ class ParamAccess:
 
     # ------------------------------------------------------------------ gathered_parameters()
     def gathered_active(self) -> bool:
-        return bool(self._gathered)
+        return self._reads.gathered_active()
 
     @contextlib.contextmanager
     def gathered(self, indices: list[int], *, writeback: bool, device: torch.device) -> Iterator[list[nn.Parameter]]:
@@ -518,7 +473,7 @@ class ParamAccess:
         unguarded; on exit the values go back (``writeback``) and the views return."""
         eng = self.engine
         mgr = self.mgr
-        if self._gathered:
+        if self._reads.gathered:
             raise ChunkStateError("gathered_parameters() blocks cannot be nested")
         need = sum(mgr.slots[i].numel * 4 for i in indices)
         if device.type == "cuda" and device == eng.device:
@@ -539,7 +494,7 @@ class ParamAccess:
             value = masters[s.chunk_id][s.offset : s.end].to(device, copy=True).view(s.shape)
             mgr.set_guarded(i, False)
             p.data = value
-            self._gathered.add(i)
+            self._reads.gathered.add(i)
         try:
             yield params  # type: ignore[misc]
         finally:
@@ -565,53 +520,41 @@ class ParamAccess:
                 for i, p in zip(indices, params):
                     p.data = eng.param_view(i)
                     mgr.set_guarded(i, True)
-                self._gathered.clear()
+                self._reads.gathered.clear()
 
     # ------------------------------------------------------------------ module.state_dict()
     def begin_state_dict(self) -> None:
-        if self._sd_depth == 0:
+        if self._reads.sd_depth == 0:
             self.engine.check_thread("module.state_dict()")  # Note [the training thread] in optim/adam.py
-        self._sd_depth += 1
-        if self._sd_depth == 1:
-            self._sd_memo = {}
-            self._sd_masters = None  # gathered on first use (every rank runs the same state_dict() calls)
-            self._sd_chunk = None
+        self._reads.sd_depth += 1
+        if self._reads.sd_depth == 1:
+            self._reads.reset_state_dict()  # masters gathered on first use (every rank runs the same state_dict() calls)
 
     def end_state_dict(self) -> None:
-        self._sd_depth = max(0, self._sd_depth - 1)
-        if self._sd_depth == 0:
-            self._sd_memo = {}
-            self._sd_masters = None
-            self._sd_chunk = None
-
-    def reset(self) -> None:
-        self._targets.flush_loose()
-        self._targets.forget_aliases()
-        self._sd_depth = 0
-        self._sd_memo = {}
-        self._sd_masters = None
-        self._sd_chunk = None
+        self._reads.sd_depth = max(0, self._reads.sd_depth - 1)
+        if self._reads.sd_depth == 0:
+            self._reads.reset_state_dict()
 
     def state_dict_value(self, index: int) -> torch.Tensor:
         """Parameter ``index``'s fp32 master value as a CPU tensor of its own (one
         object per slot within a state_dict() call, so tied names share it)."""
-        got = self._sd_memo.get(index)
+        got = self._reads.sd_memo.get(index)
         if got is not None:
             return got
         mgr = self.mgr
         s = mgr.slots[index]
         if self.engine.comm.distributed:
-            if self._sd_masters is None:
-                self._sd_masters = self.engine.full_masters()
-            src = self._sd_masters[s.chunk_id][s.offset : s.end]
+            if self._reads.sd_masters is None:
+                self._reads.sd_masters = self.engine.full_masters()
+            src = self._reads.sd_masters[s.chunk_id][s.offset : s.end]
         elif mgr.chunks.on_disk(ChunkList.MASTER) and not mgr.chunks.frozen(s.chunk_id):
             # staged in once per chunk: state_dict() visits the parameters in about chunk order
-            if self._sd_chunk is None or self._sd_chunk[0] != s.chunk_id:
+            if self._reads.sd_chunk is None or self._reads.sd_chunk[0] != s.chunk_id:
                 with mgr.chunks.staged([(ChunkList.MASTER, s.chunk_id)], write=False):
-                    self._sd_chunk = (s.chunk_id, mgr.chunks.chunk(ChunkList.MASTER, s.chunk_id).payload.clone())
-            src = self._sd_chunk[1][s.offset : s.end]
+                    self._reads.sd_chunk = (s.chunk_id, mgr.chunks.chunk(ChunkList.MASTER, s.chunk_id).payload.clone())
+            src = self._reads.sd_chunk[1][s.offset : s.end]
         else:
             src = mgr.chunks.value_view(s)  # the master, or a frozen parameter's param slot
         value = src.detach().to("cpu", dtype=torch.float32, copy=True).view(s.shape)
-        self._sd_memo[index] = value
+        self._reads.sd_memo[index] = value
         return value

@@ -69,7 +69,7 @@ from chunkstar.device.virtual import env_switch, strict_device
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import DeviceMemoryError
 from chunkstar.events import EventBus, Stage, StageChanged
-from chunkstar.memory.budget import minimum_budget
+from chunkstar.memory.budget import Overrun, minimum_budget
 from chunkstar.memory.cursor import Cursor
 from chunkstar.memory.tracer import MemoryTrace, MomentRecord, ScheduleMode, TracePhase, check_phase_transition
 from chunkstar.runtime.chunk_manager import ChunkManager
@@ -87,7 +87,7 @@ _log = logging.getLogger("chunkstar")
 class Schedule:
     def __init__(
         self, mgr: ChunkManager, cursor: Cursor, comm: Comm, device: torch.device, events: EventBus,
-        on_freeze: Callable[[], None],
+        overrun: Overrun, on_freeze: Callable[[], None],
     ) -> None:  # fmt: skip
         self.mgr = mgr
         self.cursor = cursor  # the manager's, which reads it; written here only
@@ -119,12 +119,10 @@ class Schedule:
         # only (on the CPU every tensor is a host tensor: code between steps is not the device's)
         self._metered = device.type == "cpu" and (env_switch(METER_ENV) or strict_device())
         self._meter_evaluation = False  # the meter was taken for an evaluation between steps
-        # warm-up: a moment whose chunks do not fit is let through (the manager asks
-        # _let_through) and the chunk bytes it held at once kept, so the error at the end of the
+        # warm-up: a moment whose chunks do not fit is let through (the manager asks the
+        # overrun) and the chunk bytes it held at once kept, so the error at the end of the
         # iteration can name the smallest budget for all of it instead of raising at once
-        self._measuring = False
-        self._required_peak = 0
-        mgr.let_through = self._let_through
+        self._overrun = overrun
         self.went_over = False
         """A warm-up found its budget too small: it let moments go over it to measure the
         smallest that fits, then raised (the device held more than its budget meanwhile)."""
@@ -206,8 +204,8 @@ class Schedule:
         if self.phase is TracePhase.WARMUP:
             mgr.probe.acquire(_WARMUP)
             cur.trace.input_bytes = max(cur.trace.input_bytes, input_bytes)
-            self._measuring = True
-            self._required_peak = 0
+            self._overrun.measuring = True
+            self._overrun.required_peak = 0
         elif self.phase is TracePhase.UNSCHEDULED:
             mgr.probe.acquire(_UNSCHEDULED)  # no trace to read budgets from: measure live
         self._safe = self.phase is not TracePhase.FROZEN
@@ -222,7 +220,7 @@ class Schedule:
         covered = (self._seen_passes, len(self._seen_paths))  # passes, paths: what a minimum covers
         mgr.probe.release(_UNSCHEDULED)
         mgr.probe.release(_METER)
-        self._measuring = False
+        self._overrun.measuring = False
         if mgr.probe.held_by(_WARMUP):
             self._close_traced_moment(cur.moment)  # the last moment's own peak (Note [the last moment's peak])
             mgr.probe.release(_WARMUP)
@@ -278,7 +276,7 @@ class Schedule:
         mgr.probe.release(_UNSCHEDULED)
         mgr.probe.release(_METER)
         self._safe = False
-        self._measuring = False
+        self._overrun.measuring = False
         self._too_small = None
         self._pass_need = 0
         if self.phase is TracePhase.WARMUP:
@@ -389,13 +387,6 @@ class Schedule:
         self._update_mode()
 
     # ------------------------------------------------------------------ budget too small
-    def _let_through(self, required: int) -> bool:
-        """The manager found no room for a moment's chunks, ``required`` bytes of which it must
-        hold at once: during a warm-up pass, let it go over the budget and measure."""
-        if self._measuring:
-            self._required_peak = max(self._required_peak, required)
-        return self._measuring
-
     def _close_traced_moment(self, m: int) -> None:
         """Warm-up: moment ``m`` is over (a new moment began, or the iteration ended after
         it); its peak is known. A moment whose chunks and non-model peak exceed the device
@@ -423,8 +414,8 @@ class Schedule:
         if rec is None:
             return
         # the moment's chunks, or more when it went over the budget with others pinned beside them
-        chunks = max(self._moment_chunk_bytes(rec.chunks), self._required_peak) + scratch
-        self._required_peak = 0
+        chunks = max(self._moment_chunk_bytes(rec.chunks), self._overrun.required_peak) + scratch
+        self._overrun.required_peak = 0
         need = minimum_budget(chunks, rec.non_model_peak, mgr.slack)
         self._pass_need = max(self._pass_need, need)
         if chunks + rec.non_model_peak > mgr.capacity:
