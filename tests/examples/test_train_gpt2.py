@@ -21,12 +21,14 @@ from pathlib import Path
 
 import chunkstar_profiler
 
+from tests.examples import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "train_gpt2.py"
 
 
 def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(DEMO), *args], capture_output=True, text=True, timeout=600, cwd=cwd)
+    return subprocess.run([sys.executable, str(DEMO), *args], capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=cwd)
 
 
 def _row(out: str, label: str) -> str:
@@ -97,7 +99,7 @@ def test_quick_trains_with_eviction_and_its_comparison_run_works(tmp_path: Path)
     argv = shlex.split(rerun.group(1))
     assert argv[:2] == ["python", "examples/train_gpt2.py"] and "--quick" in argv, argv
     other = Path(argv[argv.index("--profile") + 1])
-    second = subprocess.run([sys.executable, *argv[1:], "--steps", "3"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    second = subprocess.run([sys.executable, *argv[1:], "--steps", "3"], capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=REPO)
     assert second.returncode == 0, second.stderr[-3000:]
     a, b = chunkstar_profiler.load(str(profile)), chunkstar_profiler.load(str(other))
     assert len(a.moves) > 0 and len(b.moves) > 0

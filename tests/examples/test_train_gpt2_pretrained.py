@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from transformers import GPT2LMHeadModel
 
+from tests.examples import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[2]
 # a model small enough to train in seconds, large enough that its chunks (not its activations) fill the budget
 SHAPE = ["--n-layer", "4", "--n-embd", "256", "--vocab", "2048"]
@@ -28,7 +30,7 @@ COMMON = ["--seq", "64", "--profile", ""]
 def _demo(tmp_path: Path, *args: str) -> str:
     proc = subprocess.run(
         [sys.executable, str(REPO / "examples" / "train_gpt2.py"), *COMMON, *args],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "summary" in proc.stdout, proc.stdout[-2000:]

@@ -11,12 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.examples import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "train_trainer.py"
 
 
 def _run(*argv: str, cwd: Path) -> str:
-    proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=600, cwd=cwd)
+    proc = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=HANG_GUARD_S, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
