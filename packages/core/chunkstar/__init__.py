@@ -73,7 +73,7 @@ def no_decay_param_groups(model: nn.Module) -> list[dict[str, Any]]:
 def initialize_engine(
     model_func: Callable[[], nn.Module],
     local_rank: int = 0,
-    config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
     param_groups_fn: ParamGroupsFn | None = None,
     *,
     pretrained: str | os.PathLike[str] | None = None,

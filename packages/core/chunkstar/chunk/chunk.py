@@ -61,6 +61,7 @@ from chunkstar.chunk.state import ChunkLocation, check_location_transition
 from chunkstar.device.copy_engine import CopyEngine, CopyEvent
 from chunkstar.device.memory import DeviceMemory, PendingFree, order_after
 from chunkstar.device.pinned import PinnedBuffers
+from chunkstar.device.tiers import host_device
 from chunkstar.events import Tier
 
 __all__ = ["Chunk"]
@@ -175,7 +176,7 @@ class Chunk:
             self._host_pinned = True
             return self._pinned.take(self.numel, self.dtype)
         self._host_pinned = False
-        return torch.empty(self.numel, dtype=self.dtype)
+        return torch.empty(self.numel, dtype=self.dtype, device=host_device(self.device))
 
     def allocate(self, tier: Tier) -> None:
         """First placement: zero-filled payload in ``tier``."""

@@ -73,6 +73,8 @@ class Chunks:
         self.layout = layout
         self.compute_dtype = compute_dtype
         """The param chunks' dtype (the state lists are fp32)."""
+        self.device = device
+        """The compute device the chunks' device payloads live on."""
         self._rank = rank
         # param chunks travel every step on a CUDA device: their host buffers are pinned, exactly
         # sized (device/pinned.py), from the start; state chunks start in plain memory and are

@@ -277,11 +277,16 @@ def _parse_device(value: object, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def parse_config(config: Mapping[str, Any] | str | os.PathLike[str], local_rank: int = 0) -> EngineConfig:
+def parse_config(config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str], local_rank: int = 0) -> EngineConfig:
     """Parse a DeepSpeed-style dict or JSON file path into an :class:`EngineConfig`.
 
     ``"device": "cuda"`` (or no device on a CUDA machine) means ``cuda:<local_rank>``.
+    An :class:`EngineConfig` is already parsed: it is returned as it is (how a config
+    for a device no dict names comes in: the meta device, Note [the meta device] in
+    :mod:`chunkstar.device.tiers`).
     """
+    if isinstance(config, EngineConfig):
+        return config
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
         if os.path.isdir(path):

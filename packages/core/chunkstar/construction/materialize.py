@@ -70,6 +70,7 @@ from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.store import Chunks, ChunkStore
 from chunkstar.construction.init import draw_base_seed, init_weights, meta_buffer_names, modules_for, rebuild_buffers
 from chunkstar.construction.pretrained import PretrainedError, PretrainedSource, match_names
+from chunkstar.device.tiers import holds_values
 
 __all__ = ["ConstructionReport", "fill_chunks", "origin_fingerprint"]
 
@@ -297,7 +298,8 @@ def fill_chunks(
                 source.read_into(buffer_keys[n], value.reshape(-1))
                 _set_buffer(model, n, value)
 
-    needs_init = report.meta_params > 0 and len(key_of) < len(params)
+    # on the meta device nothing has values to initialise (Note [the meta device] in device/tiers.py)
+    needs_init = report.meta_params > 0 and len(key_of) < len(params) and holds_values(store.chunks.device)
     job = _Fill(model, params, layout, store, allocate, key_of, source, needs_init)
     if store.chunks.on_disk(ChunkList.MASTER):
         _fill_in_waves(job, wave_bytes)

@@ -66,8 +66,9 @@ class LiveTensorTracker(TorchDispatchMode):
         # (compiled modules run eager while measured: Note [compiled units])
         return True
 
-    def __init__(self, memory: DeviceMemory | None = None) -> None:
+    def __init__(self, memory: DeviceMemory | None = None, device: torch.device = torch.device("cpu")) -> None:
         super().__init__()
+        self._device_type = device.type  # the tensors counted: the CPU virtual device's, or the meta device's
         self.live_bytes = 0
         self.peak_bytes = 0
         self._paused = 0
@@ -85,7 +86,7 @@ class LiveTensorTracker(TorchDispatchMode):
         # Hot path (every op): no pytree flattening; outputs are a tensor or a flat tuple/list.
         outs = (out,) if isinstance(out, torch.Tensor) else out if isinstance(out, (tuple, list)) else ()
         for t in outs:
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            if not isinstance(t, torch.Tensor) or t.device.type != self._device_type:
                 continue
             st = t.untyped_storage()
             key = st._cdata
@@ -178,8 +179,9 @@ class MemoryProbe:
 class CpuProbe(MemoryProbe):
     """Live-tensor tracking while held; reports 0 when nobody holds it."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         super().__init__()
+        self._device = device  # the CPU virtual device, or the meta device (Note [the meta device])
         self._tracker: LiveTensorTracker | None = None
         # trackers stopped inside a backward, still on the stack of the thread that ran it
         self._stale: list[LiveTensorTracker] = []
@@ -187,7 +189,7 @@ class CpuProbe(MemoryProbe):
     def _start(self) -> None:
         if self._stale:
             self.drop_stale()
-        self._tracker = LiveTensorTracker(self.memory)
+        self._tracker = LiveTensorTracker(self.memory, self._device)
         _push_mode(self._tracker)
         tracker = self._tracker
         if self.memory is not None:
@@ -315,4 +317,4 @@ def cuda_usable_bytes(device: torch.device) -> int:
 
 
 def make_probe(device: torch.device) -> MemoryProbe:
-    return CudaProbe(device) if device.type == "cuda" else CpuProbe()
+    return CudaProbe(device) if device.type == "cuda" else CpuProbe(device)

@@ -71,6 +71,7 @@ from chunkstar.chunk.store import ChunkStore
 from chunkstar.config import OptimizerConfig
 from chunkstar.config.hyperparams import ADAM_HYPERPARAMS, validate_param_group
 from chunkstar.device.copy_engine import CopyEvent, HostWorker, InlineWorker
+from chunkstar.device.tiers import host_device
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError
 from chunkstar.events import MoveReason, Tier
@@ -537,7 +538,7 @@ class ChunkAdam(torch.optim.Optimizer):
             # of the moments the memory probe measures (the fp32 copies it replaces were
             # temporaries of the step)
             with self._store.paused_probe():
-                buf = self._scratch_bufs[where] = torch.empty(need, dtype=torch.float32)
+                buf = self._scratch_bufs[where] = torch.empty(need, dtype=torch.float32, device=host_device(self._engine.device))
         return buf
 
     def _hyper(self) -> list[tuple[float, float, float, float, float]]:

@@ -333,8 +333,8 @@ class ChunkEngine:
             )
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.config.precision is Precision.FP32:
-            return contextlib.nullcontext()
+        if self.config.precision is Precision.FP32 or not torch.amp.is_autocast_available(self.device.type):
+            return contextlib.nullcontext()  # torch has no autocast for the meta device (Note [the meta device])
         return torch.autocast(self.device.type, dtype=self.config.precision.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:

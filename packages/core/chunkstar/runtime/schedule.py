@@ -116,8 +116,9 @@ class Schedule:
         self._seen_passes = 0
         self._seen_paths: set[int] = set()  # hashes of their sequences of moments
         # the CPU virtual device's meter measures every forward and backward, not the warm-up's
-        # only (on the CPU every tensor is a host tensor: code between steps is not the device's)
-        self._metered = device.type == "cpu" and (env_switch(METER_ENV) or strict_device())
+        # only (on the CPU every tensor is a host tensor: code between steps is not the device's);
+        # the meta device's always does, as CUDA's allocator always counts (Note [the meta device])
+        self._metered = device.type == "meta" or device.type == "cpu" and (env_switch(METER_ENV) or strict_device())
         self._meter_evaluation = False  # the meter was taken for an evaluation between steps
         # warm-up: a moment whose chunks do not fit is let through (the manager asks the
         # overrun) and the chunk bytes it held at once kept, so the error at the end of the

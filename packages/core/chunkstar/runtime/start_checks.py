@@ -42,7 +42,7 @@ class EngineParams(Protocol):
 
 def device_capacity_of(cfg: EngineConfig) -> int:
     """Bytes the engine plans with (:func:`chunkstar.memory.budget.device_capacity`)."""
-    usable = None if cfg.device.type == "cpu" else cuda_usable_bytes(cfg.device)
+    usable = cuda_usable_bytes(cfg.device) if cfg.device.type == "cuda" else None  # else the budget is the size
     return device_capacity(cfg.placement.budget, cfg.placement.slack, usable)
 
 
