@@ -39,10 +39,10 @@ def hf_masks_on_meta(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(masking_utils, "is_tracing", lambda t=None: traced(t) or (isinstance(t, torch.Tensor) and t.is_meta))
 
 
-def _train(name: str, device: str, steps: int = 3) -> list[dict[str, Any]]:
+def _train(name: str, device: str, steps: int = 3, **extra: Any) -> list[dict[str, Any]]:
     cfg = parse_config({
         "device": "cpu", "device_memory_budget": "2MB", "default_chunk_size": 40000, "bf16": {"enabled": True},
-        "overlap": False,
+        "overlap": False, **extra,
     })  # fmt: skip
     cfg = dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, device=torch.device(device)))
 
@@ -81,6 +81,13 @@ def test_a_meta_run_decides_as_a_real_one(name: str, hf_masks_on_meta: None) -> 
         assert {k: d[k] for k in _COUNTERS} == {k: r[k] for k in _COUNTERS}, step
     assert real[-1]["chunk_moves_to_device"] > 3 * len(real)  # the budget makes chunks move every step
     assert dry[-1]["device_peak_bytes"] == pytest.approx(real[-1]["device_peak_bytes"], rel=_PEAK_TOLERANCE[name])
+
+
+def test_a_clipped_step_moves_as_a_real_one(hf_masks_on_meta: None) -> None:
+    """Clipping needs the global norm of values the meta device does not have: the meta step
+    runs without it, and moves the same chunks as the real one."""
+    real, dry = _train("gpt2", "cpu", gradient_clipping=1.0), _train("gpt2", "meta", gradient_clipping=1.0)
+    assert [{k: d[k] for k in _COUNTERS} for d in dry] == [{k: r[k] for k in _COUNTERS} for r in real]
 
 
 def test_nothing_on_the_meta_engine_has_bytes(hf_masks_on_meta: None) -> None:

@@ -71,7 +71,7 @@ from chunkstar.chunk.store import ChunkStore
 from chunkstar.config import OptimizerConfig
 from chunkstar.config.hyperparams import ADAM_HYPERPARAMS, validate_param_group
 from chunkstar.device.copy_engine import CopyEvent, HostWorker, InlineWorker
-from chunkstar.device.tiers import host_device
+from chunkstar.device.tiers import holds_values, host_device
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError
 from chunkstar.events import MoveReason, Tier
@@ -353,7 +353,10 @@ class ChunkAdam(torch.optim.Optimizer):
         self.last_grad_norm = None
         clip = self._config.gradient_clipping
         factor: float | None = None  # what the gradients are multiplied by; None: nothing
-        if self._pipeline.needs_norm():
+        # on the meta device there are no values to take a norm of: the step runs without it, as
+        # one that needs none (clipping and loss scaling change values, never what moves: Note
+        # [the meta device] in device/tiers.py)
+        if self._pipeline.needs_norm() and holds_values(eng.device):
             total = self._global_norm(grad_slots)  # 0-dim fp32, CPU
             total_f = float(total)
             if not math.isfinite(total_f):  # fp16 overflow, or a non-finite loss or gradient
