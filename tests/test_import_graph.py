@@ -75,6 +75,7 @@ CORE_FLOORS = [
     {"optim"},
     {"checkpoint", "hooks", "construction"},
     {"runtime", "cli"},
+    {"dryrun"},
     {"__init__"},
     {"integrations"},
 ]

@@ -9,6 +9,8 @@ furthest-next-use policy decide (see docs/design.md). The public surface::
     engine.backward(loss)
     optimizer.step(); optimizer.zero_grad()
     engine.stats()
+
+    report = chunkstar.dry_run(model_func, config, inputs, world_size=8, hardware="a100x8_1tb")
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from chunkstar.config import EngineConfig, parse_bytes, parse_config
 from chunkstar.config.hyperparams import validate_param_group
 from chunkstar.construction import PretrainedError, init_weights
 from chunkstar.construction.pretrained import PretrainedSource
+from chunkstar.dryrun import DryRunReport, Hardware, dry_run
 from chunkstar.distributed.comm import DistributedError
 from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError
 from chunkstar.events import EventBus, Stage, Tier
@@ -37,11 +40,14 @@ __all__ = [
     "ConfigError",
     "DeviceMemoryError",
     "DistributedError",
+    "DryRunReport",
     "EngineConfig",
     "EventBus",
+    "Hardware",
     "Stage",
     "PretrainedError",
     "Tier",
+    "dry_run",
     "init_weights",
     "initialize_engine",
     "no_decay_param_groups",

@@ -33,6 +33,7 @@ class ChunkCounters:
         self.device_chunk_bytes_peak = 0
         self.host_chunk_bytes = 0
         """Host buffers allocated for chunks (a clean copy kept beside a device payload counts)."""
+        self.host_chunk_bytes_peak = 0
         self.moves_to_device = 0
         self.moves_to_host = 0
         self.bytes_to_device = 0
@@ -133,3 +134,5 @@ class ChunkCounters:
                 self.device_chunk_bytes_peak = self.device_chunk_bytes
         elif tier is Tier.HOST:
             self.host_chunk_bytes += nbytes
+            if self.host_chunk_bytes > self.host_chunk_bytes_peak:
+                self.host_chunk_bytes_peak = self.host_chunk_bytes

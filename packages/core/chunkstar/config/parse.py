@@ -261,7 +261,11 @@ def _static_scale(value: object, key: str) -> float:
     return v
 
 
-def _parse_device(value: object, local_rank: int) -> torch.device:
+def _parse_device(value: object, local_rank: int, target_memory: int | None) -> torch.device:
+    if target_memory is not None:  # a device that is not here (a dry run): its kind, on meta
+        if value is not None and (not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", value)):
+            raise ConfigError("device", f"got {value!r}; allowed: {_TOP_KEYS['device']}")
+        return torch.device("cpu" if value == "cpu" else "cuda")
     if value is None:
         return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", value):
@@ -277,13 +281,21 @@ def _parse_device(value: object, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def parse_config(config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str], local_rank: int = 0) -> EngineConfig:
+def parse_config(
+    config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str], local_rank: int = 0, *, target_memory: int | None = None
+) -> EngineConfig:
     """Parse a DeepSpeed-style dict or JSON file path into an :class:`EngineConfig`.
 
     ``"device": "cuda"`` (or no device on a CUDA machine) means ``cuda:<local_rank>``.
     An :class:`EngineConfig` is already parsed: it is returned as it is (how a config
     for a device no dict names comes in: the meta device, Note [the meta device] in
     :mod:`chunkstar.device.tiers`).
+
+    ``target_memory``: the config is for a device that is not here, of that many usable
+    bytes (the dry run, :mod:`chunkstar.dryrun`): nothing asks torch about it, no device
+    or no ``"cuda"`` means a GPU (the budget, when none is given, is all of
+    ``target_memory``), ``"cpu"`` the CPU virtual device, and the parsed config runs on
+    the meta device.
     """
     if isinstance(config, EngineConfig):
         return config
@@ -315,10 +327,15 @@ def parse_config(config: EngineConfig | Mapping[str, Any] | str | os.PathLike[st
         raise ConfigError("bf16.enabled", "bf16 and fp16 cannot both be enabled; pick one (neither means fp32)")
     precision = Precision.BF16 if bf16_on else Precision.FP16 if fp16_on else Precision.FP32
 
-    device = _parse_device(cfg.get("device"), local_rank)
-    device_limit = _device_memory_bytes(device)  # Note [sizes the machine could hold]
+    device = _parse_device(cfg.get("device"), local_rank, target_memory)
+    if target_memory is None:
+        device_limit = _device_memory_bytes(device)  # Note [sizes the machine could hold]
+    else:
+        device_limit = (target_memory, f"the target device's memory ({_fmt_size(target_memory)})")
     budget_raw = cfg.get("device_memory_budget")
     budget = None if budget_raw is None else _at_most(parse_bytes(budget_raw), device_limit, "device_memory_budget", budget_raw)
+    if target_memory is not None and device.type == "cuda" and budget is None:
+        budget = target_memory
     if device.type == "cpu" and budget is None:
         raise ConfigError(
             "device_memory_budget",
@@ -378,6 +395,8 @@ def parse_config(config: EngineConfig | Mapping[str, Any] | str | os.PathLike[st
         raise ConfigError("eviction_policy", f"got {policy_raw!r}; allowed: {_TOP_KEYS['eviction_policy']}") from None
 
     disk = _parse_disk(cfg.get("disk"))
+    if target_memory is not None:
+        device = torch.device("meta")  # every decision as on the target, no byte anywhere (Note [the meta device])
     placement = PlacementConfig(
         device=device, budget=budget, slack=slack, chunk_size=chunk_size, eviction_policy=policy,
         overlap=_boolean(cfg.get("overlap", _default(PlacementConfig, "overlap")), "overlap"), link_bandwidth=bandwidth,

@@ -70,7 +70,7 @@ from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.store import Chunks, ChunkStore
 from chunkstar.construction.init import draw_base_seed, init_weights, meta_buffer_names, modules_for, rebuild_buffers
 from chunkstar.construction.pretrained import PretrainedError, PretrainedSource, match_names
-from chunkstar.device.tiers import holds_values
+from chunkstar.device.tiers import holds_values, host_device
 
 __all__ = ["ConstructionReport", "fill_chunks", "origin_fingerprint"]
 
@@ -352,7 +352,7 @@ def _fill_at_once(job: _Fill) -> None:
     # chunk by chunk: allocate the chunks this rank owns, then point each parameter at its
     # value's place; a real parameter's own storage is freed as it goes, so host memory
     # holds the model's tensors or their chunks, not both
-    scratch = _scratch([s for s in slots if not chunks.own(s.chunk_id)])
+    scratch = _scratch([s for s in slots if not chunks.own(s.chunk_id)], host_device(chunks.device))
     real: list[int] = []  # slot indices of parameters that came with values
     for cid in range(layout.n_chunks):
         allocate(cid)
@@ -384,9 +384,10 @@ def _fill_at_once(job: _Fill) -> None:
         _cast_params(chunks, range(layout.n_chunks))
 
 
-def _scratch(slots: list[TensorSlot]) -> torch.Tensor:
-    """One fp32 buffer every parameter without a place of its own views (aliased: written, never read)."""
-    return torch.empty(max((s.numel for s in slots), default=0), dtype=torch.float32)
+def _scratch(slots: list[TensorSlot], device: torch.device) -> torch.Tensor:
+    """One fp32 buffer every parameter without a place of its own views (aliased: written, never
+    read), on the host tier (the meta device's is meta: Note [the meta device])."""
+    return torch.empty(max((s.numel for s in slots), default=0), dtype=torch.float32, device=device)
 
 
 def _fill_in_waves(job: _Fill, wave_bytes: int) -> None:
@@ -444,7 +445,7 @@ def _fill_in_waves(job: _Fill, wave_bytes: int) -> None:
                         if id(q) not in seen:
                             seen.add(id(q))
                             touched.append(slot_of[id(q)])
-        scratch = _scratch([s for s in touched if s.chunk_id not in members])  # written, never read
+        scratch = _scratch([s for s in touched if s.chunk_id not in members], host_device(chunks.device))  # written, never read
         with chunks.staged([(ChunkList.MASTER, c) for c in wave if not chunks.frozen(c)], write=True), torch.no_grad():
             placed = [*(s for s in slots if s.chunk_id in members), *(s for s in touched if s.chunk_id not in members)]
             for s in placed:

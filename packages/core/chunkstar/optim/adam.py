@@ -124,8 +124,10 @@ _HOST_BATCH_ELEMENTS = 1 << 20  # on the CPU: a batch's gradient copies, masters
 
 
 def _batch_elements(device: torch.device) -> int:
-    """Gradient elements per batch of fused calls for tensors on ``device``."""
-    return _HOST_BATCH_ELEMENTS if device.type == "cpu" else _BATCH_ELEMENTS
+    """Gradient elements per batch of fused calls for tensors on ``device``. The meta device
+    batches as the host does: both of its tiers are meta (Note [the meta device]), and a
+    host update's batches fill the host scratch (:meth:`ChunkAdam._scratch`), sized so."""
+    return _HOST_BATCH_ELEMENTS if device.type in ("cpu", "meta") else _BATCH_ELEMENTS
 
 
 def global_grad_norm(norms: list[torch.Tensor], comm: Comm, device: torch.device) -> torch.Tensor:

@@ -89,9 +89,10 @@ class ChunkEngine:
         *,
         model_func: Callable[[], nn.Module] | None = None,
         pretrained: str | os.PathLike[str] | None = None,
+        comm: Comm | None = None,
     ) -> None:
         try:
-            self._build(model, cfg, model_func=model_func, pretrained=pretrained)
+            self._build(model, cfg, model_func=model_func, pretrained=pretrained, comm=comm)
         except BaseException:
             mgr: ChunkManager | None = self.__dict__.get("mgr")
             disk = mgr.chunks.disk if mgr is not None else None
@@ -106,6 +107,7 @@ class ChunkEngine:
         *,
         model_func: Callable[[], nn.Module] | None,
         pretrained: str | os.PathLike[str] | None,
+        comm: Comm | None,
     ) -> None:
         self.module = model
         self.config = cfg
@@ -122,7 +124,8 @@ class ChunkEngine:
             raise ValueError("the model has no parameters: there is nothing for chunkstar to manage")
         self._params: list[nn.Parameter] = [p for _, p in named]
         self._index: dict[int, int] = {id(p): i for i, p in enumerate(self._params)}
-        self.comm = Comm.from_environment()
+        # the process group (a dry run passes ranks it simulates: chunkstar/dryrun/comm.py)
+        self.comm = comm if comm is not None else Comm.from_environment()
         world = self.comm.world_size
         numels = [p.numel() for p in self._params]
         # frozen parameters get chunks of their own with no optimizer state (Note [frozen chunks])
@@ -627,6 +630,7 @@ class ChunkEngine:
             "clean_evictions": counters.clean_evictions,
             "model_data_bytes": mgr.chunks.model_data_bytes(),
             "master_and_adam_bytes": mgr.chunks.state_bytes(),
+            "host_chunk_bytes_peak": counters.host_chunk_bytes_peak,  # this rank's chunk buffers on the host
             "world_size": self.comm.world_size,
             "rank": self.comm.rank,
             "all_gathers": mgr.gathers.gathers,
@@ -641,6 +645,7 @@ class ChunkEngine:
             "chunk_size": self.chunk_size,
             "device_adam_chunks": len(self.device_adam_chunks),
             "warmup_non_model_peak_bytes": self.schedule.warmup_non_model_peak,  # the largest so far
+            "minimum_budget_bytes": self.schedule.minimum_budget,  # the least device_memory_budget that held the warm-up
             "moments_per_micro_step": mgr.cursor.trace.n_moments,
             "micro_steps": self.micro_step,
             # optimizer.step() calls, and those skipped for a non-finite gradient norm (fp16 overflow,

@@ -327,6 +327,13 @@ class Schedule:
             self.diverge(f"{why}, which the trace did not see")
 
     @property
+    def minimum_budget(self) -> int:
+        """The smallest ``device_memory_budget`` that holds every moment the completed warm-up
+        passes measured (their chunks, scratch and non-model peak): the figure a
+        :class:`DeviceMemoryError` names as its minimum, also for a run that fits."""
+        return self._seen_need
+
+    @property
     def warmup_non_model_peak(self) -> int:
         """The largest non-model peak the warm-up has measured so far: over its completed
         passes, re-traces included, and the trace now read. It can still grow until the

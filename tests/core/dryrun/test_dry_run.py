@@ -1,0 +1,151 @@
+"""The dry run against real runs (issue 26, 'Checked against what is real', 1).
+
+A dry run on the meta device must decide exactly as the real engine does: on the
+CPU device, for GPT-2, Llama and T5 at two budgets each, its chunk moves and bytes
+after every step equal a real run's ``engine.stats()``, and its device peak is
+within 5% of the real run's measured ``device_peak_bytes``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
+
+import chunkstar
+from chunkstar.errors import ConfigError
+
+_COUNTERS = ("chunk_moves_to_device", "chunk_moves_to_host", "bytes_to_device", "bytes_to_host", "moves_by_reason",
+             "clean_evictions", "n_chunks", "chunk_size", "moments_per_micro_step", "device_adam_chunks")  # fmt: skip
+
+_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=3, n_head=4, n_positions=64)),
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )),
+    "t5": lambda: T5ForConditionalGeneration(T5Config(
+        vocab_size=512, d_model=64, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=16, decoder_start_token_id=0, pad_token_id=0,
+    )),
+}  # fmt: skip
+
+# two budgets per model: a tight one (chunks move every step) and a roomier one
+_BUDGETS = {"gpt2": ("1700KB", "3MB"), "llama": ("1250KB", "3MB"), "t5": ("1500KB", "3MB")}
+
+
+def _config(budget: str) -> dict[str, Any]:
+    return {"device": "cpu", "device_memory_budget": budget, "default_chunk_size": 40000, "bf16": {"enabled": True}, "overlap": False}
+
+
+def _inputs(name: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (2, 32), generator=g)
+    if name == "t5":
+        return {"input_ids": ids, "labels": torch.randint(0, 512, (2, 16), generator=g)}
+    return {"input_ids": ids, "labels": ids}
+
+
+def _real(name: str, budget: str, steps: int) -> list[dict[str, Any]]:
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return _MODELS[name]()
+
+    engine, opt = chunkstar.initialize_engine(build, config=_config(budget))
+    out = []
+    try:
+        for _ in range(steps):
+            engine.backward(engine(**_inputs(name)).loss)
+            opt.step()
+            opt.zero_grad()
+            out.append(dict(engine.stats()))
+    finally:
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(_MODELS))
+@pytest.mark.parametrize("which", [0, 1])
+def test_the_dry_run_decides_as_a_real_run(name: str, which: int) -> None:
+    budget = _BUDGETS[name][which]
+    real = _real(name, budget, 3)
+    report = chunkstar.dry_run(_MODELS[name], _config(budget), _inputs(name), steps=3)
+    assert report.fits and report.target == "cpu"
+    dry = report.ranks[0].steps
+    assert len(dry) == len(real)
+    for step, (r, d) in enumerate(zip(real, dry)):
+        assert {k: d[k] for k in _COUNTERS} == {k: r[k] for k in _COUNTERS}, (name, budget, step)
+    if which == 0:
+        assert real[-1]["chunk_moves_to_device"] > 3 * len(real)  # the tight budget makes chunks move every step
+    assert dry[-1]["device_peak_bytes"] == pytest.approx(real[-1]["device_peak_bytes"], rel=0.05)
+    # what a real run's minimum would say, and the report's
+    assert report.minimum_budget == real[-1]["minimum_budget_bytes"]
+    assert report.minimum_budget <= chunkstar.parse_bytes(budget)
+
+
+def test_a_budget_too_small_is_a_verdict_with_the_minimum() -> None:
+    real_minimum = _real("gpt2", "2MB", 3)[-1]["minimum_budget_bytes"]
+    report = chunkstar.dry_run(_MODELS["gpt2"], _config("600KB"), _inputs("gpt2"))
+    assert not report.fits
+    rank = report.ranks[0]
+    assert "device_memory_budget" in rank.error and rank.steps == []
+    # the warm-up's first pass: it covers what that pass measured, as a real run's error does
+    assert 0 < report.minimum_budget <= real_minimum
+    with pytest.raises(chunkstar.DeviceMemoryError) as err:
+        _real("gpt2", "600KB", 1)
+    assert err.value.minimum == report.minimum_budget
+
+
+def test_the_record_adds_up() -> None:
+    report = chunkstar.dry_run(_MODELS["gpt2"], _config("1700KB"), _inputs("gpt2"), steps=3)
+    rank = report.ranks[0]
+    rec = rank.record
+    assert rec is not None and rec.moments and rec.flops > 0
+    # the last step's moves, moment by moment, are the counters' growth over it
+    grown = rank.steps[-1]["bytes_to_device"] - rank.steps[-2]["bytes_to_device"]
+    assert rec.moved("host", "device") == grown
+    assert {m.stage for m in rec.moments} == {"fwd", "bwd"}
+    # a 3-layer GPT-2's matrix products: 2 * 3 (fwd + bwd) * tokens * weights, within the attention's share
+    tokens, weights = 2 * 32, 3 * 12 * 64 * 64 + 512 * 64
+    assert 6 * tokens * weights <= rec.flops <= 1.5 * 6 * tokens * weights
+    assert rec.host_adam_params + rec.device_adam_params == sum(rank.stats["chunk_size"] for _ in range(rank.stats["n_chunks"]))
+
+
+def test_nothing_gets_bytes() -> None:
+    """A model far larger than this machine: 8 ranks of a 1.3B-parameter GPT-2 in a few seconds,
+    and the process never holds its weights."""
+    import resource
+
+    def big() -> torch.nn.Module:
+        return GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_embd=2048, n_layer=24, n_head=16, n_positions=256))
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ids = torch.zeros(1, 256, dtype=torch.long)
+    report = chunkstar.dry_run(big, {"bf16": {"enabled": True}}, {"input_ids": ids, "labels": ids}, world_size=8,
+                               hardware="a100x8_1tb", ranks=[0, 7], steps=3)  # fmt: skip
+    assert report.fits and [r.rank for r in report.ranks] == [0, 7]
+    assert report.ranks[0].stats["n_params"] > 1.2e9
+    assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 < 1 << 30  # not 2.6 GB of bf16
+    assert report.prediction is not None and report.prediction.seconds > 0
+
+
+def test_bad_input_is_refused_clearly() -> None:
+    with pytest.raises(ConfigError, match="hardware="):
+        chunkstar.dry_run(_MODELS["gpt2"], {"bf16": {"enabled": True}}, _inputs("gpt2"))
+    with pytest.raises(ValueError, match="unknown hardware"):
+        chunkstar.dry_run(_MODELS["gpt2"], {}, _inputs("gpt2"), hardware="a100")
+    with pytest.raises(ValueError, match="world_size"):
+        chunkstar.dry_run(_MODELS["gpt2"], _config("2MB"), _inputs("gpt2"), world_size=0)
+    with pytest.raises(ValueError, match="ranks"):
+        chunkstar.dry_run(_MODELS["gpt2"], _config("2MB"), _inputs("gpt2"), world_size=2, ranks=[2])
+    with pytest.raises(TypeError, match="loss"):
+        chunkstar.dry_run(_MODELS["gpt2"], _config("2MB"), {"input_ids": _inputs("gpt2")["input_ids"]})
+
+
+def test_a_model_reading_values_is_named() -> None:
+    """A mask of all ones makes Hugging Face's mask code read it (to skip it): no value on meta."""
+    inputs = {**_inputs("llama"), "attention_mask": torch.ones(2, 32, dtype=torch.long)}
+    with pytest.raises(chunkstar.dryrun.DryRunError, match="attention_mask of all ones") as err:
+        chunkstar.dry_run(_MODELS["llama"], _config("3MB"), inputs)
+    assert "meta" in str(err.value.__cause__)
