@@ -76,3 +76,17 @@ def test_frozen_streams_keep_whole_groups_on_several_ranks() -> None:
         group = list(lay.group(g))
         assert len({lay.is_frozen(c) for c in group}) == 1  # a group is all frozen or all trainable
         assert len({lay.chunk_sizes[c] for c in group}) == 1  # and of one size (collectives)
+
+
+def test_auto_chunks_keep_groups_small_on_many_ranks() -> None:
+    """A module gathers whole groups (world_size chunks): "auto" keeps 16-256 groups, not 16-256
+    chunks. The paper's 68B GPT on 8 ranks got chunks of a billion elements (16 GB groups) and
+    did not fit an 80 GB device; the dry run found it (issue 26)."""
+    h, layers, vocab = 9216, 66, 50257
+    block = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h]
+    numels = [vocab * h, 1024 * h, *block * layers, h, h]
+    total = sum(numels)
+    for world in (1, 8):
+        size = search_chunk_size(numels, world_size=world)
+        assert total / (256 * world) - 64 <= size <= total / (16 * world) + 64
+        assert world * size <= total / 16 + 64 * world  # a group is at most 1/16 of the model

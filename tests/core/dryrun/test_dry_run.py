@@ -144,8 +144,31 @@ def test_bad_input_is_refused_clearly() -> None:
 
 
 def test_a_model_reading_values_is_named() -> None:
-    """A mask of all ones makes Hugging Face's mask code read it (to skip it): no value on meta."""
-    inputs = {**_inputs("llama"), "attention_mask": torch.ones(2, 32, dtype=torch.long)}
-    with pytest.raises(chunkstar.dryrun.DryRunError, match="attention_mask of all ones") as err:
-        chunkstar.dry_run(_MODELS["llama"], _config("3MB"), inputs)
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            return y.sum() if bool((y > 0).any()) else y.mean()  # steered by a value
+
+    with pytest.raises(chunkstar.dryrun.DryRunError, match="read the value of a tensor") as err:
+        chunkstar.dry_run(Branchy, {**_config("3MB"), "default_chunk_size": 4160}, torch.zeros(4, 64))
     assert "meta" in str(err.value.__cause__)
+
+
+def test_full_rows_are_what_a_mask_says_and_checkpointing_works() -> None:
+    """An all-ones mask and Hugging Face's packed-sequence check (which gradient checkpointing
+    reaches) read values: a dry run takes them as full rows, as a real run of such a batch finds."""
+    def checkpointed() -> torch.nn.Module:
+        m = _MODELS["llama"]()
+        m.gradient_checkpointing_enable()
+        return m
+
+    inputs = {**_inputs("llama"), "attention_mask": torch.ones(2, 32, dtype=torch.long)}
+    real = _real("llama", "3MB", 3)
+    report = chunkstar.dry_run(_MODELS["llama"], _config("3MB"), inputs)
+    assert {k: report.ranks[0].stats[k] for k in _COUNTERS} == {k: real[-1][k] for k in _COUNTERS}
+    lean = chunkstar.dry_run(checkpointed, _config("3MB"), _inputs("llama"))
+    assert lean.fits and lean.minimum_budget < report.minimum_budget  # recomputed blocks keep fewer activations

@@ -156,12 +156,16 @@ def search_chunk_size(
     frozen: Sequence[bool] | None = None,
     max_size: int | None = None,
 ) -> int:
-    """The chunk size (elements) that wastes least, between total/256 and total/16
-    (and at most ``max_size``: the disk tier stages whole chunks through a bounded buffer).
+    """The chunk size (elements) that wastes least, between total/(256 x world_size) and
+    total/(16 x world_size) (and at most ``max_size``: the disk tier stages whole chunks
+    through a bounded buffer).
 
-    The bounds keep 16-256 chunks (plus the chunks of parameters bigger than
-    the size), so a budget can be met at a useful granularity and a module's
-    working set is a few chunks, not the whole model. ``candidates`` sizes,
+    The bounds keep 16-256 chunks per rank, that is 16-256 groups (plus the chunks of
+    parameters bigger than the size), so a budget can be met at a useful granularity and
+    a module's working set is a few groups, not the whole model: with several ranks a
+    module gathers its chunks' whole groups, ``world_size`` chunks each. (Bounded by
+    chunks alone, a 68B model on 8 ranks got chunks of a billion elements, groups of
+    16 GB, and a warm-up moment that needed more than an 80 GB device: the dry run found it.) ``candidates`` sizes,
     multiples of ``align``, are tried by packing the parameters in order;
     ties go to the larger size (fewer chunks, fewer moves). With several
     ranks, the padding that rounds the count up to whole groups and evens out
@@ -171,8 +175,8 @@ def search_chunk_size(
     total = sum(numels)
     if total == 0:
         return align
-    lo = max(align, total // 256 // align * align)
-    hi = max(lo, math.ceil(total / 16 / align) * align)
+    lo = max(align, total // (256 * world_size) // align * align)
+    hi = max(lo, math.ceil(total / (16 * world_size) / align) * align)
     if max_size is not None:
         hi = min(hi, max(align, max_size // align * align))
         lo = min(lo, hi)

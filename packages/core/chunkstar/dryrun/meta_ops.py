@@ -18,30 +18,33 @@ formula saves, so activations are measured as on a real device. Two places diffe
   softmax and the norms): a loss over bf16 logits saves fp32 copies of them, which at
   a 50k vocabulary is the largest tensor of the step. Torch has no autocast for the
   meta device, so :func:`autocast_like` casts the inputs of those ops to fp32 above
-  autograd, as autocast does, and autograd saves what it would save. It covers the
-  ops of torch's fp32 lists that hold activations (the losses; softmax, log-softmax,
+  autograd (wrapping the functions while it is entered), as autocast does, and those of the matrix products to the autocast dtype,
+  and autograd saves what it would save. It covers the ops of torch's lists that hold
+  activations (the matrix products and attention; the losses; softmax, log-softmax,
   layer and group norm on CUDA), not the pointwise ones whose outputs are temporaries.
 * Code that reads a value (``.item()``, ``bool(t)``, ``if mask.all():``) cannot run
-  on the meta device: there is no value to read. Nothing here guesses one (a guess
-  changes the path the model takes, and with it the memory: Hugging Face's mask
-  code, told a meta mask is "traced", builds the full mask a real run skips). Such
-  a read stops the dry run with an error that names it; the common cause, an
-  all-ones ``attention_mask``, is best left out of the inputs (the real run skips
-  it too).
+  on the meta device: there is no value to read, and nothing here guesses one in
+  general (a guess changes the path the model takes, and with it the memory). Two
+  reads are answered, in Hugging Face's mask code, with what a real pre-training
+  batch gives: a meta padding mask counts as all ones (no padding: the causal mask
+  is skipped for the fused kernel's own, as a real run skips it), and meta position
+  ids as one sequence per row (not packed). A dry run is for batches of full rows;
+  a batch whose padding shapes the run needs a real one. Any other read stops the
+  dry run with an error that names it.
 
-:func:`meta_kernels` reroutes the attention for as long as it is entered, and only on
-meta tensors: a real tensor takes torch's own path.
+:func:`meta_kernels` applies both for as long as it is entered, and only to meta
+tensors: a real tensor takes torch's and Hugging Face's own paths.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 __all__ = ["autocast_like", "meta_kernels", "value_read"]
 
@@ -80,11 +83,40 @@ def _fused_attention(original: Callable[..., torch.Tensor]) -> Callable[..., tor
     return sdpa
 
 
+def _all_ones_if_meta(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def fast_all(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            return True  # a meta padding mask: no padding (Note [meta kernels])
+        return original(tensor, *args, **kwargs)
+
+    return fast_all
+
+
+def _unpacked_if_meta(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def find_packed_sequence_indices(position_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(position_ids, torch.Tensor) and position_ids.is_meta:
+            return None  # one sequence per row (Note [meta kernels])
+        return original(position_ids, *args, **kwargs)
+
+    return find_packed_sequence_indices
+
+
 @contextlib.contextmanager
 def meta_kernels() -> Iterator[None]:
-    """Within: attention on meta tensors takes the fused kernel (Note [meta kernels]). Not
-    thread-safe against other code patching the same name."""
+    """Within: attention on meta tensors takes the fused kernel, and Hugging Face's mask code
+    takes meta masks as full rows (Note [meta kernels]). Not thread-safe against other code
+    patching the same names."""
     patches: list[tuple[Any, str, Any]] = [(F, "scaled_dot_product_attention", _fused_attention(F.scaled_dot_product_attention))]
+    try:
+        masking = importlib.import_module("transformers.masking_utils")
+    except ImportError:  # no transformers, or one without this module: nothing of it to answer for
+        masking = None
+    if masking is not None:
+        for name, wrap in (("fast_all", _all_ones_if_meta), ("find_packed_sequence_indices", _unpacked_if_meta)):
+            if callable(getattr(masking, name, None)):
+                patches.append((masking, name, wrap(getattr(masking, name))))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, new in patches:
@@ -105,43 +137,63 @@ def value_read(err: BaseException) -> bool:
     )
 
 
-_FP32_LOSSES: frozenset[Callable[..., Any]] = frozenset({
-    F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.kl_div,
-    F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.poisson_nll_loss, F.cosine_embedding_loss,
-    F.margin_ranking_loss, F.soft_margin_loss, F.multilabel_margin_loss, F.hinge_embedding_loss,
-    F.triplet_margin_loss, F.multi_margin_loss,
-})  # fmt: skip
+_FP32_LOSSES = tuple((F, n) for n in (
+    "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "poisson_nll_loss", "cosine_embedding_loss", "margin_ranking_loss",
+    "soft_margin_loss", "multilabel_margin_loss", "hinge_embedding_loss", "triplet_margin_loss", "multi_margin_loss",
+))  # fmt: skip
 """In torch's fp32 autocast lists on the CPU and on CUDA alike."""
-_FP32_ON_CUDA: frozenset[Callable[..., Any]] = frozenset({
-    F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax,
-    F.layer_norm, F.group_norm,
-})  # fmt: skip
+_FP32_ON_CUDA = (
+    *((F, n) for n in ("softmax", "log_softmax", "layer_norm", "group_norm")),
+    *((torch, n) for n in ("softmax", "log_softmax")),
+    *((torch.Tensor, n) for n in ("softmax", "log_softmax")),
+)
 """In CUDA's fp32 autocast list only."""
+_LOWER = (
+    *((F, n) for n in ("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                       "prelu", "scaled_dot_product_attention")),
+    *((torch, n) for n in ("matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "einsum")),
+    *((torch.Tensor, n) for n in ("matmul", "__matmul__", "mm", "bmm", "addmm", "baddbmm")),
+)  # fmt: skip
+"""In torch's lower-precision autocast lists on the CPU and on CUDA (the matrix products)."""
 
 
-class _Autocast(TorchFunctionMode):
-    def __init__(self, ops: frozenset[Callable[..., Any]]) -> None:
-        super().__init__()
-        self.ops = ops
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in self.ops:
-            args = tuple(_fp32(a) for a in args)
-            kwargs = {k: _fp32(v) for k, v in kwargs.items()}
-        return func(*args, **kwargs)
-
-
-def _fp32(x: Any) -> Any:
-    if isinstance(x, torch.Tensor) and x.is_meta and x.dtype in (torch.bfloat16, torch.float16):
-        return x.float()
+def _cast(x: Any, wide: tuple[torch.dtype, ...], to: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_meta and x.dtype in wide:
+        return x.to(to)
+    if isinstance(x, (list, tuple)):  # einsum's operands, a list of tensors
+        return type(x)(_cast(v, wide, to) for v in x)
     return x
 
 
-def autocast_like(target: str, enabled: bool) -> contextlib.AbstractContextManager[Any]:
-    """Within: meta tensors go through the ops autocast runs in fp32 on ``target``
-    ("cuda" or "cpu") as they would under autocast (Note [meta kernels]); nothing when
-    not ``enabled`` (an fp32 run has no autocast)."""
-    if not enabled:
-        return contextlib.nullcontext()
-    return _Autocast(_FP32_LOSSES | _FP32_ON_CUDA if target == "cuda" else _FP32_LOSSES)
+def _casting(original: Callable[..., Any], wide: tuple[torch.dtype, ...], to: torch.dtype) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def cast_first(*args: Any, **kwargs: Any) -> Any:
+        return original(*[_cast(a, wide, to) for a in args], **{k: _cast(v, wide, to) for k, v in kwargs.items()})
+
+    return cast_first
+
+
+@contextlib.contextmanager
+def autocast_like(target: str, dtype: torch.dtype | None) -> Iterator[None]:
+    """Within: meta tensors go through the ops autocast casts on ``target`` ("cuda" or
+    "cpu") as they would under autocast to ``dtype`` (Note [meta kernels]); nothing when
+    ``dtype`` is None (an fp32 run has no autocast). The functions themselves are
+    wrapped, not a torch-function mode entered: a mode is thread-local and steps aside
+    inside ``Tensor.backward``, where a checkpointed block's recomputation runs, and that
+    recomputation must cast as its forward did (torch.utils.checkpoint restores autocast)."""
+    if dtype is None:
+        yield
+        return
+    low, wide = (torch.bfloat16, torch.float16), (torch.float32,)
+    fp32 = _FP32_LOSSES + (_FP32_ON_CUDA if target == "cuda" else ())
+    plan = [(o, n, _casting(getattr(o, n), low, torch.float32)) for o, n in fp32 if hasattr(o, n)]
+    plan += [(o, n, _casting(getattr(o, n), wide, dtype)) for o, n in _LOWER if hasattr(o, n)]
+    saved = [(o, n, getattr(o, n)) for o, n, _ in plan]
+    try:
+        for o, n, new in plan:
+            setattr(o, n, new)
+        yield
+    finally:
+        for o, n, old in reversed(saved):
+            setattr(o, n, old)

@@ -185,12 +185,24 @@ def _default_loss(out: Any) -> torch.Tensor:
 
 def _call(engine: ChunkEngine, inputs: Any, target: str) -> Any:
     # the forward as under the real run's autocast (the engine has none on meta: Note [meta kernels])
-    with autocast_like(target, engine.config.precision is not Precision.FP32):
+    with autocast_like(target, _autocast_dtype(engine)):
         if isinstance(inputs, Mapping):
             return engine(**inputs)
         if isinstance(inputs, (list, tuple)):
             return engine(*inputs)
         return engine(inputs)
+
+
+def _autocast_dtype(engine: ChunkEngine) -> torch.dtype | None:
+    precision = engine.config.precision
+    return None if precision is Precision.FP32 else precision.dtype
+
+
+def _backward(engine: ChunkEngine, loss: torch.Tensor, target: str) -> None:
+    # a checkpointed block's recomputation runs in the backward under the forward's autocast
+    # (torch.utils.checkpoint restores it): so does the emulation
+    with autocast_like(target, _autocast_dtype(engine)):
+        engine.backward(loss)
 
 
 def _run_rank(
@@ -222,7 +234,7 @@ def _run_rank(
                     recorder.__enter__()
                 try:
                     for _ in range(micro):
-                        engine.backward(loss_fn(_call(engine, inputs, target)))
+                        _backward(engine, loss_fn(_call(engine, inputs, target)), target)
                     optimizer.step()
                     optimizer.zero_grad()
                 except (RuntimeError, NotImplementedError) as e:
