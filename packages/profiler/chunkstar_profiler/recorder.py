@@ -81,6 +81,10 @@ class Profiler:
             raise TypeError(f"Profiler needs a chunkstar engine, got {type(engine).__name__}")
         self.engine = engine
         self.model_name = model_name or _model_name(engine)
+        self._init_columns()
+
+    def _init_columns(self) -> None:
+        """The tables, empty, and what the event handler keeps between events."""
         self._unsubscribe: Any = None
         self._t0 = 0
         self._t_end: int | None = None
@@ -134,6 +138,15 @@ class Profiler:
         self._close_stage(self._t_end)
         for (list_name, cid, tier), t_start in self._placement_open.items():
             self._add_placement(cid, list_name, tier, t_start, self._t_end)
+        self._placement_open.clear()
+
+    def stop_at(self, end: int) -> None:
+        """Close what is open at ``end`` (ns): the stage, the chunks' stays (a replay's stop)."""
+        self._t_end = end
+        self._end_open_moment(end)
+        self._close_stage(end)
+        for (list_name, cid, tier), t_start in self._placement_open.items():
+            self._add_placement(cid, list_name, tier, t_start, end)
         self._placement_open.clear()
 
     # ------------------------------------------------------------------ events

@@ -110,6 +110,9 @@ def add_overlap_command(sub: argparse._SubParsersAction) -> None:  # type: ignor
     p.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first (default %(default)s)")
     p.add_argument("--budget-fraction", type=float, default=d.budget_fraction,
                    help="the pressured rows' room for chunks, of the bf16 parameter bytes (default %(default)s)")
+    p.add_argument("--no-predict", action="store_true",
+                   help="skip the time model's prediction of the chunkstar rows (a calibration of this machine and a dry "
+                   "run per row, after the rows ran)")
 
     def go(args: argparse.Namespace) -> int:
         _check_counts(p, args)
@@ -117,16 +120,25 @@ def add_overlap_command(sub: argparse._SubParsersAction) -> None:  # type: ignor
             steps=args.steps, warmup=args.warmup, budget_fraction=args.budget_fraction, hardware=args.hardware
         )
         rows = overlap.rows(settings, _names(p, args.systems, overlap.ROW_NAMES))
-        return _compare("overlap", args, rows, overlap.TARGETS, dataclasses.asdict(settings),
-                        lambda pooled, verdicts: overlap.report(settings, pooled, verdicts, args.rounds))  # fmt: skip
+        predicted: dict[str, overlap.Predicted] = {}
+
+        def report(pooled: dict[str, Pooled], verdicts: list[Verdict]) -> str:
+            if not args.no_predict:  # after the rows, so the calibration and dry runs never run beside them
+                predicted.update(overlap.predict_rows([p.row for p in pooled.values() if p.ok]))
+            return overlap.report(settings, pooled, verdicts, args.rounds, predicted)
+
+        return _compare("overlap", args, rows, overlap.TARGETS, dataclasses.asdict(settings), report,
+                        extra_json=lambda: {"predictions": {name: pred.as_dict() for name, pred in predicted.items()}})  # fmt: skip
 
     p.set_defaults(func=go)
 
 
 def _compare(
     suite: str, args: argparse.Namespace, rows: Sequence[Row], targets: Sequence[Target], settings: Mapping[str, Any],
-    report: Callable[[dict[str, Pooled], list[Verdict]], str],
+    report: Callable[[dict[str, Pooled], list[Verdict]], str], *, extra_json: Callable[[], Mapping[str, Any]] | None = None,
 ) -> int:  # fmt: skip
+    """Run the rows, print ``report``'s table; with ``--json`` write the comparison, and what
+    ``extra_json()`` returns once the report is made (the overlap table's predictions)."""
     on_record: Callable[[Row, RunRecord], None] | None = None
     if args.db is not None:
         from chunkstar_bench.results import ResultsDB
@@ -155,6 +167,7 @@ def _compare(
             "comparisons": [
                 {"name": v.target.name, "value": v.value, "target": v.target.bound, "verdict": v.verdict} for v in verdicts
             ],
+            **(extra_json() if extra_json is not None else {}),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(document, indent=2, default=str) + "\n")

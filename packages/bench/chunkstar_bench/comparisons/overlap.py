@@ -23,20 +23,37 @@ How to read it
     agree across rows to about 1e-2 (same weights, same batches). The targets
     (:data:`TARGETS`): overlapped/serial step time at 1 GB/s <= 0.70, overlapped
     at 8 GB/s <= 1.10x PyTorch, chunkstar's peak RSS without pressure <= PyTorch's.
+
+The time model beside it
+    Once the rows ran, each chunkstar row is also predicted (unless ``--no-predict``):
+    :func:`chunkstar.dryrun.dry_run` runs the row's model, batch and engine config
+    (the CPU device, its budget, overlap and link) on the meta device, and the
+    step it records is replayed on this machine as
+    :func:`chunkstar.dryrun.calibrate_this_machine` measures it, at the row's torch
+    threads, with the row's model and batch as the workload whose own ops set the
+    compute rate, and the row's emulated link (Note [time model], Note [this
+    machine] in :mod:`chunkstar.dryrun.timing`). Nothing is fitted to the
+    measured rows: ``predicted / measured`` is the model's error on this machine
+    (its target: within 20%, i.e. 0.80-1.20). The calibration runs in this process
+    after the rows, so foreign load then and during the rows (the last line) is
+    what can make the two disagree beyond the model's own error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from chunkstar.config import host_memory_bytes
 from chunkstar_bench.comparisons.rounds import Pooled, Row, Target, Verdict, notes, text_table, verdict_table
 from chunkstar_bench.runner import RunSpec
 from chunkstar_bench.units import GIB, MIB
-from chunkstar_bench.zoo import get, n_params
+from chunkstar_bench.zoo import build_hf, get, n_params
 
-__all__ = ["MODEL", "NON_MODEL_BYTES", "ROW_NAMES", "TARGETS", "OverlapSettings", "report", "rows"]
+__all__ = ["MODEL", "NON_MODEL_BYTES", "ROW_NAMES", "TARGETS", "OverlapSettings", "Predicted", "predict_rows", "report", "rows"]
 
 MODEL = "gpt2-30m-v8k"
 _BATCH, _SEQ, _THREADS = 4, 128, 1
@@ -107,8 +124,103 @@ def rows(settings: OverlapSettings, names: Sequence[str] = ROW_NAMES) -> list[Ro
     return [every[name] for name in ROW_NAMES if name in names]
 
 
-def report(settings: OverlapSettings, pooled: Mapping[str, Pooled], verdicts: Sequence[Verdict], rounds: int) -> str:
-    """The table as text: the workload, one line per row, the targets, per-row notes."""
+@dataclass(frozen=True)
+class Predicted:
+    """A row's step as the time model predicts it (:func:`predict_rows`)."""
+
+    seconds: float = 0.0
+    binding: str = ""
+    """The resource busy the longest (compute, h2d, d2h, host_adam, ...)."""
+    busy: dict[str, float] = field(default_factory=dict)
+    """Seconds each resource works in the step."""
+    hardware: str = ""
+    """How this machine was measured (:attr:`chunkstar.dryrun.Hardware.source`)."""
+    error: str = ""
+    """Why there is no prediction (the dry run failed or did not fit), when there is none."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "binding": self.binding, "busy": dict(self.busy), "hardware": self.hardware, "error": self.error}
+
+
+def predict_rows(rows: Sequence[Row], say: Callable[[str], None] | None = None) -> dict[str, Predicted]:
+    """The time model's step of each chunkstar row of ``rows``, by name (the module's "The time
+    model beside it"): a dry run of the row's model, batch and engine config, replayed on this
+    machine calibrated at the row's torch threads, with its model and batch as the workload and
+    its emulated link. Runs in this process; torch's thread count is restored afterwards."""
+    import torch
+
+    from chunkstar.config import parse_config
+    from chunkstar.dryrun import calibrate_this_machine, dry_run
+    from chunkstar_bench.harness import Context
+    from chunkstar_bench.systems.chunkstar import chunkstar_budget_bytes, engine_config
+
+    say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+    out: dict[str, Predicted] = {}
+    threads_before = torch.get_num_threads()
+    try:
+        for row in rows:
+            spec = row.spec
+            if spec.system != "chunkstar" or spec.device != "cpu":
+                continue  # the model replays chunkstar's own step, on the CPU virtual device here
+            ctx = Context(spec)
+            config = engine_config(ctx, chunkstar_budget_bytes(ctx.model, spec.batch, ctx.seq, spec.chunkstar_budget))
+            link = parse_config(config).placement.link_bandwidth  # bytes/s, as the engine reads it
+            # the row's torch threads, as its process had them (chunkstar_bench.child)
+            torch.set_num_threads(spec.threads or max(1, os.cpu_count() or 1))
+            ids = torch.zeros(spec.batch, ctx.seq, dtype=torch.long)
+            inputs = {"input_ids": ids, "labels": ids}
+
+            def build(model: Any = ctx.model) -> Any:
+                return build_hf(model)
+
+            say(f"[predict] {row.name}: calibrating this machine and dry-running the row ...")
+            try:
+                hw = calibrate_this_machine(torch.bfloat16, link_bandwidth=link, workload=(build, inputs))
+                dry = dry_run(build, config, inputs, hardware=hw)
+            except Exception as exc:  # noqa: BLE001  (a finding for the table, like a failed row)
+                out[row.name] = Predicted(error=f"{type(exc).__name__}: {exc}"[:300])
+                continue
+            if dry.prediction is None:
+                out[row.name] = Predicted(hardware=hw.source, error=f"the dry run does not fit: {dry.ranks[0].error}"[:300])
+                continue
+            pred = dry.prediction
+            out[row.name] = Predicted(pred.seconds, pred.binding, dict(pred.busy), hw.source)
+            say(f"[predict] {row.name}: {pred.seconds:.3f} s/step predicted, bound by {pred.binding}")
+    finally:
+        torch.set_num_threads(threads_before)
+    return out
+
+
+def _model_table(pooled: Mapping[str, Pooled], predicted: Mapping[str, Predicted]) -> list[str]:
+    """The measured and predicted s/step of each predicted row, their ratio, and what binds the prediction."""
+    if not predicted:
+        return []
+    lines: list[list[str]] = []
+    for name, pred in predicted.items():
+        p = pooled.get(name)
+        measured = p.median_s if p is not None and p.ok else None
+        label = p.row.label if p is not None else name
+        if pred.error:
+            lines.append([label, "-" if measured is None else f"{measured:.3f}", "-", "-", pred.error])
+            continue
+        ratio = f"{pred.seconds / measured:.2f}" if measured else "-"
+        busy = ", ".join(f"{k} {v:.3f}" for k, v in pred.busy.items() if v > 0)
+        lines.append([label, "-" if measured is None else f"{measured:.3f}", f"{pred.seconds:.3f}", ratio, f"{pred.binding} ({busy})"])
+    sources = sorted({pred.hardware.split(", link ")[0] for pred in predicted.values() if pred.hardware})
+    return [
+        "the time model (chunkstar.dryrun on this machine, calibrated by measurement; target: predicted / measured in 0.80-1.20):",
+        text_table(["system", "measured s/step", "predicted s/step", "predicted / measured", "binding (busy s)"], lines),
+        *(f"calibration: {src}" for src in sources),
+        "",
+    ]
+
+
+def report(
+    settings: OverlapSettings, pooled: Mapping[str, Pooled], verdicts: Sequence[Verdict], rounds: int,
+    predicted: Mapping[str, Predicted] | None = None,
+) -> str:  # fmt: skip
+    """The table as text: the workload, one line per row, the targets, the time model's
+    predictions beside the measured steps (when ``predicted``), per-row notes."""
     model = get(MODEL)
     params = n_params(model)
     head = (
@@ -127,7 +239,10 @@ def report(settings: OverlapSettings, pooled: Mapping[str, Pooled], verdicts: Se
         ratio = f"{p.median_s / base:.2f}x" if base else "-"
         lines.append([p.row.label, f"{p.median_s:.3f}", ratio, f"{p.peak_host_bytes / MIB:.0f}", f"{p.losses[-1]:.4f}"])
     body = text_table(["system", "median s/step", "vs PyTorch", "peak RSS MiB", "last loss"], lines)
-    return "\n".join([head, "", body, "", verdict_table(verdicts), "", *notes(pooled, _details), *_other_load(pooled)])
+    return "\n".join(
+        [head, "", body, "", verdict_table(verdicts), "", *_model_table(pooled, predicted or {}), *notes(pooled, _details),
+         *_other_load(pooled)]
+    )  # fmt: skip
 
 
 def _details(name: str, p: Pooled) -> list[str]:

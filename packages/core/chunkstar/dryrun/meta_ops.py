@@ -41,12 +41,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["autocast_like", "meta_kernels", "value_read"]
+__all__ = ["autocast_like", "loss_of", "meta_kernels", "on_meta", "value_read"]
 
 
 def _fused_attention(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -197,3 +197,30 @@ def autocast_like(target: str, dtype: torch.dtype | None) -> Iterator[None]:
     finally:
         for o, n, old in reversed(saved):
             setattr(o, n, old)
+
+
+def on_meta(x: Any) -> Any:
+    """``x`` (a tensor, or a dict, list or tuple of them) with its tensors on the meta device."""
+    if isinstance(x, torch.Tensor):
+        return x.to("meta")
+    if isinstance(x, Mapping):
+        return {k: on_meta(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(on_meta(v) for v in x)
+    return x
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """A model output's loss: its ``.loss`` (or ``["loss"]``), or the output itself (its mean
+    when it is not a scalar)."""
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if loss is None and isinstance(out, torch.Tensor):
+        loss = out if out.dim() == 0 else out.float().mean()
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"the model's output ({type(out).__name__}) has no loss: give inputs that make one (labels= for a Hugging "
+            "Face model) or pass loss_fn"
+        )
+    return loss

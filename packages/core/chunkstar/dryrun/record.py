@@ -37,6 +37,8 @@ class Move:
     dst: str
     reason: str
     """A :class:`chunkstar.events.MoveReason` value: access, eviction, prefetch, optimizer, offload, stage_in, stage_out."""
+    seq: int = 0
+    """Its place among the step's moves, in the order they were issued (the events' order)."""
 
 
 @dataclass
@@ -74,10 +76,17 @@ class StepRecord:
     rank: int = 0
     dtype_bytes: int = 2
     events: list[Event] = field(default_factory=list)
+    """Every event of the step, in order (for a predicted profile)."""
+    placements_at_start: list[tuple[str, int, str]] = field(default_factory=list)
+    """(list, chunk id, tier) of every chunk payload that had a tier when the step began."""
 
     @property
     def flops(self) -> int:
         return sum(m.flops for m in self.moments) + self.optimizer_flops
+
+    def moves(self) -> list[Move]:
+        """Every move of the step, in the order they were issued."""
+        return sorted([mv for m in self.moments for mv in m.moves] + self.optimizer_moves, key=lambda mv: mv.seq)
 
     def moved(self, src: str, dst: str) -> int:
         """Bytes moved from tier ``src`` to ``dst`` in the whole iteration."""
@@ -88,6 +97,7 @@ class StepRecord:
         """Plain data (no events): for JSON."""
         d = dataclasses.asdict(self)
         d.pop("events")
+        d.pop("placements_at_start")
         return d
 
 
@@ -145,8 +155,15 @@ class StepRecorder:
         self._coll: CollectiveBytes | None = comm.bytes if isinstance(comm, SimulatedComm) else None
         self._coll_at = (0, 0)
         self._unsubscribe: Callable[[], None] | None = None
+        self._seq = 0
 
     def __enter__(self) -> StepRecorder:
+        from chunkstar.chunk.lists import ChunkList
+
+        chunks = self.engine.mgr.chunks
+        self.record.placements_at_start = [
+            (which.value, c.chunk_id, c.tier.value) for which in ChunkList for c in chunks.chunks_of(which) if c.tier is not None
+        ]
         self._coll_at = self._collectives()
         self._start = self._coll_at
         self._unsubscribe = self.engine.events.subscribe(self._on_event)
@@ -190,7 +207,8 @@ class StepRecorder:
         elif isinstance(e, StageChanged) and e.stage in (Stage.OPTIM, Stage.IDLE):
             self._close_moment()
         elif isinstance(e, ChunkMoved):
-            mv = Move(e.chunk_id, e.chunk_list, e.nbytes, _tier(e.src), _tier(e.dst), e.reason.value)
+            self._seq += 1
+            mv = Move(e.chunk_id, e.chunk_list, e.nbytes, _tier(e.src), _tier(e.dst), e.reason.value, self._seq - 1)
             (self._moment.moves if self._moment is not None else self.record.optimizer_moves).append(mv)
 
     def _adam_work(self) -> None:

@@ -44,7 +44,7 @@ from torch import nn
 from chunkstar.config import EngineConfig, Precision, parse_config
 from chunkstar.config.hyperparams import validate_param_group
 from chunkstar.dryrun.comm import SimulatedComm
-from chunkstar.dryrun.meta_ops import autocast_like, meta_kernels, value_read
+from chunkstar.dryrun.meta_ops import autocast_like, loss_of, meta_kernels, on_meta, value_read
 from chunkstar.dryrun.record import StepRecord, StepRecorder
 from chunkstar.dryrun.timing import Hardware, Prediction, hardware_named, predict
 from chunkstar.errors import ConfigError, DeviceMemoryError
@@ -99,6 +99,10 @@ class DryRunReport:
     world_size: int
     ranks: list[RankReport]
     hardware: Hardware | None = None
+    overlap: bool = True
+    """The config's ``overlap``: whether the time model lets copies and host Adam run beside the compute."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The config as given."""
     prediction: Prediction | None = None
     """The predicted step of the slowest rank on ``hardware`` (None without hardware or when it does not fit)."""
 
@@ -157,30 +161,6 @@ def _target_config(config: EngineConfig | Mapping[str, Any] | str | os.PathLike[
 
         memory = parse_bytes(budget)
     return parse_config(raw, target_memory=memory), target
-
-
-def _to_meta(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.to("meta")
-    if isinstance(x, Mapping):
-        return {k: _to_meta(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_meta(v) for v in x)
-    return x
-
-
-def _default_loss(out: Any) -> torch.Tensor:
-    loss = getattr(out, "loss", None)
-    if loss is None and isinstance(out, Mapping):
-        loss = out.get("loss")
-    if loss is None and isinstance(out, torch.Tensor):
-        loss = out if out.dim() == 0 else out.float().mean()
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            f"the model's output ({type(out).__name__}) has no loss: give inputs that make one (labels= for a Hugging "
-            "Face model) or pass loss_fn"
-        )
-    return loss
 
 
 def _call(engine: ChunkEngine, inputs: Any, target: str) -> Any:
@@ -312,12 +292,14 @@ def dry_run(
     if not chosen or any(not 0 <= r < world_size for r in chosen):
         raise ValueError(f"ranks must be some of 0..{world_size - 1}, got {list(ranks or [])}")
     say = progress or (lambda _line: None)
-    meta_inputs = _to_meta(inputs)
+    meta_inputs = on_meta(inputs)
     reports = []
     with meta_kernels():
         for r in chosen:
-            reports.append(_run_rank(model_func, cfg, target, r, world_size, meta_inputs, steps, loss_fn or _default_loss, say))
-    report = DryRunReport(target=target, world_size=world_size, ranks=reports, hardware=hw)
+            reports.append(_run_rank(model_func, cfg, target, r, world_size, meta_inputs, steps, loss_fn or loss_of, say))
+    report = DryRunReport(
+        target=target, world_size=world_size, ranks=reports, hardware=hw, overlap=cfg.placement.overlap, config=dict(cfg.raw)
+    )
     if hw is not None and report.fits:
         preds = [predict(r.record, hw, overlap=cfg.placement.overlap) for r in reports if r.record is not None]
         report.prediction = max(preds, key=lambda p: p.seconds, default=None)
