@@ -139,6 +139,8 @@ def test_bad_input_is_refused_clearly() -> None:
         chunkstar.dry_run(_MODELS["gpt2"], _config("2MB"), _inputs("gpt2"), world_size=0)
     with pytest.raises(ValueError, match="ranks"):
         chunkstar.dry_run(_MODELS["gpt2"], _config("2MB"), _inputs("gpt2"), world_size=2, ranks=[2])
+    with pytest.raises(ConfigError, match="disk tier"):
+        chunkstar.dry_run(_MODELS["gpt2"], {**_config("2MB"), "disk": {"path": "/tmp/nowhere"}}, _inputs("gpt2"))
     with pytest.raises(TypeError, match="loss"):
         chunkstar.dry_run(_MODELS["gpt2"], _config("2MB"), {"input_ids": _inputs("gpt2")["input_ids"]})
 

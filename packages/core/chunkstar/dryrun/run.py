@@ -160,7 +160,16 @@ def _target_config(config: EngineConfig | Mapping[str, Any] | str | os.PathLike[
         from chunkstar.config import parse_bytes
 
         memory = parse_bytes(budget)
-    return parse_config(raw, target_memory=memory), target
+    cfg = parse_config(raw, target_memory=memory)
+    if cfg.disk is not None:
+        # the disk tier's files, staging buffers and I/O lanes have no meta counterpart yet: its
+        # chunks would need I/O that records bytes instead of moving them
+        raise ConfigError(
+            "disk", "a dry run does not simulate the disk tier yet; leave 'disk' out to see the same run with the "
+            "optimizer state in host memory (the device's decisions are the same for the same default_chunk_size; "
+            "\"auto\" can pick larger chunks without the disk tier's cap)"
+        )  # fmt: skip
+    return cfg, target
 
 
 def _call(engine: ChunkEngine, inputs: Any, target: str) -> Any:
