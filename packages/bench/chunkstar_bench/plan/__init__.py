@@ -13,7 +13,16 @@ shapes, not a measurement; every figure it prints says so.
 * :mod:`~chunkstar_bench.plan.rows` -- each prediction beside the published and
   the measured maximum;
 * :mod:`~chunkstar_bench.plan.format` -- the text table;
-* :mod:`~chunkstar_bench.plan.command` -- ``chunkstar-bench plan``.
+* :mod:`~chunkstar_bench.plan.command` -- ``chunkstar-bench plan``;
+* :mod:`~chunkstar_bench.plan.dryrun` -- ``plan --dry-run``: chunkstar's real
+  engine on the meta device for one model on one node, and the largest model
+  of a ladder that fits;
+* :mod:`~chunkstar_bench.plan.deepspeed` -- DeepSpeed's own ZeRO-3 memory
+  estimator, re-implemented (DeepSpeed's verdict beside chunkstar's);
+* :mod:`~chunkstar_bench.plan.paper` -- the paper's published points and the
+  largest model per node, with both verdicts;
+* :mod:`~chunkstar_bench.plan.gate` -- those figures in a results database, and
+  the nightly regression gate against the last run's.
 
 What this is not: a throughput model, or a check that a run will succeed (a
 run can also fail on pinned-memory limits, allocator fragmentation beyond the
@@ -24,8 +33,11 @@ package's parent side.
 
 from __future__ import annotations
 
-from chunkstar_bench.plan.command import add_plan_command, main, run_plan
-from chunkstar_bench.plan.format import format_plan
+from chunkstar_bench.plan.command import add_plan_command, main, run_dry_run, run_plan
+from chunkstar_bench.plan.deepspeed import DeepSpeedVerdict, deepspeed_verdict, model_to_params, zero3_model_states_mem_needs
+from chunkstar_bench.plan.dryrun import DryRunPoint, DryRunSettings, LargestSearch, dry_run_point, largest_fitting
+from chunkstar_bench.plan.format import format_largest, format_paper_table, format_plan
+from chunkstar_bench.plan.gate import Regression, gate, store
 from chunkstar_bench.plan.model import (
     DEVICE_FRAGMENTATION,
     DEVICE_RESERVED_BYTES,
@@ -48,10 +60,32 @@ from chunkstar_bench.plan.model import (
     models_named,
     predict_max,
 )
+from chunkstar_bench.plan.paper import LargestRow, PaperPoint, PaperRow, largest_rows, paper_points, paper_rows
 from chunkstar_bench.plan.rows import MeasuredMax, PlanRow, measured_max, plan
 
 __all__ = [
     "DEVICE_FRAGMENTATION",
+    "DeepSpeedVerdict",
+    "DryRunPoint",
+    "DryRunSettings",
+    "LargestRow",
+    "LargestSearch",
+    "PaperPoint",
+    "PaperRow",
+    "Regression",
+    "deepspeed_verdict",
+    "dry_run_point",
+    "format_largest",
+    "format_paper_table",
+    "gate",
+    "largest_fitting",
+    "largest_rows",
+    "model_to_params",
+    "paper_points",
+    "paper_rows",
+    "run_dry_run",
+    "store",
+    "zero3_model_states_mem_needs",
     "DEVICE_RESERVED_BYTES",
     "DISK_SYSTEMS",
     "GIB",
