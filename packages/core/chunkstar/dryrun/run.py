@@ -166,8 +166,7 @@ def _target_config(config: EngineConfig | Mapping[str, Any] | str | os.PathLike[
         # chunks would need I/O that records bytes instead of moving them
         raise ConfigError(
             "disk", "a dry run does not simulate the disk tier yet; leave 'disk' out to see the same run with the "
-            "optimizer state in host memory (the device's decisions are the same for the same default_chunk_size; "
-            "\"auto\" can pick larger chunks without the disk tier's cap)"
+            "optimizer state in host memory"
         )  # fmt: skip
     return cfg, target
 
