@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from chunkstar.memory.tracer import MemoryTrace, MomentRecord
 from chunkstar.placement.eviction import ResidentChunk, choose_evictions
-from chunkstar.placement.optimizer import plan_device_adam
+from chunkstar.placement.optimizer import plan_device_adam, resident_footprint
 from chunkstar.placement.prefetch import MAX_LOOKAHEAD, PrefetchView, Upcoming, plan_prefetch
 
 
@@ -35,13 +35,36 @@ def test_not_enough_room_is_reported_not_guessed() -> None:
     assert choose_evictions([], 0, "lru") == []
 
 
+def _one_process(params: list[int], non_model_peak: int) -> int:
+    return resident_footprint(params, lambda c: True, lambda c: (c,), [(0,), (1,), (2,)], [non_model_peak] * 3)
+
+
 def test_device_adam_only_in_margin_after_params_and_peak() -> None:
     params = [100, 100, 100]
-    states = [600, 600, 600]
-    assert plan_device_adam(params, states, capacity=1000, non_model_peak=200) == set()  # 500 left, one state chunk needs 600
-    assert plan_device_adam(params, states, capacity=1500, non_model_peak=200) == {0}
-    assert plan_device_adam(params, states, capacity=10_000, non_model_peak=200) == {0, 1, 2}
-    assert plan_device_adam(params, states, capacity=250, non_model_peak=0) == set()  # params alone do not fit
+    states = {0: 600, 1: 600, 2: 600}
+    assert _one_process(params, 200) == 500
+    assert plan_device_adam(states, capacity=1000, footprint=_one_process(params, 200)) == set()  # 500 left, one needs 600
+    assert plan_device_adam(states, capacity=1500, footprint=_one_process(params, 200)) == {0}
+    assert plan_device_adam(states, capacity=10_000, footprint=_one_process(params, 200)) == {0, 1, 2}
+    assert plan_device_adam(states, capacity=250, footprint=_one_process(params, 0)) == set()  # params alone do not fit
+
+
+def test_with_several_ranks_the_footprint_is_the_own_chunks_and_the_worst_gathered_groups() -> None:
+    # 2 ranks, 8 chunks of 100 bytes in groups {0,1} {2,3} {4,5} {6,7}; this rank owns the even ones
+    own = lambda c: c % 2 == 0  # noqa: E731
+    group = lambda c: range(c - c % 2, c - c % 2 + 2)  # noqa: E731
+    moments = [(0,), (2,), (4,), (6,), (6,), (4,), (2,), (0,)]  # forward, then backward
+    non_model = [10, 10, 10, 150, 10, 10, 10, 10]
+    # own: 400; worst moment: 3 (non-model 150) beside its group's other chunk (moment 4 needs the same group)
+    assert resident_footprint([100] * 8, own, group, moments, non_model) == 400 + 150 + 100
+    # moment 2 gathers ahead for moment 3: the remote chunks of its own group and of the next one
+    non_model[2] = 145
+    assert resident_footprint([100] * 8, own, group, moments, non_model) == 400 + 145 + 200
+    # a collective's flat temporary sits beside the gathered chunks
+    assert resident_footprint([100] * 8, own, group, moments, non_model, scratch=200) == 400 + 145 + 200 + 200
+    # counted as one process counts (every chunk held), the same rank would have no room
+    assert plan_device_adam({0: 90, 2: 90, 4: 90, 6: 90}, 1000, 800 + 150) == set()
+    assert plan_device_adam({0: 90, 2: 90, 4: 90, 6: 90}, 1000, 400 + 145 + 200) == {0, 2}
 
 
 # ---------------------------------------------------------------------- prefetch

@@ -36,7 +36,7 @@ from chunkstar.memory.host_heap import (
 from chunkstar.memory.budget import Overrun
 from chunkstar.memory.cursor import Cursor
 from chunkstar.memory.tracer import TracePhase
-from chunkstar.placement.optimizer import plan_device_adam
+from chunkstar.placement.optimizer import plan_device_adam, resident_footprint
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.gradients import GradientConsumer, Gradients
 from chunkstar.runtime.reads import ReadState
@@ -311,13 +311,31 @@ class Iteration:
         mgr = self.mgr
         chunks = mgr.chunks
         n = mgr.layout.n_chunks
-        # a frozen chunk has no state to place (Note [frozen chunks])
-        state_bytes = [0 if chunks.frozen(i) else sum(chunks.chunk(name, i).nbytes for name in STATE_LISTS) for i in range(n)]
-        planned = plan_device_adam(
-            [chunks.chunk(ChunkList.PARAM, i).nbytes for i in range(n)], state_bytes, mgr.capacity, self.cursor.trace.max_non_model
+        trace = self.cursor.trace
+        # only this rank's chunks have optimizer state, and a frozen chunk has none (Note [frozen chunks])
+        state_bytes = {
+            i: sum(chunks.chunk(name, i).nbytes for name in STATE_LISTS)
+            for i in range(n)
+            if chunks.own(i) and not chunks.frozen(i)
+        }
+        params = chunks.chunks_of(ChunkList.PARAM)
+        # a collective's flat temporaries under NCCL sit beside a gathered group (0 under gloo)
+        scratch = max(
+            (max(self.comm.gather_scratch_bytes(c.numel, c.dtype, mgr.device),
+                 self.comm.reduce_scratch_bytes(c.numel, self.reducer.reduce_dtype, mgr.device)) for c in params),
+            default=0,
+        )  # fmt: skip
+        footprint = resident_footprint(
+            [c.nbytes for c in params],
+            chunks.own,
+            mgr.layout.group,
+            [trace.chunks_at(m) for m in range(trace.n_moments)],
+            [trace.non_model_at(m) for m in range(trace.n_moments)],
+            scratch,
         )
+        planned = plan_device_adam(state_bytes, mgr.capacity, footprint)
         self.device_adam_chunks.clear()  # in place: the gradient pipeline reads the same set
-        self.device_adam_chunks.update(i for i in planned if not chunks.frozen(i))
+        self.device_adam_chunks.update(planned)
 
     # ------------------------------------------------------------------ the optimizer step
     def begin_optimizer_step(self) -> None:
