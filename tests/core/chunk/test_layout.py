@@ -90,3 +90,42 @@ def test_auto_chunks_keep_groups_small_on_many_ranks() -> None:
         size = search_chunk_size(numels, world_size=world)
         assert total / (256 * world) - 64 <= size <= total / (16 * world) + 64
         assert world * size <= total / 16 + 64 * world  # a group is at most 1/16 of the model
+
+
+def test_a_group_with_a_tensor_of_its_own_packs_its_other_chunks_to_that_size() -> None:
+    """The chunks of a group keep one size: after a tensor bigger than the chunk size, the
+    group's later chunks hold up to that size instead of being padded to it (issue 26: a 20B
+    GPT's embedding on 8 ranks made the layout 104% padding)."""
+    numels = [1000, *[100] * 30]
+    lay = build_layout([f"p{i}" for i in range(len(numels))], [(n,) for n in numels], 200, world_size=4)
+    assert lay.chunk_sizes[:4] == (1000,) * 4
+    # the group's three other chunks hold ten tensors each, not two
+    assert [sum(1 for s in lay.slots if s.chunk_id == c) for c in range(1, 4)] == [10, 10, 10]
+    assert len(lay.chunk_sizes) == 4
+    # one process: no group to fill, the regular chunks keep the chunk size
+    single = build_layout([f"p{i}" for i in range(len(numels))], [(n,) for n in numels], 200)
+    assert single.chunk_sizes == (1000,) + (200,) * 15
+
+
+def test_auto_takes_a_size_that_holds_tensors_larger_than_its_range_when_it_saves_much() -> None:
+    """Layer matrices larger than total/(16 x world) each get a chunk; a size holding two of
+    them packs a layer into few chunks (a 20B GPT on 8 ranks: 73% padding within the range,
+    5% outside it). Outside the range is taken only for a saving of 5% of the model."""
+    h, layers, vocab = 8192, 25, 50257
+    block = [h, h, 3 * h * h, 3 * h, h * h, h, h, h, 4 * h * h, 4 * h, 4 * h * h, h]
+    numels = [vocab * h, 2048 * h, *block * layers, h, h]
+    total = sum(numels)
+    names, shapes = [f"p{i}" for i in range(len(numels))], [(n,) for n in numels]
+
+    def padding(size: int, world: int) -> float:
+        return sum(build_layout(names, shapes, size, world_size=world).chunk_sizes) / total - 1
+
+    size = search_chunk_size(numels, world_size=8)
+    assert size > total / (16 * 8)
+    assert padding(size, 8) < 0.06
+    # within a device's cap it stays within the range when nothing outside it fits
+    capped = search_chunk_size(numels, world_size=8, max_size=int(total / (16 * 8)))
+    assert capped <= total / (16 * 8) + 64
+    # where the range packs well, it is kept, though one tensor is larger than it
+    numels = [5000, *[100] * 2000]
+    assert search_chunk_size(numels, world_size=8) <= sum(numels) / (16 * 8) + 64

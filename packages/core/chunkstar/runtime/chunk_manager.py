@@ -289,7 +289,11 @@ class ChunkManager:
                 # warm-up: the schedule may let it go over the budget for now and measure, so the
                 # error at the end of the iteration can name the smallest budget for all of it
                 if not self.let_through(sum(self.chunks.chunk(n, i).nbytes for n, i in req)):
-                    raise self.memory_error(where, sorted(req), budget)
+                    # the error names all that had to fit: besides the required chunks, the
+                    # scratch asked for and what could not move (a gradient reduction's flat
+                    # buffers were left out once, and it said "needs 25 GiB, 45 GiB free")
+                    stuck = self.counters.device_chunk_bytes - freed + need
+                    raise self.memory_error(where, sorted(req), budget, at_once=stuck)
             victims = [c.key for c in candidates]
         for v in victims:
             assert isinstance(v, tuple)
@@ -339,10 +343,14 @@ class ChunkManager:
         else:
             self._on_device[key[0]].discard(key[1])
 
-    def memory_error(self, where: str, required: Sequence[Key], free: int, non_model: int | None = None) -> DeviceMemoryError:
+    def memory_error(
+        self, where: str, required: Sequence[Key], free: int, non_model: int | None = None, at_once: int = 0
+    ) -> DeviceMemoryError:
         """The error for chunks ``required`` at once that do not fit ``free`` chunk bytes,
-        with the smallest budget that would hold them beside the measured non-model memory."""
-        needed = sum(self.chunks.chunk(n, i).nbytes for n, i in required)
+        with the smallest budget that would hold them beside the measured non-model memory;
+        ``at_once``: the device bytes that had to fit together, when more than the required
+        chunks (a collective's scratch, chunks that could not move)."""
+        needed = max(sum(self.chunks.chunk(n, i).nbytes for n, i in required), at_once)
         if non_model is None:
             non_model = self.capacity - free
         biggest = max((s for n, i in required for s in self.slots_of(i)), key=lambda s: s.numel, default=None)

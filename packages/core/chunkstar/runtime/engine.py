@@ -63,14 +63,14 @@ from chunkstar.optim.loss_scaler import LossScaler
 from chunkstar.optim.pipeline import GradientPipeline
 from chunkstar.placement.module_dtype import upcast_dtype  # issue 18.5: Note [norm dtypes]
 from chunkstar.runtime.chunk_manager import ChunkManager
-from chunkstar.runtime.disk_tier import DiskTier
+from chunkstar.runtime.disk_tier import DiskParts, DiskTier
 from chunkstar.runtime.hook_targets import HookTargets
 from chunkstar.runtime.iteration import Iteration
 from chunkstar.runtime.param_access import ParamAccess
 from chunkstar.runtime.reads import ReadState
 from chunkstar.runtime.schedule import Schedule
 from chunkstar.runtime.start_checks import (
-    check_inputs, check_units_fit, device_capacity_of, disk_chunk_cap, refuse_foreign_optimizers, refuse_sparse_gradients,
+    check_inputs, check_units_fit, device_capacity_of, disk_chunk_cap, memory_chunk_cap, refuse_foreign_optimizers, refuse_sparse_gradients,
 )  # fmt: skip
 from chunkstar.runtime.state_dict import full_masters, match_values, tied_names, write_values
 
@@ -90,9 +90,10 @@ class ChunkEngine:
         model_func: Callable[[], nn.Module] | None = None,
         pretrained: str | os.PathLike[str] | None = None,
         comm: Comm | None = None,
+        disk_parts: DiskParts | None = None,
     ) -> None:
         try:
-            self._build(model, cfg, model_func=model_func, pretrained=pretrained, comm=comm)
+            self._build(model, cfg, model_func=model_func, pretrained=pretrained, comm=comm, disk_parts=disk_parts)
         except BaseException:
             mgr: ChunkManager | None = self.__dict__.get("mgr")
             disk = mgr.chunks.disk if mgr is not None else None
@@ -108,6 +109,7 @@ class ChunkEngine:
         model_func: Callable[[], nn.Module] | None,
         pretrained: str | os.PathLike[str] | None,
         comm: Comm | None,
+        disk_parts: DiskParts | None,
     ) -> None:
         self.module = model
         self.config = cfg
@@ -131,10 +133,15 @@ class ChunkEngine:
         # frozen parameters get chunks of their own with no optimizer state (Note [frozen chunks])
         frozen = [not p.requires_grad for p in self._params]
         self._frozen_params = [p for p, f in zip(self._params, frozen) if f]
-        chunk_size = cfg.placement.chunk_size or search_chunk_size(
-            numels, world_size=world, frozen=frozen, max_size=disk_chunk_cap(cfg)
-        )
         capacity = device_capacity_of(cfg)  # resolved once: the GPU's free memory is read here only
+        if cfg.placement.chunk_size:
+            chunk_size = cfg.placement.chunk_size
+        else:
+            # "auto": the least padding, in chunks a few groups of which fit the device at once
+            cap = memory_chunk_cap(cfg, capacity, world, self.comm.distributed and self.comm.on_device(cfg.device))
+            disk_cap = disk_chunk_cap(cfg)
+            cap = cap if disk_cap is None else min(cap, disk_cap)
+            chunk_size = search_chunk_size(numels, world_size=world, frozen=frozen, max_size=cap)
         check_inputs(model, cfg, sum(numels), capacity)
         refuse_sparse_gradients(model)
         layout = build_layout(
@@ -168,7 +175,7 @@ class ChunkEngine:
                 chunks = self.mgr.chunks
                 chunks.attach_disk(DiskTier(
                     cfg.disk, chunks.disk_chunks(cfg.disk.lists), run_tag=self.run_id, rank=self.comm.rank,
-                    on_move=self.mgr.counters.record_disk, quiet=self.mgr.probe.paused,
+                    on_move=self.mgr.counters.record_disk, quiet=self.mgr.probe.paused, parts=disk_parts,
                 ))  # fmt: skip
             # the chunks get their values (Note [construction]): host memory peaks at about the
             # chunks' own bytes, never at the whole model beside them

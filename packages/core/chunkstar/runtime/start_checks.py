@@ -129,6 +129,22 @@ def disk_chunk_cap(cfg: EngineConfig) -> int | None:
     return max(64, cfg.disk.staging_budget // (2 * per_element))
 
 
+def memory_chunk_cap(cfg: EngineConfig, capacity: int, world_size: int, scratch_on_device: bool) -> int:
+    """The largest chunk "auto" may pick for a device of ``capacity`` bytes: one group's
+    chunks in the param dtype, with a collective's flat temporaries beside them when they
+    are device memory (NCCL: the gather's ``world_size`` chunks, the reduction's
+    ``world_size + 1`` in the reduce dtype), take at most a quarter of the device.
+
+    A moment holds its groups and the next moment's, gathered ahead, beside its
+    non-model memory, so a group must be a small part of the device. Bounded by the
+    model's size alone (chunk/layout.py), 175B parameters on 8 A100s got chunks of
+    1.4 billion elements: a gradient reduction needed 25 GiB of chunks and 49 GiB of
+    scratch at once, more than the device (the dry run found it)."""
+    item = cfg.precision.dtype.itemsize
+    scratch = max(world_size * item, (world_size + 1) * cfg.reduce_dtype.itemsize) if scratch_on_device else 0
+    return max(64, capacity // 4 // (world_size * item + scratch))
+
+
 def check_units_fit(modules: list[HookedModule], unit_keys: list[int], mgr: ChunkManager) -> None:
     """Refuse a compiled module whose chunks the device cannot hold at once: it is one
     moment (Note [compiled units]), so all of them must be resident while it runs."""
