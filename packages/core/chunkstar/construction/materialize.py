@@ -428,7 +428,7 @@ def _fill_in_waves(job: _Fill, wave_bytes: int) -> None:
     waves[0] = frozen_own + waves[0]  # frozen chunks are in memory (param list only): the first wave
     base_seed = draw_base_seed() if needs_init else 0  # one draw from the user's RNG, as one pass makes
     slot_of = {id(p): s for s, p in zip(slots, params)}
-    placeholder = torch.zeros(1)
+    placeholder = torch.zeros(1, device=host_device(chunks.device))  # meta in a dry run, as the chunks
     for wave in waves:
         members = set(wave)
         # the modules whose initialisers run in this wave, and the parameters they may touch:

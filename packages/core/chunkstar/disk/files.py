@@ -193,6 +193,9 @@ def _per_list(
 class ChunkFiles:
     """This rank's chunk files in one directory (see the module docstring); make one with :meth:`create`."""
 
+    device = "cpu"
+    """Chunks are read into and written from host buffers."""
+
     def __init__(
         self, claim: DirectoryClaim, files: dict[str, _ListFile], direct_fallback: str | None, verify: bool = True
     ) -> None:

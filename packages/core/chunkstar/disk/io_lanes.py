@@ -41,16 +41,30 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Protocol
 
 import torch
 
 from chunkstar.device.copy_engine import CopyEvent, debug_delay_from_env, relayed
 from chunkstar.device.threads import ops_on_this_thread_only
 from chunkstar.disk.errors import DiskTierError
-from chunkstar.disk.files import ChunkFiles
 
-__all__ = ["DiskEvent", "DiskLanes"]
+__all__ = ["DiskEvent", "DiskLanes", "LaneFiles"]
+
+
+class LaneFiles(Protocol):
+    """What the lanes move bytes with: :class:`~chunkstar.disk.files.ChunkFiles`, or a dry
+    run's files that record bytes and move none (``device`` "meta": buffers with no bytes)."""
+
+    device: str
+    """The device type of the buffers the files read into and write from."""
+
+    def read_into(self, list_name: str, chunk_id: int, dst: torch.Tensor) -> None: ...
+    def write_from(self, list_name: str, chunk_id: int, src: torch.Tensor) -> None: ...
+    def mark_lost(self, list_name: str, chunk_id: int, why: str) -> None: ...
+    def nbytes(self, list_name: str, chunk_id: int) -> int: ...
+    def path(self, list_name: str) -> Path: ...
 
 
 def _as_disk_error(error: BaseException, text: str) -> BaseException:
@@ -159,7 +173,7 @@ class DiskLanes:
 
     def __init__(
         self,
-        files: ChunkFiles,
+        files: LaneFiles,
         *,
         delay: tuple[float, float] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
@@ -222,8 +236,8 @@ class DiskLanes:
     def _check(self, list_name: str, chunk_id: int, t: torch.Tensor) -> None:
         # in the caller's thread: a wrong buffer is the caller's bug, raised where it was made
         nbytes = self.files.nbytes(list_name, chunk_id)
-        if t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous() or t.numel() * t.element_size() != nbytes:
+        if t.device.type != self.files.device or t.dim() != 1 or not t.is_contiguous() or t.numel() * t.element_size() != nbytes:
             raise ValueError(
-                f"chunk {chunk_id} of list {list_name!r} is {nbytes} bytes; expected a contiguous 1-D CPU tensor of "
+                f"chunk {chunk_id} of list {list_name!r} is {nbytes} bytes; expected a contiguous 1-D {self.files.device} tensor of "
                 f"exactly that, got shape {tuple(t.shape)} of {t.dtype} on {t.device}"
             )

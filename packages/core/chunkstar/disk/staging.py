@@ -16,7 +16,10 @@ that fits only once kept buffers of other sizes are dropped drops them.
 Requests are served in the order they arrive, so a large one is not starved
 by a stream of small ones. ``aligned=True`` makes every buffer start at a
 multiple of 4096 bytes, as ``O_DIRECT`` needs (each then costs up to 4 KiB
-more than its size, not counted in the budget). Thread-safe.
+more than its size, not counted in the budget). ``device="meta"`` lends
+buffers with no bytes (a dry run: Note [dry run disk] in
+:mod:`chunkstar.dryrun.disk`), budgeted and waited for exactly as real ones.
+Thread-safe.
 
 A taker waits for buffers that transfers give back; once a transfer has
 failed, :meth:`~StagingBuffers.fail` makes every waiting and later
@@ -42,15 +45,18 @@ __all__ = ["StagingBuffers"]
 class StagingBuffers:
     """At most ``budget_bytes`` of host buffers (lent and kept together); see the module docstring."""
 
-    def __init__(self, budget_bytes: int, *, aligned: bool = False) -> None:
+    def __init__(self, budget_bytes: int, *, aligned: bool = False, device: str = "cpu") -> None:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes={budget_bytes}: expected > 0")
+        if device not in ("cpu", "meta"):
+            raise ValueError(f"device={device!r}: staging buffers are host memory ('cpu'), or 'meta' for a dry run")
         self.budget_bytes = budget_bytes
-        self.aligned = aligned
+        self.aligned = aligned and device == "cpu"
+        self.device = device
         self._cond = threading.Condition()
         # nbytes -> kept buffers (1-D uint8, host), the sizes given back longest ago first
         self._kept: collections.OrderedDict[int, list[torch.Tensor]] = collections.OrderedDict()
-        self._lent: dict[int, tuple[int, torch.Tensor]] = {}  # data_ptr -> (nbytes, the uint8 buffer under the view)
+        self._lent: dict[int, tuple[int, torch.Tensor]] = {}  # _key -> (nbytes, the uint8 buffer under the view)
         self._queue: collections.deque[object] = collections.deque()  # waiting takers, first come first served
         self._in_use = 0
         self._kept_bytes = 0
@@ -110,11 +116,11 @@ class StagingBuffers:
         if buf is None:
             # Outside the lock: allocating maps memory (no page is touched yet). The room is
             # already reserved, so nothing else can overrun the budget meanwhile.
-            buf = aligned_empty(nbytes) if self.aligned else torch.empty(nbytes, dtype=torch.uint8)
+            buf = aligned_empty(nbytes) if self.aligned else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             with self._cond:
                 self.allocations += 1
         with self._cond:
-            self._lent[buf.data_ptr()] = (nbytes, buf)
+            self._lent[_key(buf)] = (nbytes, buf)
         return buf.view(dtype)
 
     def _reuse(self, nbytes: int) -> torch.Tensor | None:
@@ -138,7 +144,7 @@ class StagingBuffers:
     def give_back(self, t: torch.Tensor) -> None:
         """Return a buffer :meth:`take` lent (any view of the same first byte), to be reused."""
         with self._cond:
-            entry = self._lent.pop(t.data_ptr(), None)
+            entry = self._lent.pop(_key(t), None)
             if entry is None:
                 raise ValueError("give_back: this tensor was not lent by this staging pool, or was given back already")
             nbytes, buf = entry
@@ -173,3 +179,12 @@ class StagingBuffers:
             f"StagingBuffers(budget={self.budget_bytes}, in_use={self._in_use}, kept={self._kept_bytes}, "
             f"aligned={self.aligned})"
         )
+
+
+def _key(t: torch.Tensor) -> int:
+    """What names a lent buffer, given it or a view of it: its first byte's address; on meta,
+    where every address is 0 (and a view of another dtype has no ``_base``), the storage
+    under it, which the buffer keeps alive while lent."""
+    if t.device.type != "meta":
+        return t.data_ptr()
+    return int(t.untyped_storage()._cdata)

@@ -51,17 +51,78 @@ import contextlib
 import time
 import warnings
 import weakref
-from typing import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Protocol
 
 import torch
 
 from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.config import DiskConfig
-from chunkstar.disk import ChunkFiles, DiskLanes, StagingBuffers
+from chunkstar.device.copy_engine import CopyEvent
+from chunkstar.disk import ChunkFiles, DiskIOStats, DiskLanes, StagingBuffers
 from chunkstar.errors import ChunkStateError
 
-__all__ = ["DiskTier", "default_staging_budget"]
+__all__ = ["DiskParts", "DiskTier", "RealDisk", "default_staging_budget"]
+
+
+class TierFiles(Protocol):
+    """What the tier asks of its files (:class:`chunkstar.disk.ChunkFiles`, or a dry run's)."""
+
+    @property
+    def file_bytes(self) -> int: ...
+    @property
+    def stats(self) -> DiskIOStats: ...
+    @property
+    def direct(self) -> bool: ...
+    @property
+    def directory(self) -> Path: ...
+    def write_from(self, list_name: str, chunk_id: int, src: torch.Tensor) -> None: ...
+    def remove(self) -> None: ...
+
+
+class TierLanes(Protocol):
+    """What the tier asks of its I/O lanes (:class:`chunkstar.disk.DiskLanes`, or a dry run's)."""
+
+    def read(self, list_name: str, chunk_id: int, dst: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent: ...
+    def write(
+        self, list_name: str, chunk_id: int, src: torch.Tensor, after: CopyEvent | None = None,
+        then: Callable[[], None] | None = None,
+    ) -> CopyEvent: ...  # fmt: skip
+    def drain(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class DiskParts(Protocol):
+    """What a :class:`DiskTier` is built from: its staging pool, files and I/O lanes.
+    :class:`RealDisk` makes the real ones; a dry run passes parts that record bytes and
+    move none (Note [dry run disk] in :mod:`chunkstar.dryrun.disk`)."""
+
+    def staging(self, budget: int) -> StagingBuffers: ...
+    def files(
+        self, cfg: DiskConfig, *, run_tag: str, rank: int, lists: list[str], chunk_nbytes: dict[str, dict[int, int]]
+    ) -> TierFiles: ...
+    def lanes(self, files: TierFiles, on_failure: Callable[[BaseException], None]) -> TierLanes: ...
+
+
+class RealDisk:
+    """The disk tier's real parts: aligned host buffers, preallocated files under the
+    config's path (claimed for this run), and two I/O threads."""
+
+    def staging(self, budget: int) -> StagingBuffers:
+        return StagingBuffers(budget, aligned=True)
+
+    def files(
+        self, cfg: DiskConfig, *, run_tag: str, rank: int, lists: list[str], chunk_nbytes: dict[str, dict[int, int]]
+    ) -> TierFiles:
+        return ChunkFiles.create(
+            cfg.path, run_tag=run_tag, rank=rank, lists=lists, chunk_nbytes=chunk_nbytes,
+            on_stale="wipe" if cfg.on_stale == "wipe" else "refuse", direct=cfg.direct, verify=cfg.verify,
+        )  # fmt: skip
+
+    def lanes(self, files: TierFiles, on_failure: Callable[[BaseException], None]) -> TierLanes:
+        assert isinstance(files, ChunkFiles)
+        return DiskLanes(files, on_failure=on_failure)
 
 
 def default_staging_budget(chunk_bytes: Mapping[int, int], n_lists: int) -> int:
@@ -71,7 +132,7 @@ def default_staging_budget(chunk_bytes: Mapping[int, int], n_lists: int) -> int:
     return 2 * n_lists * max(chunk_bytes.values(), default=0)
 
 
-def _close(lanes: DiskLanes, files: ChunkFiles) -> None:
+def _close(lanes: TierLanes, files: TierFiles) -> None:
     lanes.close()
     files.remove()
 
@@ -86,8 +147,10 @@ class DiskTier:
         rank: int,
         on_move: Callable[[Chunk, bool, int, int], None] | None = None,
         quiet: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+        parts: DiskParts | None = None,
     ) -> None:
-        """``chunks``: this rank's chunks of each disk list by chunk id (frozen chunks have none).
+        """``chunks``: this rank's chunks of each disk list by chunk id (frozen chunks have none);
+        ``parts``: what the tier is built from (default :class:`RealDisk`).
         ``on_move(chunk, to_disk, nbytes, t_ns)`` hears of every staging move as it is issued
         (the store turns them into events). :meth:`staged` stages inside ``quiet()`` (the
         memory probe paused: staging buffers are model memory)."""
@@ -105,13 +168,11 @@ class DiskTier:
                 f"{', '.join(n.value for n in self.lists)}), which an update stages at once: raise it to at least "
                 f"that (twice that lets reads run ahead of the updates), or lower default_chunk_size"
             )  # before any file exists: a refused start leaves nothing behind
-        self.staging = StagingBuffers(self.budget, aligned=True)
-        self.files = ChunkFiles.create(
-            cfg.path, run_tag=run_tag, rank=rank, lists=[n.value for n in self.lists], chunk_nbytes=sizes,
-            on_stale="wipe" if cfg.on_stale == "wipe" else "refuse", direct=cfg.direct, verify=cfg.verify,
-        )  # fmt: skip
+        parts = parts or RealDisk()
+        self.staging = parts.staging(self.budget)
+        self.files = parts.files(cfg, run_tag=run_tag, rank=rank, lists=[n.value for n in self.lists], chunk_nbytes=sizes)
         # a failed transfer fails the pool: the step waiting in take raises it (Note [disk tier])
-        self.lanes = DiskLanes(self.files, on_failure=self.staging.fail)
+        self.lanes = parts.lanes(self.files, self.staging.fail)
         # the files go at a clean end of the engine (close), when it is collected, or at a failed start
         self._finalizer = weakref.finalize(self, _close, self.lanes, self.files)
         self.stage_ins = 0
