@@ -36,5 +36,20 @@ def test_tflops_and_mfu() -> None:
     assert flops.mfu(1.0, "cpu") is None
     assert flops.mfu(1.0, "mystery-box") is None
     assert flops.peak_tflops("h200") == 989.0
+    # GPU names as torch reports them (gpu_check's MFU): the same peaks as the nodes
+    assert flops.peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert flops.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert flops.peak_tflops("NVIDIA GeForce RTX 4090") == 165.0
+    assert flops.peak_tflops("cpu (chunkstar's virtual device)") is None
     with pytest.raises(ValueError, match="step_time_s"):
         flops.tflops(1.0, 0.0)
+
+
+def test_importing_flops_imports_no_torch() -> None:
+    """The peaks are chunkstar.dryrun.HARDWARE's, read on the first MFU: the runner's parent side imports this
+    module and stays torch-free until then."""
+    import subprocess
+    import sys
+
+    code = "import sys, chunkstar_bench.flops; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

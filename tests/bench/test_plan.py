@@ -299,3 +299,31 @@ def test_measured_chunkstar_disk_from_a_results_db(tmp_path, capsys: pytest.Capt
     assert plan.main(["plan", "--checkpointing", "on", "--disk", "2TB", "--db", str(db.path)]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("chunkstar-disk "))
     assert "GPT3_6B (" in line
+
+
+def test_the_bench_keeps_no_copy_of_the_core_hardware_table() -> None:
+    """``chunkstar.dryrun.HARDWARE`` is the one table of hardware facts: every formula preset is one of its
+    entries (or an alias of one) with that entry's GPUs and device and host memory, the dry run resolves the
+    same names to the same entries, and MFU divides by each entry's own peak. A figure the bench states
+    again (a preset of its own, a peak typed in) fails here as soon as it differs from the core's."""
+    from chunkstar.dryrun import HARDWARE as CORE
+
+    from chunkstar_bench import flops
+    from chunkstar_bench.plan.nodes import ALIASES, node_named
+
+    assert list(HARDWARE) == [*CORE, *ALIASES]
+    for name, hw in HARDWARE.items():
+        alias = ALIASES.get(name)
+        entry = CORE[alias.node if alias is not None else name]
+        host = alias.host_memory if alias is not None and alias.host_memory is not None else entry.host_memory
+        assert (hw.gpus, hw.gpu_mem_bytes, hw.host_mem_bytes) == (entry.gpus_per_node, int(entry.device_memory), int(host)), name
+        assert hw.disk_bytes == 0  # the core has a disk's speed, not its free space: --disk says
+        node = node_named(name)  # what --dry-run runs on under the same name
+        assert (node.gpus_per_node, node.device_memory, node.host_memory, node.peak_flops) == (
+            hw.gpus, hw.gpu_mem_bytes, hw.host_mem_bytes, entry.peak_flops), name  # fmt: skip
+        assert flops.peak_tflops(name) == entry.peak_flops / 1e12, name
+    # the peaks: one per GPU of the core table (its entries' names start with the GPU), plus only what it lacks
+    assert {k: v for k, v in flops.PEAK_TFLOPS.items() if v is not None} == {
+        flops._gpu_of(name): entry.peak_flops / 1e12 for name, entry in CORE.items()
+    }
+    assert set(flops.PEAK_TFLOPS) - {flops._gpu_of(name) for name in CORE} == {"cpu"}

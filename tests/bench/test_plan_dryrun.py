@@ -163,8 +163,20 @@ def test_cli_dry_run_on_a_tiny_ladder(capsys: pytest.CaptureFixture[str]) -> Non
         cli_main(["plan", "--dry-run", "--gate"])
     with pytest.raises(SystemExit, match="goes with --dry-run"):
         cli_main(["plan", "--dry-run-db", "x.sqlite"])
-    with pytest.raises(SystemExit, match="a --dry-run node"):
-        cli_main(["plan", "--hardware", "h200_1.5tb"])
+    with pytest.raises(SystemExit, match="custom is the formula's"):
+        cli_main(["plan", "--dry-run", "--hardware", "custom"])
+
+
+def test_hardware_names_are_the_same_for_the_formula_and_the_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
+    # a node the formula did not know before it read chunkstar.dryrun.HARDWARE (the dry run's anchors), and the
+    # formula's old preset name, now an alias the dry run takes too
+    assert cli_main(["plan", "--hardware", "h200_1.5tb", "--checkpointing", "on", "--systems", "chunkstar"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("PREDICTION") and "for h200_1.5tb: 1x H200" in out and "host 1,500.0 GiB" in out
+    assert cli_main(["plan", "--hardware", "h200x1_128gb", "--checkpointing", "on", "--systems", "chunkstar"]) == 0
+    assert "host 128.0 GiB" in capsys.readouterr().out
+    p = dry_run_point(TINY, "h200x1_128gb", 1, 2)
+    assert p.fits and p.hardware == "h200x1_128gb"
 
 
 # ---------------------------------------------------------------------------------------------- the tables

@@ -8,6 +8,9 @@ beside the paper's published maximum scales and, given a results database, the
 largest model each system actually trained. It is arithmetic on parameter
 shapes, not a measurement; every figure it prints says so.
 
+* :mod:`~chunkstar_bench.plan.nodes` -- the nodes ``--hardware`` names, for the
+  formula and the dry run alike: ``chunkstar.dryrun.HARDWARE``'s entries, the one
+  table of hardware facts, and older names kept as aliases of them;
 * :mod:`~chunkstar_bench.plan.model` -- the memory model (Note [the memory
   model]): footprints and the predicted maximum per system;
 * :mod:`~chunkstar_bench.plan.rows` -- each prediction beside the published and

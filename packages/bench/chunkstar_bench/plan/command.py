@@ -18,12 +18,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from chunkstar.dryrun import HARDWARE as DRY_RUN_HARDWARE
-
 from chunkstar_bench.plan.dryrun import RANK_CHOICES, DryRunPoint, DryRunSettings, dry_run_point
 from chunkstar_bench.plan.format import format_dry_run_head, format_largest, format_paper_table, format_plan
 from chunkstar_bench.plan.gate import THRESHOLD, gate, store
 from chunkstar_bench.plan.model import DISK_SYSTEMS, HARDWARE, SYSTEMS, Hardware, Workload, default_systems, models_named
+from chunkstar_bench.plan.nodes import ALIASES, NODE_NAMES, aliases_help, node_named
 from chunkstar_bench.plan.paper import LARGEST_NODES, PAPER_NODES, largest_rows, paper_points, paper_rows
 from chunkstar_bench.plan.rows import plan
 from chunkstar_bench.zoo import ModelSpec
@@ -54,18 +53,23 @@ def add_plan_command(subparsers: Any) -> argparse.ArgumentParser:
         help="predict the largest zoo model each system fits on a node (a prediction, not a measurement)",
         description=_DESCRIPTION,
     )
+    nodes = [n for n in NODE_NAMES if n not in ALIASES]
     p.add_argument(
-        "--hardware", default=None, choices=list(dict.fromkeys([*HARDWARE, "custom", *DRY_RUN_HARDWARE])),
-        help="the node (default: v100x8_240gb; with --dry-run: the paper's two nodes and the two single-GPU anchors). "
-        f"The formula knows {', '.join(HARDWARE)} and custom; --dry-run knows {', '.join(DRY_RUN_HARDWARE)}",
+        "--hardware", default=None, choices=[*NODE_NAMES, "custom"],
+        help="the node (default: v100x8_240gb; with --dry-run: the paper's two nodes and the two single-GPU anchors): "
+        f"{', '.join(nodes)} (chunkstar.dryrun.HARDWARE, for the formula and --dry-run alike), or custom (the formula "
+        f"only: --gpus, --gpu-mem, --host-mem). Aliases: {aliases_help()}",
     )
     p.add_argument("--gpus", type=int, default=None,
                    help="GPUs (default: the preset's; required for custom). With --dry-run: only the published points "
                    "on this many GPUs, and the largest model on this many")
     p.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU (custom, or override the preset)")
     p.add_argument("--host-mem", type=float, default=None, help="host GiB (custom, or override the preset)")
+    with_disk = [n for n in nodes if node_named(n).disk_read > 0]
     p.add_argument("--disk", type=parse_size, default=None,
-                   help="free disk for chunkstar-disk's chunk files, e.g. 2TB or 1800GiB (default: none, so no chunkstar-disk row)")
+                   help="free disk for chunkstar-disk's chunk files, e.g. 2TB or 1800GiB (default: none, so no chunkstar-disk row; "
+                   f"also on {', '.join(with_disk) or 'a node'} whose disk chunkstar.dryrun.HARDWARE describes by its speed, "
+                   "not its free space)")
     p.add_argument("--staging", type=parse_size, default=None,
                    help="chunkstar-disk: host staging budget per process, e.g. 4GiB (default: the engine's auto)")
     p.add_argument("--batch", type=int, default=Workload.batch,
@@ -147,8 +151,11 @@ def _say(start: float) -> Any:
 
 def run_dry_run(args: argparse.Namespace) -> int:
     """``plan --dry-run``: the paper table and the largest models, from dry runs; the gate with ``--gate``."""
-    if args.hardware is not None and args.hardware not in DRY_RUN_HARDWARE:
-        raise SystemExit(f"--dry-run knows the nodes {', '.join(DRY_RUN_HARDWARE)}; not {args.hardware}")
+    if args.hardware == "custom":
+        raise SystemExit(
+            "--hardware custom is the formula's: a dry run's time model needs a whole node description (links, compute, "
+            f"CPU Adam), so choose one of {', '.join(NODE_NAMES)}"
+        )
     if args.gate and not args.dry_run_db:
         raise SystemExit("--gate compares with the table stored before: give --dry-run-db")
     if args.steps < 3:
@@ -189,7 +196,7 @@ def run_dry_run(args: argparse.Namespace) -> int:
         if hardware is None:
             targets = [(h, args.gpus or g) for h, g in LARGEST_NODES]
         else:
-            targets = [(hardware[0], args.gpus or DRY_RUN_HARDWARE[hardware[0]].gpus_per_node)]
+            targets = [(hardware[0], args.gpus or node_named(hardware[0]).gpus_per_node)]
         largest = largest_rows(targets, ladder, run, settings.batch, say)
     out = format_dry_run_head(settings, args.markdown)
     if rows:
@@ -240,10 +247,6 @@ def run_plan(args: argparse.Namespace) -> int:
         if getattr(args, flag):
             raise SystemExit(f"--{flag.replace('_', '-')} goes with --dry-run")
     args.hardware = args.hardware or "v100x8_240gb"
-    if args.hardware not in HARDWARE and args.hardware != "custom":
-        raise SystemExit(
-            f"the formula knows the nodes {', '.join(HARDWARE)} and custom; {args.hardware} is a --dry-run node"
-        )
     hw = _hardware_from_args(args)
     if hw.gpus < 1:
         raise SystemExit("--gpus must be at least 1")

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from chunkstar_bench import zoo
 from chunkstar_bench.flops import patrickstar_flops
 from chunkstar_bench.plan.model import HOST_PER_PROCESS_BYTES, HOST_RESERVED_BYTES
+from chunkstar_bench.plan.nodes import node_named
 from chunkstar_bench.zoo import ModelSpec
 
 if TYPE_CHECKING:
@@ -274,16 +275,15 @@ def dry_run_point(
     fallback: bool = True,
     progress: Progress | None = None,
 ) -> DryRunPoint:
-    """Dry-run ``spec`` on ``gpus`` GPUs of ``hardware`` (a name in ``chunkstar.dryrun.HARDWARE``,
-    or a ``chunkstar.dryrun.Hardware``) with ``batch`` sequences per GPU (Note [the paper's workload in a dry run]).
+    """Dry-run ``spec`` on ``gpus`` GPUs of ``hardware`` (a name in ``chunkstar.dryrun.HARDWARE`` or an alias
+    of one, :func:`~chunkstar_bench.plan.nodes.node_named`, or a ``chunkstar.dryrun.Hardware``) with
+    ``batch`` sequences per GPU (Note [the paper's workload in a dry run]).
 
     ``chunk_size`` None is the engine's ``"auto"``, and with ``fallback`` a device
     that ``"auto"`` does not fit gets a second try at :data:`PATRICKSTAR_CHUNK_ELEMENTS`.
     ``ranks`` is one of :data:`RANK_CHOICES`. Never raises for a failed dry run: the
     point says it failed, and why."""
-    from chunkstar.dryrun import hardware_named
-
-    hw = hardware_named(hardware) if isinstance(hardware, str) else hardware
+    hw = node_named(hardware) if isinstance(hardware, str) else hardware
     if gpus < 1 or gpus > hw.gpus_per_node:
         raise ValueError(f"{hw.name} has {hw.gpus_per_node} GPU(s) per node; asked for {gpus}")
     seq = seq_len or spec.seq_len

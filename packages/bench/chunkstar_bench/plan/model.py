@@ -80,6 +80,7 @@ from chunkstar.config import DISK_LISTS
 from chunkstar.runtime.disk_tier import default_staging_budget
 
 from chunkstar_bench import published, zoo
+from chunkstar_bench.plan.nodes import NODE_NAMES, Node, node_named
 from chunkstar_bench.units import GIB
 from chunkstar_bench.zoo import ModelSpec
 
@@ -136,15 +137,29 @@ HOST_PER_PROCESS_BYTES = 3 * GIB
 @dataclass(frozen=True)
 class Hardware:
     """One node: ``gpus`` GPUs of ``gpu_mem_bytes`` each, ``host_mem_bytes`` of CPU memory and
-    ``disk_bytes`` free on a disk for chunk files (0: none, so no chunkstar-disk)."""
+    ``disk_bytes`` free on a disk for chunk files (0: none, so no chunkstar-disk).
+
+    A preset is :meth:`from_node` of an entry of :data:`chunkstar.dryrun.HARDWARE`, the one table of
+    these facts (see :mod:`~chunkstar_bench.plan.nodes`); ``--hardware custom`` and the
+    ``--gpu-mem``/``--host-mem`` overrides build one by hand."""
 
     name: str
     gpus: int
     gpu_mem_bytes: int
+    """Bytes of one GPU: a preset's is the entry's ``device_memory`` (what one process may use, the CUDA
+    context already off); :attr:`device_usable` takes the formula's own reservations off it."""
     host_mem_bytes: int
     note: str = ""
     disk_bytes: int = 0
-    """Free bytes on the node's disk for the disk tier's chunk files (all processes' together)."""
+    """Free bytes on the node's disk for the disk tier's chunk files (all processes' together). The formula's
+    alone: the core table has a disk's speed (``disk_read``), not its free space, so a preset has none
+    until ``--disk`` says how much."""
+
+    @classmethod
+    def from_node(cls, node: Node, gpus: int | None = None) -> Hardware:
+        """The formula's node for a :class:`chunkstar.dryrun.Hardware`: its GPUs (or ``gpus`` of them),
+        device and host memory and description; no disk space (:attr:`disk_bytes`)."""
+        return cls(node.name, node.gpus_per_node if gpus is None else gpus, int(node.device_memory), int(node.host_memory), node.description)
 
     @property
     def device_usable(self) -> int:
@@ -156,12 +171,9 @@ class Hardware:
         return max(0, self.host_mem_bytes - HOST_RESERVED_BYTES - processes * HOST_PER_PROCESS_BYTES)
 
 
-HARDWARE: dict[str, Hardware] = {
-    "v100x8_240gb": Hardware("v100x8_240gb", 8, 32 * GIB, 240 * GIB, "8 x V100 32 GB, 240 GB host (the paper's node)"),
-    "a100x8_1tb": Hardware("a100x8_1tb", 8, 80 * GIB, 1024 * GIB, "8 x A100 80 GB, 1 TB host (the paper's node)"),
-    "h200x1_128gb": Hardware("h200x1_128gb", 1, 139 * GIB, 128 * GIB, "1 x H200 (139 GiB usable), 128 GiB host"),
-}
-"""Preset nodes. The paper's "GB" are read as GiB (a V100 "32 GB" has 32 GiB)."""
+HARDWARE: dict[str, Hardware] = {name: Hardware.from_node(node_named(name)) for name in NODE_NAMES}
+"""Preset nodes: every entry of :data:`chunkstar.dryrun.HARDWARE` (GPUs, device and host memory as it states
+them, with its sources), then the older names of :data:`chunkstar_bench.plan.nodes.ALIASES`."""
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from chunkstar_bench import zoo
 from chunkstar_bench.plan.deepspeed import DeepSpeedVerdict, deepspeed_largest, deepspeed_verdict
 from chunkstar_bench.plan.dryrun import DryRunPoint, LargestSearch, largest_fitting
-from chunkstar_bench.plan.model import HARDWARE as FORMULA_HARDWARE
 from chunkstar_bench.plan.model import Hardware as FormulaHardware
 from chunkstar_bench.plan.model import Prediction as FormulaPrediction
 from chunkstar_bench.plan.model import Workload, predict_max
+from chunkstar_bench.plan.nodes import node_named
 from chunkstar_bench.published import PublishedResult, load_published
 from chunkstar_bench.zoo import ModelSpec
 
@@ -147,10 +147,9 @@ Runner = Callable[[ModelSpec, str, int], DryRunPoint]
 
 
 def _node(hardware: str) -> tuple[int, int, int]:
-    """(GPUs per node, bytes one process may use per GPU, host bytes) of a dry-run hardware description."""
-    from chunkstar.dryrun import hardware_named
-
-    hw = hardware_named(hardware)
+    """(GPUs per node, bytes one process may use per GPU, host bytes) of a node of ``chunkstar.dryrun.HARDWARE``
+    (or an alias of one, :func:`~chunkstar_bench.plan.nodes.node_named`)."""
+    hw = node_named(hardware)
     return hw.gpus_per_node, int(hw.device_memory), int(hw.host_memory)
 
 
@@ -186,12 +185,9 @@ class LargestRow:
     """System label -> the largest model its paper reports on this node."""
 
 
-def _formula_hardware(hardware: str, gpus: int, device: int, host: int) -> FormulaHardware:
-    """The formula planner's node: its preset where it has one, else the dry run's description."""
-    preset = FORMULA_HARDWARE.get(hardware)
-    if preset is not None and preset.gpus == gpus:
-        return preset
-    return FormulaHardware(hardware, gpus, device, host, "from chunkstar.dryrun.HARDWARE")
+def _formula_hardware(hardware: str, gpus: int) -> FormulaHardware:
+    """The formula planner's node: the same ``chunkstar.dryrun.HARDWARE`` entry the dry run runs on, at ``gpus`` GPUs."""
+    return FormulaHardware.from_node(node_named(hardware), gpus)
 
 
 def _published_max(hardware: str, gpus: int) -> dict[str, PublishedMax]:
@@ -225,6 +221,6 @@ def largest_rows(
         _, device, host = _node(hardware)
         search = largest_fitting(models, lambda spec: run(spec, hardware, gpus), hardware, gpus)
         ds_best, ds_blocked = deepspeed_largest(models, gpus, host, device)
-        formula = predict_max("chunkstar", _formula_hardware(hardware, gpus, device, host), Workload(batch=batch, checkpointing=True), models)
+        formula = predict_max("chunkstar", _formula_hardware(hardware, gpus), Workload(batch=batch, checkpointing=True), models)
         rows.append(LargestRow(hardware, gpus, search, ds_best, ds_blocked, formula, _published_max(hardware, gpus)))
     return rows
