@@ -81,6 +81,25 @@ def disk_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def predicted_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A predicted profile: rank 0's step of a 2-rank dry run of a tiny GPT-2 (3 layers) on the meta device,
+    under a budget that forces moves, on the time model's clock for the paper's 8 x A100 node
+    (``chunkstar_profiler.predicted``, as ``tests/profiler/test_predicted.py`` builds it)."""
+    import chunkstar
+    import torch
+    from chunkstar_profiler.predicted import write_predicted_profile
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def gpt2() -> torch.nn.Module:
+        return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=3, n_head=4, n_positions=64))
+
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    cfg = {"device_memory_budget": "4MB", "default_chunk_size": 40000, "bf16": {"enabled": True}}
+    report = chunkstar.dry_run(gpt2, cfg, {"input_ids": ids, "labels": ids}, world_size=2, hardware="a100x8_1tb")
+    return Path(write_predicted_profile(report, tmp_path_factory.mktemp("profiles") / "predicted.csprof", rank=0))
+
+
+@pytest.fixture(scope="session")
 def bad_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("profiles") / "not_a_profile.csprof"
     path.write_bytes(b"this is not a chunkstar profile\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -216,3 +217,72 @@ def test_a_profile_without_the_disk_tier_shows_no_disk(profile_path: Path) -> No
     _assert_clean(at)
     assert not {"Staged in", "Staged out"} & {m.label for m in at.metric}
     assert not {"stage-ins", "MiB staged in"} & set(at.dataframe[0].value.columns)
+
+
+def _x_titles(chart: object) -> list[str]:
+    import json
+
+    layout = json.loads(chart.proto.spec)["layout"]  # type: ignore[attr-defined]
+    return [axis["title"]["text"] for key, axis in layout.items() if key.startswith("xaxis") and axis.get("title")]
+
+
+def test_a_predicted_profile_opens_on_every_page(predicted_profile_path: Path, profile_path: Path) -> None:
+    """A dry run's predicted step (``write_predicted_profile``), opened as a user opens any profile: every page
+    renders it and says, above its figures, that it is predicted, on the time model's clock, not measured."""
+    import chunkstar_profiler
+
+    prof = chunkstar_profiler.load(str(predicted_profile_path))
+    assert prof.prediction is not None and len(prof.moves) > 0
+    at = _app(predicted_profile_path)
+    _assert_clean(at)
+    sidebar = at.sidebar.caption[0].value
+    assert "**predicted** by a dry run, not measured" in sidebar and re.search(r"1 iterations, \S+ (µs|ms|s) predicted", sidebar)
+    assert "recorded" not in sidebar  # written, not recorded
+    for page in ("views/memory.py", "views/chunks.py", "views/operators.py"):
+        if page != "views/memory.py":
+            at.switch_page(page).run()
+        _assert_clean(at)
+        notes = [i.value for i in at.info if "Predicted profile, not measured" in i.value]
+        assert len(notes) == 1, page
+        assert "rank 0 of 2" in notes[0] and "per step, bound by" in notes[0], notes[0]
+        charts = _plotly_charts(at)
+        assert len(charts) == 1, page
+        if page != "views/operators.py":
+            assert _x_titles(charts[0])[-1].startswith("predicted time since step start ("), page
+    table = at.dataframe[0].value
+    assert table["moves"].sum() == len(prof.moves)
+    # beside a measured run on the compare page: A is the predicted one, B is not
+    at.switch_page("views/compare.py").run()
+    at.text_input(key="compare_path").input(str(profile_path)).run()
+    _assert_clean(at)
+    assert [i.value.startswith("**Predicted profile") for i in at.info] == [True]
+    assert len(_plotly_charts(at)) == 3
+    # a measured profile has no such note
+    at.text_input(key="profile_path").input(str(profile_path)).run()
+    at.switch_page("views/memory.py").run()
+    _assert_clean(at)
+    assert not any("Predicted" in i.value for i in at.info)
+    assert _x_titles(_plotly_charts(at)[0])[-1].startswith("time since profile start (")
+
+
+def test_a_chunk_map_of_more_chunks_than_rows_draws_bands(predicted_profile_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``MAX_CHUNK_ROWS`` chunks (a 68B run's lists, or a deep model's with small chunks), a row of the map is a
+    band of consecutive chunks, and the page says so; here the limit is lowered to below the tiny run's chunks."""
+    import json
+
+    import chunkstar_profiler
+
+    from chunkstar_dashboard import data
+
+    prof = chunkstar_profiler.load(str(predicted_profile_path))
+    n_chunks = len(prof.placements[["chunk_list", "chunk_id"]].drop_duplicates())
+    assert n_chunks > 8
+    monkeypatch.setattr(data, "MAX_CHUNK_ROWS", 8)
+    at = _app(predicted_profile_path)
+    at.switch_page("views/chunks.py").run()
+    _assert_clean(at)
+    band = -(-n_chunks // 8)
+    assert any(f"{n_chunks:,} chunks, more than the 8 rows the map draws: each row is a band of {band} " in c.value for c in at.caption)
+    heatmaps = json.loads(_plotly_charts(at)[0].proto.spec)["data"]
+    rows = [y for h in heatmaps for y in h["y"]]
+    assert len(rows) <= 8 + len(heatmaps) and any("-" in y for y in rows)  # a list's last band may be short

@@ -324,3 +324,41 @@ def test_the_checkout_entry_serves_the_same_app(profile_path: Path, request: pyt
                 _screenshot(page, shots / "entry_memory.png")
             finally:
                 browser.close()
+
+
+@needs_chromium
+def test_a_predicted_profile_renders_in_chromium(
+    predicted_profile_path: Path, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """``chunkstar-profile view`` on a dry run's predicted step (``write_predicted_profile``): the memory timeline,
+    chunk map and per-operator moves draw, with no exception, and each says, under its title, that the profile is
+    predicted (the time model's clock, not measured), as do the sidebar and the time axes."""
+    from playwright.sync_api import sync_playwright
+
+    port = _free_port()
+    cmd = [
+        sys.executable, "-m", "chunkstar_profiler.cli", "view", str(predicted_profile_path), "--port", str(port), "--no-browser",
+    ]  # fmt: skip
+    shots = _shots(request, tmp_path)
+    for url in _serve(cmd, port, tmp_path / "streamlit.log", cwd=tmp_path):
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                for path, axis in (("", True), ("chunks", True), ("operators", False)):
+                    where = f"predicted, {path or 'memory'}"
+                    page.goto(f"{url}/{path}", wait_until="domcontentloaded")
+                    _settle(page, 1)
+                    plots = _assert_newcomer_view(page, where)
+                    note = page.locator('[data-testid="stAlert"]').filter(has_text="Predicted profile, not measured")
+                    assert note.count() == 1, where
+                    assert re.search(r"a dry run's step of rank 0 of 2 on .*per step, bound by \w+", note.inner_text()), where
+                    if axis:
+                        assert "predicted time since step start" in plots[0]["text"], where
+                        assert "time since profile start" not in plots[0]["text"], where
+                    sidebar = page.locator('[data-testid="stSidebar"]').inner_text()
+                    assert "predicted by a dry run, not measured" in sidebar and "recorded" not in sidebar, where
+                    _screenshot(page, shots / f"predicted_{path or 'memory'}.png")
+            finally:
+                browser.close()
+    assert (shots / "predicted_chunks.png").stat().st_size > 10_000

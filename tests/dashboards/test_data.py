@@ -10,6 +10,7 @@ from chunkstar_profiler import Profile
 from chunkstar_dashboard import charts
 from chunkstar_dashboard.data import (
     OUTSIDE_MOMENTS,
+    clock_label,
     MoveFilter,
     compare_table,
     display_name,
@@ -24,6 +25,7 @@ from chunkstar_dashboard.data import (
     move_totals,
     moves_by_operator,
     placement_grid,
+    prediction_note,
     round_significant,
     step_time_comparison,
     step_times,
@@ -204,6 +206,88 @@ def test_placement_grid_fractions() -> None:
     np.testing.assert_allclose(coarse.device[1], [0.0, 0.75])
     fig = charts.chunk_map(grid)
     assert [t.type for t in fig.data] == ["heatmap", "heatmap"]
+
+
+def _random_placements(n_chunks: int, lists: tuple[str, ...], seed: int = 0) -> pd.DataFrame:
+    """Each chunk's payload alternating between tiers in back-to-back stays, with gaps (freed) now and then."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for chunk_list in lists:
+        for cid in rng.permutation(n_chunks):  # in no particular order, as the recorder closes them
+            t = float(rng.random())
+            while t < 10.0:
+                d = float(rng.exponential(0.7))
+                rows.append((int(cid) * 3, chunk_list, str(rng.choice(["device", "host", "disk"], p=[0.5, 0.4, 0.1])), t, t + d))
+                t += d + (float(rng.exponential(0.5)) if rng.random() < 0.2 else 0.0)
+    return pd.DataFrame(rows, columns=["chunk_id", "chunk_list", "tier", "t_start_s", "t_end_s"])
+
+
+def _reference_fractions(placements: pd.DataFrame, tier: str, key: tuple[str, int], edges: np.ndarray) -> np.ndarray:
+    """Each bin's covered fraction, interval by interval (the plain definition the vectorised grid must match)."""
+    sel = placements[(placements["chunk_list"] == key[0]) & (placements["chunk_id"] == key[1]) & (placements["tier"] == tier)]
+    out = np.zeros(len(edges) - 1)
+    for s, e in zip(sel["t_start_s"], sel["t_end_s"]):
+        out += np.clip(np.minimum(edges[1:], e) - np.maximum(edges[:-1], s), 0.0, None)
+    return np.clip(out / np.diff(edges), 0.0, 1.0)
+
+
+def test_placement_grid_matches_the_interval_by_interval_sum() -> None:
+    placements = _random_placements(12, ("param", "master"))
+    grid = placement_grid(placements, ["param", "master"], n_bins=37, t_end=8.0)  # stays past t_end are cut
+    assert grid.band == 1 and grid.band_sizes == [1] * 24 and grid.last_ids == grid.chunk_ids
+    assert grid.row_labels()[:3] == ["0", "3", "6"]
+    for r, key in enumerate(zip(grid.chunk_lists, grid.chunk_ids)):
+        for tier in ("device", "host", "disk"):
+            np.testing.assert_allclose(getattr(grid, tier)[r], _reference_fractions(placements, tier, key, grid.edges), atol=1e-9)
+
+
+def test_placement_grid_bands_consecutive_chunks_past_max_rows() -> None:
+    """More chunks than ``max_rows``: a row per band of ``ceil(chunks / max_rows)`` consecutive chunks of one
+    list, its fractions the band's mean; the grid holds only the bands."""
+    placements = _random_placements(10, ("param", "master", "exp_avg"), seed=1)
+    full = placement_grid(placements, ["param", "master", "exp_avg"], n_bins=20)
+    banded = placement_grid(placements, ["param", "master", "exp_avg"], n_bins=20, max_rows=8)
+    assert banded.band == 4 and banded.n_chunks == full.n_chunks == 30
+    # per list 10 chunks: bands of 4, 4 and 2, never across lists
+    assert banded.chunk_lists == ["param"] * 3 + ["master"] * 3 + ["exp_avg"] * 3
+    assert banded.band_sizes == [4, 4, 2] * 3 and banded.device.shape == (9, 20)
+    assert banded.chunk_ids[:3] == [0, 12, 24] and banded.last_ids[:3] == [9, 21, 27]
+    assert banded.row_labels()[:3] == ["0-9", "12-21", "24-27"]
+    for tier in ("device", "host", "disk"):
+        mine, whole = getattr(banded, tier), getattr(full, tier)
+        for band, (lo, hi) in enumerate([(0, 4), (4, 8), (8, 10)] * 3):
+            base = 10 * (band // 3)
+            np.testing.assert_allclose(mine[band], whole[base + lo : base + hi].mean(axis=0), atol=1e-9)
+    fig = charts.chunk_map(banded)
+    assert [len(t.y) for t in fig.data] == [3, 3, 3] and fig.data[0].ygap == 1
+    assert fig.layout.annotations[0].text == "param (10 chunks, 4 a row)"
+    assert "chunks %{y}" in fig.data[0].hovertemplate and "mean over the row's chunks" in fig.data[0].hovertemplate
+    assert placement_grid(placements, ["param", "master", "exp_avg"], n_bins=20, max_rows=30).band == 1
+    # rows thinner than 4 px (the map is at most 1,400 px tall) are drawn without a gap, which would hide them
+    thin = charts.chunk_map(placement_grid(_random_placements(100, ("param", "master", "exp_avg")), n_bins=10))
+    assert len(thin.data[0].y) == 100 and thin.layout.height == 1400 and thin.data[0].ygap == 0
+
+
+def test_a_predicted_profile_is_named_as_such() -> None:
+    measured = _profile("m", peak_mib=10, moves=_moves(), step_s=[0.1])
+    assert prediction_note(measured) is None and clock_label(measured) == "time since profile start"
+    meta = {**measured.meta, "platform": "8x A100 [80 GB](http://x)", "predicted": {
+        "seconds_per_step": 83.2, "binding": "*compute*", "rank": 0, "world_size": 8}}  # fmt: skip
+    predicted = Profile(meta, measured.moments, measured.moves, measured.memory, measured.stages, measured.placements)
+    note = prediction_note(predicted)
+    assert note is not None and note.startswith("**Predicted profile, not measured**: a dry run's step of rank 0 of 8 on ")
+    assert "8x A100 \\[80 GB\\]\\(http\\:\\/\\/x\\)" in note  # strings from the file, escaped
+    assert "(1 min 23 s per step, bound by \\*compute\\*)" in note
+    assert clock_label(predicted) == "predicted time since step start"
+    fig, _ = charts.memory_timeline(predicted)
+    assert fig.layout.xaxis.title.text == "predicted time since step start (ms)"
+    # a prediction whose fields are missing or of the wrong type: still predicted, without figures
+    bare = Profile({"predicted": {"binding": 3}}, measured.moments, measured.moves, measured.memory, measured.stages, measured.placements)
+    assert prediction_note(bare) == (
+        "**Predicted profile, not measured**: a dry run's step, on the time model's clock (`chunkstar.dry_run`). "
+        "Every time and duration here is the model's; the moves, chunk placements and memory are the real engine's, "
+        "run on the meta device."
+    )
 
 
 # --- comparison -----------------------------------------------------------------

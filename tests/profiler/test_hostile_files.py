@@ -127,6 +127,7 @@ WRONG_TYPES: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         lambda m: m["meta"].update(disk_stats={"disk_bytes_read": "lots"}), "meta 'disk_stats' is dict .*expected an object of finite numbers"
     ),
     "disk_stats a bool": (lambda m: m["meta"].update(disk_stats={"disk_direct_io": True}), "expected an object of finite numbers"),
+    "predicted not an object": (lambda m: m["meta"].update(predicted="yes"), "meta 'predicted' is str 'yes', expected an object"),
     "version a bool": (lambda m: m.update(version=True), "no valid format version \\(True\\)"),
     "writer a number": (lambda m: m.update(writer=3), "'writer' is int 3, expected a string"),
     "tables a list": (lambda m: m.update(tables=[]), "'tables' is list \\[\\], expected an object"),
@@ -215,3 +216,20 @@ def test_a_file_that_is_not_a_profile_is_never_quoted(kind: str, make: Callable[
     said = message[len(f"{path}: ") :]  # what the reader says about the file, after its name
     for fragment in ("root", SECRET[:4], "\\x80", "\\xff", "0xff", "0x80"):
         assert fragment not in said, message
+
+
+def test_a_predicted_profiles_fields_of_the_wrong_type_are_left_out(good: Path, tmp_path: Path) -> None:
+    """``meta["predicted"]`` (an object) marks a predicted profile; ``Profile.prediction`` keeps only the fields
+    that have their type (the viewer formats them), and a measured profile has none."""
+    assert chunkstar_profiler.load(str(good)).prediction is None
+    fields = {
+        "seconds_per_step": 1.5, "binding": "compute", "rank": 1, "world_size": 8, "flops": 10**15,
+        "busy": {"compute": 1.0, "h2d": "x", "d2h": True, "disk": float("nan")},
+    }  # fmt: skip
+    p = chunkstar_profiler.load(str(with_manifest(good, tmp_path / "pred.csprof", lambda m: m["meta"].update(predicted=fields))))
+    assert p.prediction == {"seconds_per_step": 1.5, "binding": "compute", "rank": 1, "world_size": 8, "flops": 10**15, "busy": {"compute": 1.0}}
+    assert p.meta["version"] == FORMAT_VERSION  # a meta key, no new values in any column: no new version
+    wrong = {"seconds_per_step": "fast", "binding": ["**x**"], "rank": 1.0, "world_size": True, "busy": [1], "extra": 1}
+    p = chunkstar_profiler.load(str(with_manifest(good, tmp_path / "odd.csprof", lambda m: m["meta"].update(predicted=wrong))))
+    assert p.prediction == {}  # still a predicted profile: the viewer says so, without figures
+    assert chunkstar_profiler.summarize(p).splitlines()[2] == "PREDICTED, not measured: a dry run's step on the time model's clock"

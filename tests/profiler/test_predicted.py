@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -50,7 +51,17 @@ def test_the_predicted_step_has_every_event_on_the_predicted_clock(report: chunk
     assert len(loaded.moves) == len(p.moves) and loaded.meta["predicted"]["rank"] == 1
     trace = export_chrome_trace(loaded, tmp_path / "predicted.json")
     assert Path(trace).stat().st_size > 0
-    assert chunkstar_profiler.summarize(loaded)
+    assert loaded.prediction is not None and loaded.prediction["rank"] == 1 and loaded.prediction["world_size"] == 2
+    assert loaded.prediction["seconds_per_step"] == seconds and set(loaded.prediction["busy"]) >= {"compute", "h2d", "d2h"}
+    assert f"PREDICTED, not measured: a dry run's step on the time model's clock ({seconds:,.3f} s/step, bound by " in (
+        chunkstar_profiler.summarize(loaded)
+    )
+
+
+def test_a_measured_profile_is_not_predicted(recorded: dict[str, Any]) -> None:
+    measured = chunkstar_profiler.load(recorded["path"])
+    assert measured.prediction is None and "predicted" not in measured.meta
+    assert "PREDICTED" not in chunkstar_profiler.summarize(measured)
 
 
 def test_a_rank_that_was_not_simulated_or_did_not_fit_is_refused(report: chunkstar.DryRunReport) -> None:

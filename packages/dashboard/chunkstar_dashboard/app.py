@@ -58,6 +58,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 def _sidebar_summary(p: Profile) -> None:
     # Every string from the file is escaped: a model name of `**x**` or `[x](url)` shows as typed.
     m = p.meta
+    predicted = p.prediction is not None
     chunk_size = m.get("chunk_size")
     lines = [
         f"**{escape_markdown(display_name(p))}**",
@@ -65,14 +66,17 @@ def _sidebar_summary(p: Profile) -> None:
         + (f", {escape_markdown(m['precision'])}" if m.get("precision") else ""),
         f"{escape_markdown(m.get('n_chunks', '?'))} chunks" + (f" of {chunk_size:,} elements" if isinstance(chunk_size, int) else ""),
         f"device {escape_markdown(m.get('device', '?'))}, budget " + (format_bytes(m["budget_bytes"]) if m.get("budget_bytes") else "unbounded"),
-        f"{escape_markdown(m.get('iterations', '?'))} iterations, {format_duration(duration_s(p))} recorded",
+        f"{escape_markdown(m.get('iterations', '?'))} iterations, {format_duration(duration_s(p))} "
+        + ("predicted" if predicted else "recorded"),
     ]
+    if predicted:  # a dry run's step on the time model's clock: said before any figure
+        lines.insert(1, "**predicted** by a dry run, not measured")
     if has_disk_tier(p):
         lines.insert(4, f"disk tier: {format_bytes(peak_bytes(p.memory, 'disk'))} of chunk files")
     created = m.get("created_unix")
     if isinstance(created, (int, float)) and created > 0:
         try:
-            lines.append(f"recorded {datetime.datetime.fromtimestamp(created):%Y-%m-%d %H:%M}")
+            lines.append(f"{'written' if predicted else 'recorded'} {datetime.datetime.fromtimestamp(created):%Y-%m-%d %H:%M}")
         except (OverflowError, OSError, ValueError):  # a time no calendar holds: leave the line out
             pass
     st.sidebar.caption("  \n".join(lines))

@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 
 from chunkstar_profiler import Profile
 
-from .data import MAX_POINTS_PER_TRACE, TIERS, PlacementGrid, duration_s, memory_series, tiers_present, time_axis
+from .data import MAX_POINTS_PER_TRACE, TIERS, PlacementGrid, clock_label, duration_s, memory_series, tiers_present, time_axis
 
 __all__ = ["STAGE_COLOURS", "STAGE_NAMES", "TIER_COLOURS", "chunk_map", "memory_timeline", "operator_bytes", "step_times_chart"]
 
@@ -78,7 +78,8 @@ def memory_timeline(
     most runs do not have); one panel per tier, titled in the tier's colour.
     ``iterations`` (inclusive) narrows the view to those iterations' stages;
     each iteration in view is numbered above its bands. Time is in ms, s or
-    min, whichever suits the span shown (``data.time_axis``).
+    min, whichever suits the span shown (``data.time_axis``); a predicted
+    profile's axis says it is the time model's (``data.clock_label``).
     """
     present = set(tiers_present(p.memory))
     tiers = [t for t in tiers if t in present] or list(tiers)[:1]
@@ -144,7 +145,7 @@ def memory_timeline(
             )  # fmt: skip
     if window is not None:
         fig.update_xaxes(range=[window[0] / scale, window[1] / scale])
-    fig.update_xaxes(title_text=f"time since profile start ({unit})", row=len(tiers), col=1)
+    fig.update_xaxes(title_text=f"{clock_label(p)} ({unit})", row=len(tiers), col=1)
     fig.update_layout(
         height=height_per_tier * len(tiers) + 100, margin=dict(l=10, r=10, t=80, b=10),
         legend=dict(orientation="h", yanchor="bottom", y=1.0 + 45 / (height_per_tier * len(tiers)), x=0),
@@ -153,24 +154,33 @@ def memory_timeline(
     return fig, downsampled
 
 
-def chunk_map(grid: PlacementGrid) -> go.Figure:
+def chunk_map(grid: PlacementGrid, time_label: str = "time since profile start") -> go.Figure:
     """Chunks x time, coloured by where the payload was; one panel per chunk list.
 
     Without the disk tier the colour is the device share of each bin (host blue,
     mixed pale, device red). With it, one scale runs disk (brown) -> host (blue)
     -> device (red), :meth:`PlacementGrid.tier_level`: a state chunk on disk is
-    brown, staged in blue, half of a bin each in between.
+    brown, staged in blue, half of a bin each in between. A grid of bands
+    (``grid.band > 1``) names each row by its first and last chunk; rows too thin
+    for a 1 px gap between them are drawn without one. ``time_label``: what the x-axis measures.
     """
     lists = list(dict.fromkeys(grid.chunk_lists))
     counts = [grid.chunk_lists.count(c) for c in lists]
+    sizes = np.array(grid.band_sizes or [1] * len(grid.chunk_ids))
+    chunks = [int(sizes[np.array(grid.chunk_lists, dtype=object) == c].sum()) for c in lists]
+    titles = [
+        f"{c} ({n:,} chunks)" if grid.band == 1 else f"{c} ({n:,} chunks, {grid.band} a row)" for c, n in zip(lists, chunks)
+    ]
     fig = make_subplots(
         rows=max(1, len(lists)), cols=1, shared_xaxes=True, vertical_spacing=0.04,
-        row_heights=[max(c, 1) for c in counts] or [1], subplot_titles=[f"{c} ({n} chunks)" for c, n in zip(lists, counts)],
+        row_heights=[max(c, 1) for c in counts] or [1], subplot_titles=titles,
     )  # fmt: skip
     unit, scale = time_axis(float(grid.edges[-1]) if len(grid.edges) else 0.0)
     centres = (grid.edges[:-1] + grid.edges[1:]) / 2 / scale
     lists_arr = np.array(grid.chunk_lists, dtype=object)
-    ids = np.array(grid.chunk_ids)
+    labels = np.array(grid.row_labels(), dtype=object)
+    height = max(300, min(1400, 120 * len(lists) + 14 * len(grid.chunk_ids)))
+    row_px = (height - 120 * len(lists)) / max(1, len(grid.chunk_ids))
     # float32 and uint8 below: fewer bytes to the browser
     if grid.has_disk:
         z = grid.tier_level().astype(np.float32)
@@ -182,20 +192,22 @@ def chunk_map(grid: PlacementGrid) -> go.Figure:
         colourscale = [[0.0, TIER_COLOURS["host"]], [0.5, "#efe6f5"], [1.0, TIER_COLOURS["device"]]]
         colorbar = dict(title="on device", tickvals=[0, 0.5, 1], ticktext=["host", "mixed", "device"], len=0.5, y=1, yanchor="top")
         parts, hover = [grid.device, grid.host], "device %{customdata[0]}%, host %{customdata[1]}%"
+    what = "chunk" if grid.band == 1 else "chunks"
+    of = "of the bin" if grid.band == 1 else "of the bin, mean over the row's chunks"
     for row, name in enumerate(lists, start=1):
         sel = lists_arr == name
         custom = np.rint(100 * np.dstack([part[sel] for part in parts])).astype(np.uint8)  # percent
         fig.add_trace(
             go.Heatmap(
-                x=centres, y=[str(i) for i in ids[sel]], z=z[sel], zmin=0.0, zmax=1.0, colorscale=colourscale,
-                showscale=row == 1, customdata=custom, xgap=0, ygap=1, colorbar=colorbar,
-                hovertemplate=f"{name} chunk %{{y}}<br>t %{{x:,.4~g}} {unit}<br>{hover} of the bin<extra></extra>",
+                x=centres, y=list(labels[sel]), z=z[sel], zmin=0.0, zmax=1.0, colorscale=colourscale,
+                showscale=row == 1, customdata=custom, xgap=0, ygap=1 if row_px >= 4 else 0, colorbar=colorbar,
+                hovertemplate=f"{name} {what} %{{y}}<br>t %{{x:,.4~g}} {unit}<br>{hover} {of}<extra></extra>",
             ),
             row=row, col=1,
         )  # fmt: skip
-        fig.update_yaxes(title_text="chunk", type="category", row=row, col=1)
-    fig.update_xaxes(title_text=f"time since profile start ({unit})", row=max(1, len(lists)), col=1)
-    fig.update_layout(height=max(300, min(1400, 120 * len(lists) + 14 * len(grid.chunk_ids))), margin=dict(l=10, r=10, t=40, b=10))
+        fig.update_yaxes(title_text=what, type="category", row=row, col=1)
+    fig.update_xaxes(title_text=f"{time_label} ({unit})", row=max(1, len(lists)), col=1)
+    fig.update_layout(height=height, margin=dict(l=10, r=10, t=40, b=10))
     return fig
 
 

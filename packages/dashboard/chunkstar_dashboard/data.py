@@ -21,8 +21,11 @@ import numpy as np
 import pandas as pd
 from chunkstar_profiler import MOVE_REASONS, TIERS, Profile
 
+from .text import escape_markdown
+
 __all__ = [
     "DIRECTIONS",
+    "MAX_CHUNK_ROWS",
     "MAX_POINTS_PER_TRACE",
     "MOVE_REASONS",
     "OUTSIDE_MOMENTS",
@@ -31,6 +34,7 @@ __all__ = [
     "MoveFilter",
     "PlacementGrid",
     "compare_table",
+    "clock_label",
     "display_name",
     "downsample_minmax",
     "duration_s",
@@ -44,6 +48,7 @@ __all__ = [
     "moves_by_operator",
     "peak_bytes",
     "placement_grid",
+    "prediction_note",
     "round_significant",
     "step_time_comparison",
     "step_times",
@@ -56,6 +61,9 @@ STAGES = ("fwd", "bwd", "optim")
 # TIERS (device, host, disk) and MOVE_REASONS are the profile format's own (chunkstar_profiler)
 MAX_POINTS_PER_TRACE = 5000
 """Longest memory trace sent to the browser; longer ones are min/max downsampled."""
+MAX_CHUNK_ROWS = 320
+"""Most rows the chunk map draws (all lists together): past it, consecutive chunks share a row (a band), since
+the map is at most 1,400 px tall and a row under ~3 px is not seen (a 68B GPT's predicted profile has 275)."""
 OUTSIDE_MOMENTS = "(outside moments)"
 """Label for moves and samples that no module's moment caused (module == "")."""
 
@@ -67,6 +75,36 @@ _DISK_REASONS = ("stage_in", "stage_out")
 def display_name(p: Profile) -> str:
     """The file name a page shows for ``p``: the last part of the path or upload name it was read from."""
     return Path(p.source).name if p.source else "(unnamed profile)"
+
+
+def clock_label(p: Profile) -> str:
+    """What a time axis measures: a measured profile's seconds since its start, a predicted one's on the time model's clock."""
+    return "predicted time since step start" if p.prediction is not None else "time since profile start"
+
+
+def prediction_note(p: Profile) -> str | None:
+    """For a predicted profile (``Profile.prediction``), the markdown a page shows above its figures: not measured,
+    whose step (rank, world), on which machine, the predicted step time and what binds it. ``None`` for a measured one.
+    Strings from the file are escaped."""
+    pred = p.prediction
+    if pred is None:
+        return None
+    who = ""
+    if "rank" in pred and "world_size" in pred:
+        who = f" of rank {pred['rank']:,} of {pred['world_size']:,}"
+    platform = p.meta.get("platform")
+    on = f" on {escape_markdown(platform)}" if isinstance(platform, str) and platform.strip() else ""
+    figures = []
+    if "seconds_per_step" in pred:
+        figures.append(f"{format_duration(float(pred['seconds_per_step']))} per step")
+    if "binding" in pred:
+        figures.append(f"bound by {escape_markdown(pred['binding'])}")
+    return (
+        f"**Predicted profile, not measured**: a dry run's step{who}{on}, on the time model's clock "
+        f"(`chunkstar.dry_run`). Every time and duration here is the model's"
+        + (f" ({', '.join(figures)})" if figures else "")
+        + "; the moves, chunk placements and memory are the real engine's, run on the meta device."
+    )
 
 
 def duration_s(p: Profile) -> float:
@@ -229,16 +267,32 @@ class PlacementGrid:
     row whose payload was in no tier during a bin (not allocated yet, or freed)
     has 0 in all. A disk stay is the time the chunk's bytes were only in its file
     (not staged in to the host).
+
+    A row is one chunk, or, when the profile has more chunks than a map can
+    draw (``band > 1``), a band of up to ``band`` consecutive chunks of one list
+    (``chunk_ids[r]`` to ``last_ids[r]``, ``band_sizes[r]`` of them): its
+    fractions are the band's mean.
     """
 
     chunk_lists: list[str]
     """Chunk list of each row (rows grouped by list, in profile order)."""
     chunk_ids: list[int]
+    """The (first) chunk of each row."""
     edges: np.ndarray = field(repr=False)
     """Bin edges in seconds, ``n_bins + 1`` of them."""
     device: np.ndarray = field(repr=False)
     host: np.ndarray = field(repr=False)
     disk: np.ndarray = field(repr=False)
+    last_ids: list[int] = field(default_factory=list)
+    """The last chunk of each row (``chunk_ids`` when each row is one chunk)."""
+    band_sizes: list[int] = field(default_factory=list)
+    """Chunks in each row (all 1 when each row is one chunk)."""
+    band: int = 1
+    """Most chunks a row holds."""
+
+    @property
+    def n_chunks(self) -> int:
+        return int(sum(self.band_sizes)) if self.band_sizes else len(self.chunk_ids)
 
     @property
     def bin_s(self) -> float:
@@ -247,6 +301,11 @@ class PlacementGrid:
     @property
     def has_disk(self) -> bool:
         return bool(self.disk.any())
+
+    def row_labels(self) -> list[str]:
+        """Each row's name on the map: its chunk id, or a band's first and last ids."""
+        last = self.last_ids or self.chunk_ids
+        return [str(a) if a == b else f"{a}-{b}" for a, b in zip(self.chunk_ids, last)]
 
     def _share(self, weighted: np.ndarray) -> np.ndarray:
         present = self.device + self.host + self.disk
@@ -264,17 +323,32 @@ class PlacementGrid:
         return self._share(self.device + 0.5 * self.host)
 
 
-def _covered(starts: np.ndarray, ends: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    """Time covered by the union-free intervals [starts, ends) up to each edge."""
-    if len(starts) == 0:
-        return np.zeros_like(edges)
-    order = np.argsort(starts, kind="stable")
-    starts, ends = starts[order], ends[order]
-    full = np.concatenate([[0.0], np.cumsum(ends - starts)])
-    j = np.searchsorted(starts, edges, side="right")  # intervals starting at or before each edge
-    last = np.maximum(j - 1, 0)
-    partial = np.where(j > 0, np.clip(np.minimum(edges, ends[last]) - starts[last], 0.0, None), 0.0)
-    return full[last] + partial
+def _bin_fractions(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, n_rows: int, edges: np.ndarray) -> np.ndarray:
+    """``out[r, k]``: the part of equal-width bin ``k`` (of ``edges``) covered by the intervals
+    [starts, ends) of row ``r`` (intervals of one row must not overlap), summed per row.
+
+    Vectorised over all intervals at once: an interval adds its partial first and last bins, and a
+    run of whole bins through a difference array (one cumulative sum per row at the end)."""
+    n_bins = len(edges) - 1
+    out = np.zeros((n_rows, n_bins + 1))
+    t0, t1 = float(edges[0]), float(edges[-1])
+    width = (t1 - t0) / n_bins
+    s = np.clip(starts, t0, t1)
+    e = np.clip(ends, t0, t1)
+    keep = e > s
+    rows, ps, pe = rows[keep], (s[keep] - t0) / width, (e[keep] - t0) / width  # positions in bins
+    i0 = np.minimum(np.floor(ps).astype(np.int64), n_bins - 1)
+    i1 = np.minimum(np.floor(pe).astype(np.int64), n_bins - 1)
+    i1 = np.maximum(i1, i0)
+    same = i0 == i1
+    whole = np.zeros((n_rows, n_bins + 1))  # difference array of the whole bins
+    np.add.at(out, (rows[same], i0[same]), pe[same] - ps[same])
+    r, a, b, pa, pb = rows[~same], i0[~same], i1[~same], ps[~same], pe[~same]
+    np.add.at(out, (r, a), (a + 1) - pa)
+    np.add.at(out, (r, b), pb - b)
+    np.add.at(whole, (r, a + 1), 1.0)
+    np.add.at(whole, (r, b), -1.0)
+    return (out + np.cumsum(whole, axis=1))[:, :n_bins]
 
 
 def placement_grid(
@@ -282,11 +356,14 @@ def placement_grid(
     chunk_list_order: list[str] | None = None,
     n_bins: int = 400,
     t_end: float | None = None,
+    max_rows: int | None = None,
 ) -> PlacementGrid:
     """Bin ``placements`` (intervals of a chunk's payload in a tier) into a chunk x time grid.
 
     Within one chunk and tier the intervals must not overlap (a payload is in a
-    tier or it is not), which the profiler guarantees.
+    tier or it is not), which the profiler guarantees. With ``max_rows``, a profile
+    with more chunks than that gets bands of ``ceil(chunks / max_rows)`` consecutive
+    chunks of one list per row (their mean); the grid never holds more than its rows.
     """
     order = list(chunk_list_order or [])
     order += [c for c in pd.unique(placements["chunk_list"]) if c not in order]
@@ -298,23 +375,42 @@ def placement_grid(
         placements[["chunk_list", "chunk_id"]]
         .drop_duplicates()
         .assign(_order=lambda d: d["chunk_list"].map({c: i for i, c in enumerate(order)}))
-        .sort_values(["_order", "chunk_id"])
+        .sort_values(["_order", "chunk_id"], kind="stable")
+        .reset_index(drop=True)
     )
-    row_of = {(c, int(i)): r for r, (c, i) in enumerate(zip(keys["chunk_list"], keys["chunk_id"]))}
-    grids = {tier: np.zeros((len(row_of), n_bins)) for tier in TIERS}
-    width = np.diff(edges)
-    for (chunk_list, chunk_id, tier), group in placements.groupby(["chunk_list", "chunk_id", "tier"], sort=False):
-        if tier not in grids:
-            continue
-        cum = _covered(group["t_start_s"].to_numpy(float), group["t_end_s"].to_numpy(float), edges)
-        grids[tier][row_of[(chunk_list, int(chunk_id))]] = np.diff(cum) / width
+    n_chunks = len(keys)
+    band = max(1, math.ceil(n_chunks / max_rows)) if max_rows else 1
+    # rows are sorted by list, then chunk: a band starts at every ``band``-th chunk of a list
+    within = keys.groupby("_order", sort=False).cumcount().to_numpy()
+    band_of = np.cumsum(within % band == 0) - 1
+    n_rows = int(band_of[-1]) + 1 if n_chunks else 0
+    sizes = np.bincount(band_of, minlength=n_rows)
+    chunk_ids = keys["chunk_id"].to_numpy(np.int64)
+    first = np.full(n_rows, np.iinfo(np.int64).max, dtype=np.int64)
+    last = np.full(n_rows, np.iinfo(np.int64).min, dtype=np.int64)
+    np.minimum.at(first, band_of, chunk_ids)
+    np.maximum.at(last, band_of, chunk_ids)
+    lists = np.empty(n_rows, dtype=object)
+    lists[band_of] = keys["chunk_list"].to_numpy(object)  # one list per band
+    index = pd.MultiIndex.from_arrays([keys["chunk_list"], keys["chunk_id"]])
+    row = band_of[index.get_indexer(pd.MultiIndex.from_arrays([placements["chunk_list"], placements["chunk_id"].astype(np.int64)]))]
+    grids = {}
+    for tier in TIERS:
+        sel = (placements["tier"] == tier).to_numpy()
+        sums = _bin_fractions(
+            row[sel], placements["t_start_s"].to_numpy(float)[sel], placements["t_end_s"].to_numpy(float)[sel], n_rows, edges
+        )
+        grids[tier] = np.clip(sums / np.maximum(sizes, 1)[:, None], 0.0, 1.0)
     return PlacementGrid(
-        chunk_lists=list(keys["chunk_list"]),
-        chunk_ids=[int(i) for i in keys["chunk_id"]],
+        chunk_lists=[str(c) for c in lists],
+        chunk_ids=[int(i) for i in first],
         edges=edges,
-        device=np.clip(grids["device"], 0.0, 1.0),
-        host=np.clip(grids["host"], 0.0, 1.0),
-        disk=np.clip(grids["disk"], 0.0, 1.0),
+        device=grids["device"],
+        host=grids["host"],
+        disk=grids["disk"],
+        last_ids=[int(i) for i in last],
+        band_sizes=[int(n) for n in sizes],
+        band=band,
     )
 
 

@@ -17,10 +17,12 @@ import chunkstar_profiler
 import streamlit as st
 from chunkstar_profiler import Profile
 
+from .data import prediction_note
 from .text import escape_markdown
 
 __all__ = [
     "Loaded", "ProfileLoadError", "current_profile", "load_path", "load_upload", "profile_picker", "set_current", "show_error",
+    "show_prediction",
 ]  # fmt: skip
 
 _CURRENT = "chunkstar_current_profile"
@@ -105,7 +107,8 @@ def set_current(loaded: Loaded) -> None:
 
 
 def current_profile() -> Profile:
-    """The picked profile; otherwise shows why there is none and stops the page."""
+    """The picked profile; otherwise shows why there is none and stops the page. A predicted
+    profile gets a note saying so (:func:`show_prediction`), on every page that shows it."""
     loaded: Loaded = st.session_state.get(_CURRENT, Loaded())
     if loaded.error is not None:
         show_error(loaded.error)
@@ -117,7 +120,16 @@ def current_profile() -> Profile:
             "Profiles are written by `chunkstar_profiler.Profiler(engine)` (`prof.save(path)`)."
         )
         st.stop()
+    show_prediction(loaded.profile)
     return loaded.profile
+
+
+def show_prediction(p: Profile, label: str = "", container: Any = st) -> None:
+    """Say that ``p`` is a predicted profile (a dry run's step on the time model's clock), when it is one;
+    ``label`` ("B: ") names it where a page shows two."""
+    note = prediction_note(p)
+    if note is not None:
+        container.info(label + note, icon=":material/online_prediction:")
 
 
 def show_error(message: str, container: Any = st) -> None:

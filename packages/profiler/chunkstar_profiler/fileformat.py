@@ -27,6 +27,15 @@ so an old reader never misreads values it does not know):
   ``"stage_out"``, and ``meta["disk_stats"]`` (an object of numbers). The
   layout is version 1's, so a version 1 file reads as a version 2 file without
   a disk tier.
+
+A meta key that puts no new value into any column needs no new version: a
+reader keeps the keys it does not know as they are. So ``meta["predicted"]``
+(an object: the predicted s/step, the resource that binds it, ...) marks a
+*predicted* profile (:mod:`chunkstar_profiler.predicted`: a dry run's step,
+its times the time model's, not measured) in a version 2 file; a reader that
+predates the key shows it as a run whose ``device`` says "predicted on ...".
+Readers that know it check that it is an object (``profile.META``) and read
+its fields through ``Profile.prediction``.
 """
 
 from __future__ import annotations

@@ -25,17 +25,22 @@ over the recording (see :mod:`chunkstar_profiler.recorder`).
 sample taken (the "operator" that caused it), -1 when none was open (module "").
 ``iteration`` counts micro-steps (forward passes), so with gradient accumulation
 several iterations make one optimizer step. String columns have dtype object.
+
+A *predicted* profile (:mod:`chunkstar_profiler.predicted`: a dry run's step on
+the time model's clock, nothing measured) has ``meta["predicted"]``, an object;
+:attr:`Profile.prediction` gives its fields type-checked, ``None`` for a measured one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["META", "MOVE_REASONS", "Profile", "TIERS", "build_profile", "TABLES"]
+__all__ = ["META", "MOVE_REASONS", "PREDICTION_FIELDS", "Profile", "TIERS", "build_profile", "TABLES"]
 
 TIERS = ("device", "host", "disk")
 """The tiers a profile knows, fastest first (the values of ``chunkstar.events.Tier``)."""
@@ -63,8 +68,32 @@ META: dict[str, str] = {
     "model_name": "str", "n_params": "int", "config": "dict", "versions": "dict", "device": "str",
     "precision": "str", "budget_bytes": "int", "chunk_size": "int", "n_chunks": "int", "chunk_lists": "list[str]",
     "model_data_bytes": "int", "iterations": "int", "host": "str", "platform": "str", "pid": "int", "tiers": "list[str]",
-    "disk_stats": "dict[number]",
+    "disk_stats": "dict[number]", "predicted": "dict",
 }  # fmt: skip
+
+PREDICTION_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "seconds_per_step": (int, float), "binding": str, "flops": (int, float), "world_size": int, "rank": int,
+}  # fmt: skip
+"""The fields of ``meta["predicted"]`` that :attr:`Profile.prediction` keeps, and their types (plus ``busy``:
+seconds per resource)."""
+
+
+def _prediction(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    raw = meta.get("predicted")
+    if not isinstance(raw, dict):
+        return None
+    out: dict[str, Any] = {}
+    for key, kind in PREDICTION_FIELDS.items():
+        value = raw.get(key)
+        if isinstance(value, kind) and not isinstance(value, bool) and (not isinstance(value, float) or math.isfinite(value)):
+            out[key] = value
+    busy = raw.get("busy")
+    if isinstance(busy, dict):
+        out["busy"] = {
+            str(k): float(v) for k, v in busy.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }  # fmt: skip
+    return out
 
 
 @dataclass
@@ -76,6 +105,13 @@ class Profile:
     stages: pd.DataFrame
     placements: pd.DataFrame
     source: str | None = field(default=None)
+
+    @property
+    def prediction(self) -> dict[str, Any] | None:
+        """``None`` for a measured profile; for a predicted one (a dry run's step on the time model's
+        clock), the fields of ``meta["predicted"]`` that have their type (``PREDICTION_FIELDS``, and
+        ``busy``: resource -> seconds), the others left out: the file may come from anywhere."""
+        return _prediction(self.meta)
 
     def __repr__(self) -> str:
         return (

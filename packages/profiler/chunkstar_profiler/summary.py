@@ -1,4 +1,5 @@
-"""A text summary of a profile: where bytes moved, where time stalled, peaks per tier, the disk tier's I/O."""
+"""A text summary of a profile: where bytes moved, where time stalled, peaks per tier, the disk tier's I/O
+(and, for a predicted profile, a line saying that its times are a time model's)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,14 @@ def summarize(profile: Profile, top: int = 10) -> str:
         f"model data {_mib(m.get('model_data_bytes', 0))}",
         "",
     ]
+    predicted = profile.prediction
+    if predicted is not None:
+        figures = [f"{predicted['seconds_per_step']:,.3f} s/step"] if "seconds_per_step" in predicted else []
+        figures += [f"bound by {predicted['binding']}"] if "binding" in predicted else []
+        lines.insert(
+            2,
+            "PREDICTED, not measured: a dry run's step on the time model's clock" + (f" ({', '.join(figures)})" if figures else ""),
+        )
     mv = profile.moves
     way = _directions(mv)
     lines.append("totals")

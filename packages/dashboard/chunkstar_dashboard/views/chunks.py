@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import streamlit as st
 
 from chunkstar_dashboard import charts, loading
-from chunkstar_dashboard.data import duration_s, format_duration, placement_grid
+from chunkstar_dashboard.data import MAX_CHUNK_ROWS, clock_label, duration_s, format_duration, placement_grid
 
 # Largest chunk x bin grid sent to the browser (a few MB of plotly JSON). A comment, not a docstring:
 # Streamlit would write a bare string onto the page (where magic is on).
@@ -27,12 +29,21 @@ if not lists:
     st.stop()
 
 selected = p.placements[p.placements["chunk_list"].isin(lists)]
-n_rows = len(selected[["chunk_list", "chunk_id"]].drop_duplicates())
+per_list = selected[["chunk_list", "chunk_id"]].drop_duplicates()["chunk_list"].value_counts()
+n_chunks = int(per_list.sum())
+band = max(1, math.ceil(n_chunks / MAX_CHUNK_ROWS))  # past MAX_CHUNK_ROWS, a row is a band of consecutive chunks
+n_rows = sum(math.ceil(int(n) / band) for n in per_list)
 n_bins = min(bins, max(50, MAX_CELLS // max(n_rows, 1)))
-grid = placement_grid(selected, order, n_bins=n_bins, t_end=duration_s(p))
-st.plotly_chart(charts.chunk_map(grid), key="chunk_map")
+grid = placement_grid(selected, order, n_bins=n_bins, t_end=duration_s(p), max_rows=MAX_CHUNK_ROWS)
+st.plotly_chart(charts.chunk_map(grid, clock_label(p)), key="chunk_map")
+if grid.band > 1:
+    st.caption(
+        f"{n_chunks:,} chunks, more than the {MAX_CHUNK_ROWS:,} rows the map draws: each row is a band of {grid.band} "
+        "consecutive chunks of one list (fewer in a list's last row), coloured by their mean; hover a row for its "
+        "chunks. Pick fewer chunk lists for finer bands."
+    )
 if n_bins < bins:
-    st.caption(f"{n_rows:,} chunks: time bins reduced to {n_bins} to keep the map under {MAX_CELLS:,} cells.")
+    st.caption(f"{n_rows:,} rows: time bins reduced to {n_bins} to keep the map under {MAX_CELLS:,} cells.")
 if grid.has_disk:
     st.caption(
         f"Each cell is a {format_duration(grid.bin_s)} time bin. Colour: where the payload spent the bin, on the device "

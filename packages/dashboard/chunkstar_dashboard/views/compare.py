@@ -21,6 +21,7 @@ if other.profile is None:
     st.info("Give a second profile (path or upload) above to compare it with A.")
     st.stop()
 b = other.profile
+loading.show_prediction(b, "B: ")
 
 name_a, name_b = display_name(a), display_name(b)
 table = compare_table(a, b)

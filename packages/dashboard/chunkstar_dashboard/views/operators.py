@@ -48,7 +48,9 @@ m = st.columns(5)
 m[0].metric("Moves", f"{totals['moves']:,}")
 m[1].metric("To device", format_bytes(totals["bytes_to_device"]), help=f"{totals['to_device']:,} moves")
 m[2].metric("To host", format_bytes(totals["bytes_to_host"]), help=f"{totals['to_host']:,} moves from the device")
-m[3].metric("Move time", format_duration(totals["stall_s"]), help="Sum of the moves' durations: time spent copying chunks (a stall unless the copy overlapped compute).")
+m[3].metric("Move time", format_duration(totals["stall_s"]),
+            help="Sum of the moves' durations: time spent copying chunks (a stall unless the copy overlapped compute)."
+            + (" Predicted: the time model's durations, not measured." if p.prediction is not None else ""))  # fmt: skip
 m[4].metric("Operators", f"{selected['module'].nunique():,}")
 if disk:  # a second row: seven metrics in one would truncate the figures
     d = st.columns(5)
