@@ -104,6 +104,16 @@ def test_a_device_too_small_is_a_verdict_not_an_error() -> None:
     assert p.chunk_size is None and len(p.tries) == 1 and p.tries[0].startswith("256M")
 
 
+def test_a_node_with_a_disk_runs_the_disk_tier() -> None:
+    """LoHan/Ratel's node keeps the Adam state on its NVMe disk: so does its dry run (the real disk
+    tier over files that count bytes, Note [dry run disk]); the host holds the staging pool."""
+    p = dry_run_point(TINY, "rtx4090_256gb_nvme", 1, 2)
+    assert p.fits and p.disk and p.busy["disk"] > 0
+    plain = dry_run_point(TINY, "rtx4090_256gb_nvme", 1, 2, disk=False)
+    assert not plain.disk and plain.busy["disk"] == 0
+    assert not dry_run_point(TINY, "v100x8_240gb", 1, 2).disk  # the paper's nodes: no disk in their description
+
+
 def test_ranks_simulated() -> None:
     assert ranks_for("first", 8) == [0] and ranks_for("ends", 8) == [0, 7] and ranks_for("ends", 1) == [0]
     assert ranks_for("all", 3) == [0, 1, 2]

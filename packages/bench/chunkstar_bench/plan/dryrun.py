@@ -143,6 +143,8 @@ class DryRunPoint:
     """The dry run itself failed (an error other than a verdict): no verdict."""
     tries: tuple[str, ...] = ()
     """What was tried before this verdict ("auto: needs 156.2 GiB per GPU")."""
+    disk: bool = False
+    """The optimizer state was on the node's disk (the disk tier), not in host memory."""
 
     @property
     def fits(self) -> bool:
@@ -215,9 +217,13 @@ class _Try:
     ranks: list[int] = field(default_factory=list)
 
 
+DISK_PATH = "/nvme/chunkstar"
+"""Where a dry run's disk tier says its files go on the target (it creates none: Note [dry run disk])."""
+
+
 def _try(
     spec: ModelSpec, hardware: Hardware, gpus: int, batch: int, seq_len: int, chunk_size: int | None,
-    ranks: Sequence[int], checkpointing: bool, steps: int, say: Progress, tag: str,
+    ranks: Sequence[int], checkpointing: bool, steps: int, say: Progress, tag: str, disk: bool = False,
 ) -> _Try:  # fmt: skip
     import torch
 
@@ -226,6 +232,8 @@ def _try(
     config: dict[str, Any] = {"bf16": {"enabled": True}}
     if chunk_size is not None:
         config["default_chunk_size"] = int(chunk_size)
+    if disk:
+        config["disk"] = {"path": DISK_PATH}
     ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     out = _Try()
     build = _model_func(spec, checkpointing)
@@ -252,7 +260,7 @@ def _try(
             return out
         stats = rank.stats
         out.chunk_elements = int(stats.get("chunk_size") or 0) or None
-        out.host_chunks.append(int(stats.get("host_chunk_bytes_peak", 0)) + int(stats.get("disk_staging_budget", 0) or 0))
+        out.host_chunks.append(int(stats.get("host_chunk_bytes_peak", 0)) + int(stats.get("disk_staging_budget_bytes", 0) or 0))
         if report.prediction is not None:
             out.predictions.append(report.prediction)
         say(f"{tag}: rank {r}: fits, minimum budget {rank.minimum_budget / 2**30:.1f} GiB"
@@ -274,6 +282,7 @@ def dry_run_point(
     steps: int = 3,
     fallback: bool = True,
     progress: Progress | None = None,
+    disk: bool | None = None,
 ) -> DryRunPoint:
     """Dry-run ``spec`` on ``gpus`` GPUs of ``hardware`` (a name in ``chunkstar.dryrun.HARDWARE`` or an alias
     of one, :func:`~chunkstar_bench.plan.nodes.node_named`, or a ``chunkstar.dryrun.Hardware``) with
@@ -281,9 +290,12 @@ def dry_run_point(
 
     ``chunk_size`` None is the engine's ``"auto"``, and with ``fallback`` a device
     that ``"auto"`` does not fit gets a second try at :data:`PATRICKSTAR_CHUNK_ELEMENTS`.
-    ``ranks`` is one of :data:`RANK_CHOICES`. Never raises for a failed dry run: the
-    point says it failed, and why."""
+    ``ranks`` is one of :data:`RANK_CHOICES`. ``disk``: the optimizer state on the node's
+    disk (the disk tier, as LoHan/Ratel run); None: where the node has a disk. Never raises
+    for a failed dry run: the point says it failed, and why."""
     hw = node_named(hardware) if isinstance(hardware, str) else hardware
+    if disk is None:
+        disk = hw.disk_read > 0
     if gpus < 1 or gpus > hw.gpus_per_node:
         raise ValueError(f"{hw.name} has {hw.gpus_per_node} GPU(s) per node; asked for {gpus}")
     seq = seq_len or spec.seq_len
@@ -295,7 +307,8 @@ def dry_run_point(
 
     def attempt(size: int | None) -> _Try:
         tag = f"{name} x{gpus} {spec.name} batch {batch}" + (f" chunk {size / 2**20:.0f}M" if size else "")
-        return _try(spec, hw, gpus, batch, seq, size, chosen, checkpointing, steps, say, tag)
+        tag += " disk tier" if disk else ""
+        return _try(spec, hw, gpus, batch, seq, size, chosen, checkpointing, steps, say, tag, disk)
 
     used: int | None = chunk_size
     result = attempt(chunk_size)
@@ -320,7 +333,7 @@ def dry_run_point(
         host_memory=int(hw.host_memory), chunk_size=used, chunk_elements=result.chunk_elements,
         seconds=slowest.seconds if slowest else None, binding=slowest.binding if slowest else None,
         busy=dict(slowest.busy) if slowest else {}, ranks=tuple(result.ranks), wall_s=time.perf_counter() - t0,
-        error=result.error, failed=result.failed, tries=tuple(tries),
+        error=result.error, failed=result.failed, tries=tuple(tries), disk=bool(disk),
     )  # fmt: skip
 
 

@@ -115,6 +115,8 @@ def _chunk(p: DryRunPoint) -> str:
         text = f"auto={used / 2**20:,.0f}M"
     if p.tries:
         text += " (" + "; ".join(p.tries) + ")"
+    if p.disk:
+        text += ", Adam state on disk"
     return text
 
 
@@ -259,7 +261,9 @@ def format_largest(rows: Sequence[LargestRow], markdown: bool = False) -> str:
         formula = f"{f.model} ({_fmt_params(f.n_params)}); next: {r.formula.binding}" if f else f"(none fits): {r.formula.binding}"
         table.append(
             (
-                r.hardware, str(r.gpus), pub, _point(best) if best else "(none fits)", _blocked(r.chunkstar.blocked),
+                r.hardware, str(r.gpus), pub,
+                (_point(best) if best else "(none fits)") + (", Adam state on disk" if any(p.disk for p in r.chunkstar.tried) else ""),
+                _blocked(r.chunkstar.blocked),
                 f"{best.seconds:.2f}" if best and best.seconds else "-", _tf(best.tflops_per_gpu if best else None),
                 ds, formula,
             )
@@ -271,6 +275,7 @@ def format_largest(rows: Sequence[LargestRow], markdown: bool = False) -> str:
         "chunkstar: bisection of dry runs on the ladder (each answer a fitting model and the next larger, which does not "
         "fit). DeepSpeed: its estimator's arithmetic on the same ladder (model states only, so an upper bound). "
         "formula: `chunkstar-bench plan` without --dry-run (bytes-per-parameter accounting). published: the "
-        "largest model each paper reports on that node (LoHan/Ratel's with an SSD, which no row here uses).",
+        "largest model each paper reports on that node. A node with a disk (LoHan/Ratel's NVMe SSD) runs chunkstar's "
+        "disk tier: the fp32 master and Adam state in files, the param and gradient chunks in host memory.",
     ]
     return "\n".join(lines)

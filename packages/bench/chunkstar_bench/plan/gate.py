@@ -65,7 +65,7 @@ def _record(point: DryRunPoint, settings: DryRunSettings, *, created: str, commi
         "kind": KIND, "settings": dataclasses.asdict(settings), "chunk_size": point.chunk_size,
         "chunk_elements": point.chunk_elements, "binding": point.binding, "busy": point.busy, "ranks": list(point.ranks),
         "minimum_budget": point.minimum_budget, "host_need": point.host_need, "host_memory": point.host_memory,
-        "device_memory": point.device_memory, "tries": list(point.tries), **extra,
+        "device_memory": point.device_memory, "tries": list(point.tries), "disk": point.disk, **extra,
     }  # fmt: skip
     return RunRecord(
         spec=spec, status=status, message=message, step_time_s=point.seconds if point.fits else None,

@@ -119,14 +119,16 @@ class DryRunReport:
     @property
     def host_peak_bytes_per_node(self) -> int:
         """The most host memory the chunks of one node's ranks hold at once (each rank's peak,
-        summed over the busiest node); the processes' own memory (torch, the CUDA context,
-        the activations' pinned copies a framework may keep) comes on top."""
+        summed over the busiest node), with the disk tier's staging pool beside them (its
+        whole budget: an upper bound, as the chunks staged in at the peak are in both); the
+        processes' own memory (torch, the CUDA context, the activations' pinned copies a
+        framework may keep) comes on top."""
         per_node = self.hardware.gpus_per_node if self.hardware is not None else self.world_size
         nodes: dict[int, int] = {}
         for r in self.ranks:
             s = r.stats
             node = r.rank // max(1, per_node)
-            nodes[node] = nodes.get(node, 0) + int(s.get("host_chunk_bytes_peak", 0)) + int(s.get("disk_staging_budget", 0) or 0)
+            nodes[node] = nodes.get(node, 0) + int(s.get("host_chunk_bytes_peak", 0)) + int(s.get("disk_staging_budget_bytes", 0) or 0)
         return max(nodes.values(), default=0)
 
     def as_dict(self) -> dict[str, Any]:
