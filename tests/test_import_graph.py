@@ -73,7 +73,7 @@ CORE_FLOORS = [
     {"config"},
     {"distributed"},
     {"optim"},
-    {"checkpoint", "hooks", "construction"},
+    {"activations", "checkpoint", "hooks", "construction"},
     {"runtime", "cli"},
     {"dryrun"},
     {"__init__"},

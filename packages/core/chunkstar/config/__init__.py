@@ -31,6 +31,8 @@ machine has (Note [sizes the machine could hold]).
 from chunkstar.config.parse import host_memory_bytes, parse_bytes, parse_config
 from chunkstar.config.sections import (
     DISK_LISTS,
+    ActivationPolicy,
+    ActivationsConfig,
     DiskConfig,
     EngineConfig,
     EvictionPolicyName,
@@ -44,6 +46,8 @@ from chunkstar.config.sections import (
 
 __all__ = [
     "DISK_LISTS",
+    "ActivationPolicy",
+    "ActivationsConfig",
     "DiskConfig",
     "EngineConfig",
     "EvictionPolicyName",

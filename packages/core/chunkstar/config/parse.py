@@ -24,6 +24,8 @@ from chunkstar.config.checks import mapping as _mapping
 from chunkstar.config.checks import number as _number
 from chunkstar.config.hyperparams import ADAM_HYPERPARAMS, validate_param_group
 from chunkstar.config.sections import (
+    ActivationPolicy,
+    ActivationsConfig,
     DISK_LISTS,
     DiskConfig,
     EngineConfig,
@@ -41,8 +43,9 @@ from chunkstar.errors import ConfigError
 __all__ = ["host_memory_bytes", "parse_bytes", "parse_config"]
 
 
-_KEY_HELP = _help_of(EngineConfig, PlacementConfig, ScheduleConfig, OptimizerConfig, LossScaleConfig, DiskConfig)
+_KEY_HELP = _help_of(EngineConfig, PlacementConfig, ScheduleConfig, OptimizerConfig, LossScaleConfig, DiskConfig, ActivationsConfig)
 _DISK_KEYS = {k.removeprefix("disk."): v for k, v in _KEY_HELP.items() if k.startswith("disk.")}
+_ACTIVATION_KEYS = {k.removeprefix("activations."): v for k, v in _KEY_HELP.items() if k.startswith("activations.")}
 _FP16_KEYS = {k.removeprefix("fp16."): v for k, v in _KEY_HELP.items() if k.startswith("fp16.")}
 _TOP_KEYS = {
     **{k: v for k, v in _KEY_HELP.items() if "." not in k and " " not in k},
@@ -90,6 +93,33 @@ def _parse_disk(value: object) -> DiskConfig | None:
     return DiskConfig(path=path, lists=lists, staging_budget=staging, on_stale=on_stale,
                       direct=_boolean(sec.get("direct", _default(DiskConfig, "direct")), "disk.direct"),
                       verify=_boolean(sec.get("verify", _default(DiskConfig, "verify")), "disk.verify"))  # fmt: skip
+
+_CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _parse_activations(value: object) -> ActivationsConfig:
+    if value is None:
+        return ActivationsConfig()
+    sec = _mapping(value, "activations")
+    _check_keys(sec, _ACTIVATION_KEYS, "activations.")
+    policy_raw = sec.get("policy", ActivationPolicy.KEEP.value)
+    try:
+        policy = ActivationPolicy(policy_raw)
+    except ValueError:
+        raise ConfigError("activations.policy", f"got {policy_raw!r}; expected {_ACTIVATION_KEYS['policy']}") from None
+    blocks_raw = sec.get("blocks", "auto")
+    blocks: tuple[str, ...] | None = None
+    if blocks_raw != "auto":
+        if isinstance(blocks_raw, str):
+            blocks_raw = [blocks_raw]
+        if (
+            not isinstance(blocks_raw, (list, tuple)) or not blocks_raw
+            or not all(isinstance(b, str) and _CLASS_NAME.fullmatch(b) for b in blocks_raw)
+        ):  # fmt: skip
+            raise ConfigError("activations.blocks", f"got {blocks_raw!r}; expected {_ACTIVATION_KEYS['blocks']}")
+        blocks = tuple(dict.fromkeys(blocks_raw))
+    return ActivationsConfig(policy=policy, blocks=blocks)
+
 
 # Bounds on fp16 loss scaling. A scale of 2**63 (9.2e18) already turns the fp16
 # gradients (max 65504) of any loss above ~1e-14 into inf, so a larger start only
@@ -410,5 +440,6 @@ def parse_config(
         schedule=ScheduleConfig(prefetch=_boolean(cfg.get("prefetch", _default(ScheduleConfig, "prefetch")), "prefetch"), prefetch_window=window),
         reduce_dtype=reduce_dtype,
         disk=disk,
+        activations=_parse_activations(cfg.get("activations")),
         raw=dict(cfg),
     )

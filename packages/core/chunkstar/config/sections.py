@@ -18,6 +18,8 @@ from chunkstar.chunk.lists import ChunkList
 
 __all__ = [
     "DISK_LISTS",
+    "ActivationPolicy",
+    "ActivationsConfig",
     "DiskConfig",
     "EngineConfig",
     "EvictionPolicyName",
@@ -43,6 +45,18 @@ class Precision(enum.Enum):
     @property
     def dtype(self) -> torch.dtype:
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+
+
+class ActivationPolicy(enum.Enum):
+    """What the blocks do with the tensors their forward saves for the backward (Note
+    [activation policies] in :mod:`chunkstar.activations`)."""
+
+    KEEP = "keep"
+    """Saved on the device until the backward (PyTorch's own behaviour)."""
+    CHECKPOINT = "checkpoint"
+    """Not saved: each block's forward runs again in its backward (non-reentrant checkpointing)."""
+    OFFLOAD = "offload"
+    """Copied to host memory as the forward saves them, back to the device for the backward."""
 
 
 class EvictionPolicyName(enum.Enum):
@@ -179,6 +193,20 @@ class DiskConfig:
 
 
 @dataclass(frozen=True)
+class ActivationsConfig:
+    """Where the blocks' saved activations live (:mod:`chunkstar.activations`)."""
+
+    policy: ActivationPolicy = _key(
+        "activations.policy", '"keep" (default), "checkpoint" or "offload": what every block does with its saved tensors',
+        ActivationPolicy.KEEP,
+    )
+    blocks: tuple[str, ...] | None = _key(
+        "activations.blocks", '"auto" (default: the model\'s repeated layers) or a list of module class names', None
+    )
+    """The block classes by name (None: found in the model, :func:`chunkstar.activations.find_blocks`)."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to know, validated, in sections by owner (Note [config sections])."""
 
@@ -196,6 +224,7 @@ class EngineConfig:
     the wire at the cost of rounding every partial sum. gloo always sums in fp32."""
     disk: DiskConfig | None = _key("disk", "{path, lists, staging_budget, on_stale, direct, verify}: optimizer state chunks in files under path", None)
     """The disk tier for optimizer state (None: master and Adam state stay in host memory)."""
+    activations: ActivationsConfig = _key("activations", "{policy, blocks}: what the model's blocks do with their saved activations", default_factory=ActivationsConfig)
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config as given (for run metadata)."""
 

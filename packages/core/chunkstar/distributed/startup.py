@@ -50,7 +50,7 @@ from typing import Any, Sequence
 import torch
 
 from chunkstar.chunk.layout import ChunkLayout, layout_fingerprint
-from chunkstar.config import DiskConfig, EngineConfig, LossScaleConfig, OptimizerConfig, PlacementConfig, ScheduleConfig
+from chunkstar.config import ActivationsConfig, DiskConfig, EngineConfig, LossScaleConfig, OptimizerConfig, PlacementConfig, ScheduleConfig
 from chunkstar.distributed.comm import Comm, DistributedError
 
 __all__ = ["MAY_DIFFER", "agree_on_startup", "config_fields", "weights_checksum"]
@@ -114,7 +114,7 @@ def _config_key(name: str) -> str:
 
 _SECTIONS: dict[str, Any] = {
     "placement": PlacementConfig, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
-    "loss_scale": LossScaleConfig, "disk": DiskConfig,
+    "loss_scale": LossScaleConfig, "disk": DiskConfig, "activations": ActivationsConfig,
 }
 
 

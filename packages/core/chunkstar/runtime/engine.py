@@ -42,7 +42,7 @@ from chunkstar import checkpoint
 from chunkstar.chunk.layout import TensorSlot, build_layout, search_chunk_size
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.state import TensorState
-from chunkstar.config import EngineConfig, Precision
+from chunkstar.config import ActivationPolicy, EngineConfig, Precision
 from chunkstar.construction.materialize import fill_chunks, origin_fingerprint
 from chunkstar.construction.pretrained import PretrainedSource
 from chunkstar.device.copy_engine import HostWorker, InlineWorker, debug_delay_from_env, make_copy_engine
@@ -52,6 +52,7 @@ from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.distributed.startup import agree_on_startup
 from chunkstar.errors import ChunkStateError
 from chunkstar.events import EventBus, Stage
+from chunkstar.activations import BlockActivations, HostOffload, find_blocks
 from chunkstar.hooks.module_hooks import EngineHook, hooked_modules, install_hooks
 from chunkstar.hooks.param_guard import guarded_class, watched_class
 from chunkstar.hooks.param_upcast import install_upcasts  # issue 18.5: Note [norm dtypes]
@@ -250,6 +251,7 @@ class ChunkEngine:
         # autocast over fp32 weights (Note [norm dtypes]); after install_hooks (Note [parameter upcast])
         self._handles += install_upcasts(model, lambda m: upcast_dtype(m, dtype))
         self._casts: dict[int, torch.dtype] = {}  # id(module) -> dtype it cast its parameters to (see_in_dtype)
+        self.activations = self._wrap_blocks(model, cfg)  # Note [activation policies]
         check_units_fit(modules, [u.key for u in self._units], self.mgr)
         # one guarded and one watched class per parameter class (Note [parameter guard], Note [data aliases])
         guarded: dict[type, tuple[type, type]] = {}
@@ -263,6 +265,18 @@ class ChunkEngine:
         for mod in [m for m in model.modules() if m is model or any(True for _ in m.parameters(recurse=False))]:
             self._handles.append(mod.register_state_dict_pre_hook(EngineHook(lambda *_: self.access.begin_state_dict())))
             self._handles.append(mod.register_state_dict_post_hook(EngineHook(lambda *_: self.access.end_state_dict())))
+
+    def _wrap_blocks(self, model: nn.Module, cfg: EngineConfig) -> BlockActivations | None:
+        """The blocks' activation policy (Note [activation policies]): None for ``keep``, which
+        leaves every forward as it is."""
+        act = cfg.activations
+        if act.policy is ActivationPolicy.KEEP:
+            return None
+        chunk_storages = {c.device_view.untyped_storage()._cdata for c in self.mgr.chunks.chunks_of(ChunkList.PARAM)}
+        offload = HostOffload(
+            cfg.device, lambda t: t.untyped_storage()._cdata in chunk_storages, quiet=self.mgr.probe.paused
+        )
+        return BlockActivations(find_blocks(model, act.blocks), act.policy, offload)
 
     # ------------------------------------------------------------------ the parts, read-only
     @property
@@ -670,6 +684,22 @@ class ChunkEngine:
             # (Note [a model casting its parameters])
             "modules_cast_by_model": len(self._casts),
             **(mgr.chunks.disk.stats() if mgr.chunks.disk is not None else {}),
+            **self._activation_stats(),
+        }
+
+    def _activation_stats(self) -> dict[str, Any]:
+        """What the blocks did with their saved activations (Note [activation policies])."""
+        act = self.activations
+        if act is None:
+            return {"activation_policy": ActivationPolicy.KEEP.value, "activation_blocks": {}}
+        return {
+            "activation_policy": self.config.activations.policy.value,
+            "activation_blocks": act.counts(),
+            "activation_blocks_checkpointed_by_model": act.model_checkpointed(),
+            "activation_recomputed_calls": act.recomputed_calls,
+            "activation_offloaded_calls": act.offloaded_calls,
+            "activation_bytes_to_host": act.offload.bytes_to_host,
+            "activation_bytes_to_device": act.offload.bytes_to_device,
         }
 
     def device_peak_bytes(self) -> int:
@@ -702,4 +732,6 @@ class ChunkEngine:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.activations is not None:
+            self.activations.remove()
         self.mgr.remove_guard()

@@ -1,0 +1,220 @@
+"""Activations under a policy per block: keep, checkpoint, offload (issue 27, Note [activation policies]).
+
+Every policy trains exactly like plain PyTorch; checkpoint and offload leave less
+on the device than keep; nothing changes in the model's code or class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import chunkstar
+import chunkstar.activations.offload as offload_mod
+from chunkstar.activations import find_blocks, repeated_classes
+from chunkstar.errors import ConfigError
+
+from tests.core._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, train_engine, train_reference
+
+STEPS = 4
+RTOL = {"fp32": 1e-5, "bf16": 3e-2}
+
+
+@pytest.fixture
+def small_offloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test models' saved tensors are kilobytes: offload them all."""
+    monkeypatch.setattr(offload_mod, "MIN_OFFLOAD_BYTES", 1)
+
+
+# ---------------------------------------------------------------------- which modules are blocks
+def test_blocks_are_the_repeated_layers() -> None:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    gpt2 = CASES["gpt2"].build()
+    assert [type(b).__name__ for b in find_blocks(gpt2)] == ["GPT2Block"] * 4
+    bert = CASES["bert"].build()  # declares BertEmbeddings too, which does not repeat
+    assert {type(b).__name__ for b in find_blocks(bert)} == {"BertLayer"}
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=2, d_kv=16))
+    assert len(find_blocks(t5)) == 5  # the encoder's and the decoder's
+    # no declared list: the ModuleLists of one class; outermost only
+    inner = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.parts = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Block() for _ in range(3)])
+            self.head = inner
+
+    net = Net()
+    assert repeated_classes(net) == ["Block", "Linear"]
+    assert [type(b).__name__ for b in find_blocks(net, ["Block"])] == ["Block"] * 3
+    assert len(find_blocks(net)) == 3 + 2  # the Blocks, and the head's Linears (the Blocks' own are inside)
+    with pytest.raises(ValueError, match="repeated layers are"):
+        find_blocks(net, ["Nothing"])
+    with pytest.raises(ValueError, match="no ModuleList"):
+        find_blocks(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_bad_config_is_refused() -> None:
+    base = engine_config("fp32", budget="1MB")
+    for bad, key in (({"policy": "sometimes"}, "activations.policy"), ({"blocks": [3]}, "activations.blocks"),
+                     ({"blocks": []}, "activations.blocks"), ({"plan": 1}, "activations.plan")):  # fmt: skip
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            chunkstar.initialize_engine(CASES["mlp"].build, config={**base, "activations": bad})
+    # a model with no blocks of the named class: said at start, with the classes it has
+    with pytest.raises(ValueError, match="GPT2Block"):
+        chunkstar.initialize_engine(CASES["gpt2"].build, config={**base, "activations": {"policy": "checkpoint", "blocks": ["Block"]}})
+
+
+# ---------------------------------------------------------------------- equal to plain PyTorch
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("policy", ["checkpoint", "offload"])
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_every_policy_trains_like_pytorch(name: str, policy: str, dtype: str, small_offloads: None) -> None:
+    case = CASES[name]
+    want = train_reference(case, STEPS, dtype=dtype)
+    budget = eviction_budget(case.build(), DTYPES[dtype])
+    engine, opt = chunkstar.initialize_engine(
+        case.build, config=engine_config(dtype, budget=budget, activations={"policy": policy})
+    )
+    try:
+        got = train_engine(engine, opt, case, STEPS, dtype=dtype)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert_losses_close(got, want, RTOL[dtype], f"{name}/{policy}/{dtype}")
+    assert stats["activation_policy"] == policy and stats["activation_blocks"][policy] == 4
+    assert stats["chunk_moves_to_host"] > 0  # under eviction, as the parity tests run
+    if policy == "offload":
+        assert stats["activation_offloaded_calls"] == 4 * STEPS
+        assert stats["activation_bytes_to_host"] > 0 and stats["activation_bytes_to_device"] == stats["activation_bytes_to_host"]
+    else:
+        assert stats["activation_recomputed_calls"] == 4 * STEPS and stats["activation_bytes_to_host"] == 0
+
+
+def _gpt2_with_dropout() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=3, n_head=4, resid_pdrop=0.3, attn_pdrop=0.3))
+
+
+def _dropout_losses(policy: str) -> tuple[list[float], list[torch.Tensor]]:
+    engine, opt = chunkstar.initialize_engine(
+        _gpt2_with_dropout, config={"device": "cpu", "device_memory_budget": "8MB", "activations": {"policy": policy}}
+    )
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    losses = []
+    try:
+        torch.manual_seed(7)
+        for _ in range(3):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        with engine.gathered_parameters():
+            weights = [p.detach().clone() for p in engine.module.parameters()]
+    finally:
+        engine.close()
+    return losses, weights
+
+
+def test_recomputation_draws_the_same_dropout(small_offloads: None) -> None:
+    """The RNG state is preserved: a recomputed block drops the same units, so every policy
+    gives keep's losses and weights bit for bit."""
+    keep = _dropout_losses("keep")
+    for policy in ("checkpoint", "offload"):
+        got = _dropout_losses(policy)
+        assert got[0] == keep[0], policy
+        assert all(torch.equal(a, b) for a, b in zip(got[1], keep[1])), policy
+
+
+# ---------------------------------------------------------------------- less on the device
+def _peak(policy: str) -> dict[str, Any]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=256, n_embd=64, n_layer=4, n_head=4))
+
+    engine, opt = chunkstar.initialize_engine(build, config={"device": "cpu", "device_memory_budget": "256MB",
+                                                             "activations": {"policy": policy}})  # fmt: skip
+    ids = torch.randint(0, 128, (4, 256), generator=torch.Generator().manual_seed(3))
+    try:
+        for _ in range(3):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            opt.step()
+            opt.zero_grad()
+        return dict(engine.stats())
+    finally:
+        engine.close()
+
+
+def test_checkpoint_and_offload_leave_less_on_the_device() -> None:
+    keep, ckpt, off = _peak("keep"), _peak("checkpoint"), _peak("offload")
+    # the measured non-model peak (activations, mostly): the same chunks in all three
+    assert ckpt["device_peak_bytes"] < 0.75 * keep["device_peak_bytes"], (ckpt["device_peak_bytes"], keep["device_peak_bytes"])
+    assert off["device_peak_bytes"] < 0.85 * keep["device_peak_bytes"], (off["device_peak_bytes"], keep["device_peak_bytes"])
+    assert off["activation_bytes_to_host"] > 0  # 1 MiB storages and larger: the blocks' big tensors
+
+
+def test_evaluation_and_the_model_s_own_checkpointing(small_offloads: None) -> None:
+    case = CASES["gpt2"]
+    engine, opt = chunkstar.initialize_engine(
+        case.build, config=engine_config("fp32", budget="4MB", activations={"policy": "offload"})
+    )
+    try:
+        batch = case.batch(0)
+        with torch.no_grad():
+            engine(**batch)
+        with torch.inference_mode():
+            engine(**batch)
+        assert engine.stats()["activation_offloaded_calls"] == 0  # nothing saved, nothing moved
+        # the model checkpoints its blocks itself: the policy steps aside (no second recomputation)
+        engine.module.gradient_checkpointing_enable()
+        engine.backward(case.loss(engine, batch, torch.float32))
+        opt.step()
+        stats = engine.stats()
+        assert stats["activation_blocks_checkpointed_by_model"] == 4 and stats["activation_offloaded_calls"] == 0
+        forward = engine.module.transformer.h[0].forward
+    finally:
+        engine.close()
+    engine.remove_hooks()
+    assert "forward" not in engine.module.transformer.h[0].__dict__ and forward is not engine.module.transformer.h[0].forward
+
+
+@pytest.mark.parametrize("policy", ["checkpoint", "offload"])
+def test_accumulation_and_a_plain_backward(policy: str, small_offloads: None) -> None:
+    """Two micro-batches per step through engine.backward, then the same with loss.backward()."""
+    case = CASES["gpt2"]
+    want = train_reference(case, 3, accum=2)
+    budget = eviction_budget(case.build(), DTYPES["fp32"])
+    config = engine_config("fp32", budget=budget, accum=2, activations={"policy": policy})
+    engine, opt = chunkstar.initialize_engine(case.build, config=config)
+    try:
+        got = train_engine(engine, opt, case, 3, accum=2)
+    finally:
+        engine.close()
+    assert_losses_close(got, want, RTOL["fp32"], f"{policy} with accumulation")
+    engine, opt = chunkstar.initialize_engine(case.build, config=config)
+    plain = []
+    try:
+        for step in range(3):
+            for micro in range(2):
+                loss = case.loss(engine, case.batch(step * 2 + micro), torch.float32)
+                loss.backward()  # the engine divides by gradient_accumulation_steps, as engine.backward does
+                plain.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+    finally:
+        engine.close()
+    assert_losses_close(plain, want, RTOL["fp32"], f"{policy}, loss.backward()")
