@@ -149,6 +149,19 @@ def habits(rank: int, world: int, port: int, out: str) -> None:
                 minimum = e.minimum
                 dist.barrier()
 
+        # 7. activation policies (Note [activation policies]) on two ranks: a recomputed block's
+        # moment gathers its groups again; an offloaded block's saved tensors go to the host and back
+        import chunkstar.activations.offload as offload_mod
+
+        offload_mod.MIN_OFFLOAD_BYTES = 1  # the test model's saved tensors are kilobytes
+        for policy in ("checkpoint", "offload"):
+            config = engine_config("fp32", budget=eviction_budget(case.build(), torch.float32), activations={"policy": policy})
+            engine, optimizer = chunkstar.initialize_engine(case.build, rank, config)
+            result[f"{policy}_losses"] = train_slices(engine, optimizer, gpt2_batch, range(STEPS))
+            stats = engine.stats()
+            result[f"{policy}_calls"] = stats["activation_recomputed_calls"] + stats["activation_offloaded_calls"]
+            result[f"{policy}_moves"] = stats["chunk_moves_to_host"]
+
         # 5. a parameter that gets gradients in an earlier micro-batch only: refused on every rank alike
         torch.manual_seed(0)
         branchy = Branchy()

@@ -82,3 +82,11 @@ def test_a_parameter_missing_from_the_last_micro_batch_is_refused_on_every_rank(
 def test_the_budget_a_too_small_one_names_trains_on_two_ranks(results: tuple[list[dict[str, Any]], Path]) -> None:
     for r in results[0]:
         assert r["named_minimum_trains"] is True, r["named_minimum_trains"]
+
+
+@pytest.mark.parametrize("policy", ["checkpoint", "offload"])
+def test_activation_policies_on_two_ranks_match_one_process(results: tuple[list[dict[str, Any]], Path], policy: str) -> None:
+    want = train_reference(CASES["gpt2"], STEPS)
+    for r in results[0]:
+        assert_losses_close(r[f"{policy}_losses"], want, 1e-5, f"GPT-2, {policy}, rank {r['rank']}")
+        assert r[f"{policy}_calls"] == 4 * STEPS and r[f"{policy}_moves"] > 0, r

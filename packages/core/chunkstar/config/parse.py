@@ -425,11 +425,13 @@ def parse_config(
         raise ConfigError("eviction_policy", f"got {policy_raw!r}; allowed: {_TOP_KEYS['eviction_policy']}") from None
 
     disk = _parse_disk(cfg.get("disk"))
+    device_size = device_limit[0] if device.type == "cuda" else None  # a GPU's own size (a dry run's: the target's)
     if target_memory is not None:
         device = torch.device("meta")  # every decision as on the target, no byte anywhere (Note [the meta device])
     placement = PlacementConfig(
         device=device, budget=budget, slack=slack, chunk_size=chunk_size, eviction_policy=policy,
         overlap=_boolean(cfg.get("overlap", _default(PlacementConfig, "overlap")), "overlap"), link_bandwidth=bandwidth,
+        device_size=device_size,
     )  # fmt: skip
     return EngineConfig(
         placement=placement,

@@ -146,6 +146,11 @@ class PlacementConfig:
     )
     """CPU virtual device only: bytes per second every chunk copy takes at least, so the
     run behaves like a device behind a PCIe link (None: copies take what memcpy takes)."""
+    device_size: int | None = None
+    """A GPU's own memory, which no budget changes: the total memory of ``cuda:N``, or of a
+    dry run's target (None: the CPU virtual device, whose budget is its size; or a driver that
+    cannot say). What "auto" sizes chunks against (Note [chunks sized to the device] in
+    :mod:`chunkstar.runtime.start_checks`)."""
 
 
 @dataclass(frozen=True)

@@ -139,9 +139,8 @@ class ChunkEngine:
             chunk_size = cfg.placement.chunk_size
         else:
             # "auto": the least padding, in chunks a few groups of which fit the device at once
-            cap = memory_chunk_cap(cfg, capacity, world, self.comm.distributed and self.comm.on_device(cfg.device))
-            disk_cap = disk_chunk_cap(cfg)
-            cap = cap if disk_cap is None else min(cap, disk_cap)
+            caps = [memory_chunk_cap(cfg, world, self.comm.distributed and self.comm.on_device(cfg.device)), disk_chunk_cap(cfg)]
+            cap = min((c for c in caps if c is not None), default=None)
             chunk_size = search_chunk_size(numels, world_size=world, frozen=frozen, max_size=cap)
         check_inputs(model, cfg, sum(numels), capacity)
         refuse_sparse_gradients(model)

@@ -129,20 +129,29 @@ def disk_chunk_cap(cfg: EngineConfig) -> int | None:
     return max(64, cfg.disk.staging_budget // (2 * per_element))
 
 
-def memory_chunk_cap(cfg: EngineConfig, capacity: int, world_size: int, scratch_on_device: bool) -> int:
-    """The largest chunk "auto" may pick for a device of ``capacity`` bytes: one group's
-    chunks in the param dtype, with a collective's flat temporaries beside them when they
-    are device memory (NCCL: the gather's ``world_size`` chunks, the reduction's
-    ``world_size + 1`` in the reduce dtype), take at most a quarter of the device.
+def memory_chunk_cap(cfg: EngineConfig, world_size: int, scratch_on_device: bool) -> int | None:
+    """The largest chunk "auto" may pick on a GPU (None: no bound, the CPU virtual device).
 
-    A moment holds its groups and the next moment's, gathered ahead, beside its
-    non-model memory, so a group must be a small part of the device. Bounded by the
-    model's size alone (chunk/layout.py), 175B parameters on 8 A100s got chunks of
-    1.4 billion elements: a gradient reduction needed 25 GiB of chunks and 49 GiB of
-    scratch at once, more than the device (the dry run found it)."""
+    Note [chunks sized to the device]: one group's chunks in the param dtype, with a
+    collective's flat temporaries beside them when they are device memory (NCCL: the
+    gather's ``world_size`` chunks, the reduction's ``world_size + 1`` in the reduce
+    dtype), take at most a quarter of the GPU. A moment holds its groups and the next
+    moment's, gathered ahead, beside its non-model memory, so a group must be a small
+    part of the device. Bounded by the model's size alone (chunk/layout.py), 175B
+    parameters on 8 A100s got chunks of 1.4 billion elements: a gradient reduction needed
+    25 GiB of chunks and 49 GiB of scratch at once, more than the device (the dry run found
+    it). The bound is the GPU's own size (:attr:`PlacementConfig.device_size`), never the
+    budget: a layout that changed with the budget would make the smallest budget a
+    ``DeviceMemoryError`` names, measured with one layout, wrong for the layout that budget
+    gives. The CPU virtual device has no size but its budget, and gloo's collectives hold
+    no device scratch: no bound there."""
+    size = cfg.placement.device_size
+    if size is None:
+        return None
     item = cfg.precision.dtype.itemsize
     scratch = max(world_size * item, (world_size + 1) * cfg.reduce_dtype.itemsize) if scratch_on_device else 0
-    return max(64, capacity // 4 // (world_size * item + scratch))
+    usable = int(size * (1.0 - cfg.placement.slack))
+    return max(64, usable // 4 // (world_size * item + scratch))
 
 
 def check_units_fit(modules: list[HookedModule], unit_keys: list[int], mgr: ChunkManager) -> None:
