@@ -84,12 +84,12 @@ def memory_error_advice(free: int, biggest: tuple[str, int] | None) -> str:
         return (
             f"one parameter alone, '{name}' ({nbytes} bytes), is larger than the free chunk memory, so smaller "
             "chunks cannot help: raise 'device_memory_budget', or lower the batch size or sequence length (or "
-            "enable activation checkpointing) to shrink the non-model memory"
+            "set 'activations': {\"policy\": \"checkpoint\"} or \"offload\") to shrink the non-model memory"
         )
     return (
-        "raise 'device_memory_budget'; or lower the batch size or sequence length, or enable activation "
-        "checkpointing, to shrink the non-model memory; or lower 'default_chunk_size' so this moment's working "
-        "set needs fewer whole chunks"
+        "raise 'device_memory_budget'; or lower the batch size or sequence length, or set 'activations': "
+        "{\"policy\": \"checkpoint\"} or \"offload\", to shrink the non-model memory; or lower 'default_chunk_size' "
+        "so this moment's working set needs fewer whole chunks"
     )
 
 

@@ -470,13 +470,15 @@ class Schedule:
         if why:
             advice = (
                 f"raise 'device_memory_budget' to at least {minimum} bytes; {why}, so smaller chunks cannot help; "
-                "or lower the batch size or sequence length (or enable activation checkpointing) to shrink the "
+                "or lower the batch size or sequence length (or set 'activations': {\"policy\": "
+                "\"checkpoint\"} or \"offload\", or enable the model's own activation checkpointing) to shrink the "
                 "non-model memory"
             )
         else:
             advice = (
                 f"raise 'device_memory_budget' to at least {minimum} bytes; or lower the batch size or sequence "
-                "length (or enable activation checkpointing) to shrink the non-model memory; or lower "
+                "length (or set 'activations': {\"policy\": \"checkpoint\"} or \"offload\") to shrink the non-model "
+                "memory; or lower "
                 "'default_chunk_size' so a moment needs fewer whole chunks"
             )
         return DeviceMemoryError(
