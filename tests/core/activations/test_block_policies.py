@@ -218,3 +218,56 @@ def test_accumulation_and_a_plain_backward(policy: str, small_offloads: None) ->
     finally:
         engine.close()
     assert_losses_close(plain, want, RTOL["fp32"], f"{policy}, loss.backward()")
+
+
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(vocab_size=256, d_model=64, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+                                               d_kv=16, decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0))  # fmt: skip
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))  # fmt: skip
+
+
+@pytest.mark.parametrize("policy", ["checkpoint", "offload"])
+@pytest.mark.parametrize("family", ["t5", "llama"])
+def test_a_decoder_s_cache_and_grouped_heads(family: str, policy: str, small_offloads: None) -> None:
+    """T5's decoder blocks are handed a key/value cache they write: a recomputed block leaves it
+    out, as Hugging Face's checkpointing does (replayed, it was written twice and the
+    recomputation saved other tensors); Llama's grouped heads and rotary embeddings."""
+    build = _t5 if family == "t5" else _llama
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, 32), generator=g)
+    batch = {"input_ids": ids, "labels": torch.randint(0, 256, (2, 16), generator=g) if family == "t5" else ids}
+    ref = build()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    want = []
+    for _ in range(3):
+        loss = ref(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    config = {"device": "cpu", "device_memory_budget": "2MB", "default_chunk_size": 8192,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "activations": {"policy": policy}}  # fmt: skip
+    engine, chunk_opt = chunkstar.initialize_engine(build, config=config)
+    got = []
+    try:
+        for _ in range(3):
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            chunk_opt.step()
+            chunk_opt.zero_grad()
+            got.append(loss.item())
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert_losses_close(got, want, RTOL["fp32"], f"{family}/{policy}")
+    assert stats["chunk_moves_to_host"] > 0 and stats["activation_blocks"][policy] == (4 if family == "t5" else 3)

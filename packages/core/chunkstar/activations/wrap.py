@@ -9,7 +9,8 @@ iterations without wrapping again:
 * keep: the forward as it is;
 * checkpoint: ``torch.utils.checkpoint.checkpoint`` around the forward, non-reentrant,
   with the RNG state preserved (a dropout draws the same mask again in the
-  recomputation), so gradients equal keeping's;
+  recomputation), so gradients equal keeping's; a key/value cache the forward
+  would write is left out (:func:`_without_cache`);
 * offload: the forward inside :meth:`HostOffload.block_call` (Note [activation offload]).
 
 Without gradients (evaluation, ``torch.no_grad``, ``inference_mode``) nothing is
@@ -66,7 +67,7 @@ class BlockActivations:
                 return forward(*args, **kwargs)
             if policy is ActivationPolicy.CHECKPOINT:
                 self.recomputed_calls += 1
-                return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+                return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **_without_cache(block, kwargs))
             self.offloaded_calls += 1
             with self.offload.block_call():
                 return forward(*args, **kwargs)
@@ -92,3 +93,23 @@ class BlockActivations:
             else:
                 block.__dict__.pop("forward", None)
         self._originals = [None] * len(self.blocks)
+
+
+def _without_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a recomputed block without a cache its forward would write.
+
+    A decoder layer handed a key/value cache (T5's ``cache``, GPT-2's ``layer_past``, or
+    ``use_cache=True``) writes it in the forward; replayed in the backward it would write
+    it again, and read what the first forward wrote: torch's checkpoint then finds other
+    tensors saved and stops. Hugging Face's own checkpointing drops them the same way (a
+    layer that only reads a cache says so with ``_can_checkpoint_with_cache``); in training
+    the cache is not read."""
+    if getattr(block, "_can_checkpoint_with_cache", False):
+        return kwargs
+    out = dict(kwargs)
+    if out.get("use_cache"):
+        out["use_cache"] = False
+    for name in ("cache", "layer_past"):
+        if out.get(name) is not None:
+            out[name] = None
+    return out
