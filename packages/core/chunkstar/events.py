@@ -111,6 +111,8 @@ class ChunkMoved:
     """The module whose moment caused the move ("" outside moments)."""
     t_start_ns: int
     t_end_ns: int
+    gathered: bool = False
+    """Another rank's chunk arriving by an all-gather (over the interconnect, not the host link)."""
 
 
 @dataclass(frozen=True)

@@ -256,3 +256,15 @@ def test_calibrating_this_machine_says_what_it_measured() -> None:
     assert "FLOP ops" in fast.source and fast.gpus_per_node == 1
     with pytest.raises(ValueError, match="link_bandwidth"):
         calibrate_this_machine(torch.float32, link_bandwidth=-1.0)
+
+
+def test_a_gathered_chunk_travels_the_interconnect_not_the_host_link() -> None:
+    """Another rank's chunk arrives by an all-gather: its bytes are the moment's gather bytes
+    (interconnect); the move the engine records for it is not charged to the host link again
+    (charged twice, 8-rank steps were predicted up to twice too long)."""
+    gathered = dataclasses.replace(_mv(1e9, "host", "device", "access", seq=0), gathered=True)
+    rec = StepRecord(moments=[_moment(0, 1.0, gathered, gather=int(1e9))], world_size=2)
+    for overlap in (False, True):
+        p = predict(rec, _hw(), overlap=overlap)
+        assert p.busy["h2d"] == 0.0 and p.busy["interconnect"] == pytest.approx(1.0), overlap
+    assert rec.moved("host", "device") == 0  # this rank's host gave none of it

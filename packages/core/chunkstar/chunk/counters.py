@@ -96,7 +96,7 @@ class ChunkCounters:
         if src is not None and dst is not None:
             cur = self._cur
             assert reason is not None
-            events.emit(ChunkMoved(chunk_id, list_name, copied, src, dst, reason, cur.moment, cur.module, t0, t1))
+            events.emit(ChunkMoved(chunk_id, list_name, copied, src, dst, reason, cur.moment, cur.module, t0, t1, gathered))
         if src is not None and not kept_src:
             events.emit(ChunkFreed(chunk_id, list_name, src, nbytes, t1))
 

@@ -39,6 +39,9 @@ class Move:
     """A :class:`chunkstar.events.MoveReason` value: access, eviction, prefetch, optimizer, offload, stage_in, stage_out."""
     seq: int = 0
     """Its place among the step's moves, in the order they were issued (the events' order)."""
+    gathered: bool = False
+    """Another rank's chunk arriving by an all-gather: its bytes travel the interconnect (the
+    moment's :attr:`MomentRecord.gather_bytes`), not the host link."""
 
 
 @dataclass
@@ -89,9 +92,10 @@ class StepRecord:
         return sorted([mv for m in self.moments for mv in m.moves] + self.optimizer_moves, key=lambda mv: mv.seq)
 
     def moved(self, src: str, dst: str) -> int:
-        """Bytes moved from tier ``src`` to ``dst`` in the whole iteration."""
+        """Bytes this rank moved from tier ``src`` to ``dst`` in the whole iteration (gathered
+        chunks came from other ranks: not counted, as ``engine.stats()`` counts them apart)."""
         every = [mv for m in self.moments for mv in m.moves] + self.optimizer_moves
-        return sum(mv.nbytes for mv in every if mv.src == src and mv.dst == dst)
+        return sum(mv.nbytes for mv in every if mv.src == src and mv.dst == dst and not mv.gathered)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (no events): for JSON."""
@@ -208,7 +212,7 @@ class StepRecorder:
             self._close_moment()
         elif isinstance(e, ChunkMoved):
             self._seq += 1
-            mv = Move(e.chunk_id, e.chunk_list, e.nbytes, _tier(e.src), _tier(e.dst), e.reason.value, self._seq - 1)
+            mv = Move(e.chunk_id, e.chunk_list, e.nbytes, _tier(e.src), _tier(e.dst), e.reason.value, self._seq - 1, e.gathered)
             (self._moment.moves if self._moment is not None else self.record.optimizer_moves).append(mv)
 
     def _adam_work(self) -> None:

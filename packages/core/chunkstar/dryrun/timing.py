@@ -603,7 +603,10 @@ def predict(record: StepRecord, hw: Hardware, *, overlap: bool = True, ranks_per
             elif mv.src == "disk" or mv.dst == "disk":
                 move(mv, "disk", t_issue, disk_seconds(mv.nbytes, mv.src == "disk"))
         for mv in m.moves:
-            if mv.src == "host" and mv.dst == "device":
+            # a gathered chunk's bytes come over the interconnect (the moment's gather_bytes below),
+            # not the host link: charged there once (charged here too, 8 ranks' steps were
+            # predicted up to twice too long)
+            if mv.src == "host" and mv.dst == "device" and not mv.gathered:
                 seconds = mv.nbytes / hw.h2d_bandwidth
                 if mv.reason == "prefetch":
                     prefetched_until = max(prefetched_until, move(mv, "h2d", t_issue, seconds))
