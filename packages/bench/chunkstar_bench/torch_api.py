@@ -421,6 +421,34 @@ _DIST_NAMES = (
     "get_rank", "get_world_size", "get_backend", "is_initialized", "is_available", "new_group", "ReduceOp",
 )  # fmt: skip
 
+def _saved_tensor_hooks(dev: torch.device) -> str:
+    """What the activation offload rests on (Note [activation offload]): saved_tensors_hooks
+    whose pack gives autograd a host copy of a whole storage and whose unpack rebuilds the
+    view on the device; the gradients are the same bits as without them."""
+    w = torch.randn(64, 64, device=dev, requires_grad=True)
+    x = torch.randn(16, 64, device=dev)
+    packed: list[int] = []
+
+    def pack(t: torch.Tensor) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        raw = t.new_empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+        packed.append(raw.numel())
+        return raw.to("cpu", copy=True), (t.dtype, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(p: tuple[torch.Tensor, tuple[Any, ...]]) -> torch.Tensor:
+        host, (dtype, size, stride, offset) = p
+        return host.to(dev).view(dtype).as_strided(size, stride, offset)
+
+    torch.tanh(x @ w).sum().backward()
+    want = w.grad.clone()  # type: ignore[union-attr]
+    w.grad = None
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        torch.tanh(x @ w).sum().backward()
+    _sync(dev)
+    _check(bool(packed), "the pack hook never ran")
+    _check(torch.equal(w.grad, want), "gradients through host copies of the saved tensors differ")  # type: ignore[arg-type]
+    return f"saved_tensors_hooks: {len(packed)} saved tensors through the host, the same gradients"
+
+
 PROBES: tuple[Probe, ...] = (
     Probe("cuda device", ("torch.cuda.is_available", "torch.cuda.device_count", "torch.cuda.set_device",
                           "torch.cuda.current_device", "torch.cuda.get_device_properties", "torch.cuda.synchronize",
@@ -444,6 +472,7 @@ PROBES: tuple[Probe, ...] = (
           "both", _grad_hooks),
     Probe("backward tasks", ("torch._C._current_graph_task_id", "torch._C._will_engine_execute_node",
                              "torch.autograd.graph.get_gradient_edge"), "both", _backward_tasks),
+    Probe("saved tensor hooks", ("torch.autograd.graph.saved_tensors_hooks",), "both", _saved_tensor_hooks),
     Probe("modes and misc", ("torch.utils._python_dispatch._push_mode", "torch.utils._python_dispatch._pop_mode",
                              "torch.utils._python_dispatch._get_current_dispatch_mode_stack",
                              "torch.utils._python_dispatch.TorchDispatchMode", "torch.overrides._push_mode",
