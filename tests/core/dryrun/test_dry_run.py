@@ -211,3 +211,33 @@ def test_the_disk_tier_decides_as_in_a_real_run(name: str, tmp_path: Any) -> Non
                              hardware="rtx4090_256gb_nvme", steps=3)  # fmt: skip
     assert nvme.fits and nvme.prediction is not None and nvme.prediction.busy["disk"] > 0
     assert nvme.ranks[0].stats["disk_bytes_written"] > 0 and not dry_dir.exists()
+
+
+@pytest.mark.parametrize("policy", ["checkpoint", "offload"])
+def test_the_activation_policy_decides_as_in_a_real_run(policy: str) -> None:
+    """A block policy (Note [activation policies]) runs the same on meta: recomputation, the
+    offload's saved tensors (storages of 1 MiB and more, sized as on the real device), the
+    device peak they leave and the chunk moves after every step equal a real run's."""
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=64, n_layer=3, n_head=4, n_positions=256))
+
+    config = {"device": "cpu", "device_memory_budget": "128MB", "default_chunk_size": 40000, "activations": {"policy": policy}}
+    ids = torch.randint(0, 512, (4, 256), generator=torch.Generator().manual_seed(1))
+    engine, opt = chunkstar.initialize_engine(build, config=config)
+    real = []
+    try:
+        for _ in range(3):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            opt.step()
+            opt.zero_grad()
+            real.append(dict(engine.stats()))
+    finally:
+        engine.close()
+    report = chunkstar.dry_run(build, config, {"input_ids": ids, "labels": ids}, steps=3)
+    keys = (*_COUNTERS, "device_peak_bytes", "activation_blocks", "activation_recomputed_calls", "activation_offloaded_calls",
+            "activation_bytes_to_host", "activation_bytes_to_device")  # fmt: skip
+    for step, (r, d) in enumerate(zip(real, report.ranks[0].steps)):
+        assert {k: d[k] for k in keys} == {k: r[k] for k in keys}, (policy, step)
+    assert real[-1]["activation_bytes_to_host" if policy == "offload" else "activation_recomputed_calls"] > 0
