@@ -56,7 +56,8 @@ def _real(name: str, budget: str, steps: int, config: dict[str, Any] | None = No
     out = []
     try:
         for _ in range(steps):
-            engine.backward(engine(**_inputs(name)).loss)
+            for _ in range(int((config or {}).get("gradient_accumulation_steps", 1))):
+                engine.backward(engine(**_inputs(name)).loss)
             opt.step()
             opt.zero_grad()
             if engine.mgr.chunks.disk is not None:
@@ -241,3 +242,15 @@ def test_the_activation_policy_decides_as_in_a_real_run(policy: str) -> None:
     for step, (r, d) in enumerate(zip(real, report.ranks[0].steps)):
         assert {k: d[k] for k in keys} == {k: r[k] for k in keys}, (policy, step)
     assert real[-1]["activation_bytes_to_host" if policy == "offload" else "activation_recomputed_calls"] > 0
+
+
+def test_gradient_accumulation_decides_as_in_a_real_run() -> None:
+    """Two micro-batches a step: the earlier ones' gradients wait in fp32 accumulators, which a
+    dry run keeps on meta (once real CPU tensors, the first copy of a meta gradient stopped it,
+    and at the paper's scale they would have been 4 bytes per parameter of real memory)."""
+    config = {**_config(_BUDGETS["gpt2"][0]), "gradient_accumulation_steps": 2}
+    real = _real("gpt2", _BUDGETS["gpt2"][0], 3, {**config})
+    report = chunkstar.dry_run(_MODELS["gpt2"], config, _inputs("gpt2"), steps=3)
+    assert report.fits
+    for step, (r, d) in enumerate(zip(real, report.ranks[0].steps)):
+        assert {k: d[k] for k in _COUNTERS} == {k: r[k] for k in _COUNTERS}, step

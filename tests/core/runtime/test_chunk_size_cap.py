@@ -1,7 +1,7 @@
 """"auto" picks chunks a few groups of which fit the GPU (issue 26, a scale bug the dry run found).
 
 Bounded by the model's size alone, 175B parameters on 8 A100s got chunks of 1.4
-billion elements: one gradient reduction needed 25 GiB of chunks and 49 GiB of
+billion elements: one gradient reduction needed 25 GiB of chunks and 46 GiB of
 NCCL's flat buffers at once on an 80 GB device. The bound is the GPU's own size,
 never the budget (Note [chunks sized to the device]).
 """

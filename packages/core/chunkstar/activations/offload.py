@@ -96,7 +96,6 @@ class HostOffload:
         """Bytes copied to the host so far (each storage once per block call)."""
         self.bytes_to_device = 0
         """Bytes copied back to the device so far."""
-        self.tensors_offloaded = 0
 
     @contextlib.contextmanager
     def block_call(self) -> Any:
@@ -138,8 +137,6 @@ class HostOffload:
             seen[key] = (rec, t)
             with self._lock:
                 self.bytes_to_host += nbytes
-        with self._lock:
-            self.tensors_offloaded += 1
         return _Saved(rec, t)
 
     def unpack(self, packed: Any) -> torch.Tensor:

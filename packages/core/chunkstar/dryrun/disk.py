@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 
 from chunkstar.config import DiskConfig
-from chunkstar.disk import ALIGNMENT, DiskIOStats, DiskLanes, StagingBuffers
+from chunkstar.disk import DiskIOStats, DiskLanes, StagingBuffers
+from chunkstar.disk.blockio import round_up
 from chunkstar.disk.claim import chunk_file_name
 from chunkstar.runtime.disk_tier import TierFiles, TierLanes
 
@@ -51,7 +52,7 @@ class MetaFiles:
 
     @property
     def file_bytes(self) -> int:
-        return sum(-(-n // ALIGNMENT) * ALIGNMENT for per in self._sizes.values() for n in per.values())
+        return sum(round_up(n) for per in self._sizes.values() for n in per.values())
 
     @property
     def stats(self) -> DiskIOStats:
@@ -104,18 +105,13 @@ class MetaFiles:
 class SimulatedDisk:
     """:class:`~chunkstar.runtime.disk_tier.DiskParts` for a dry run (Note [dry run disk])."""
 
-    def __init__(self) -> None:
-        self.files_made: list[MetaFiles] = []
-
     def staging(self, budget: int) -> StagingBuffers:
         return StagingBuffers(budget, device="meta")
 
     def files(
         self, cfg: DiskConfig, *, run_tag: str, rank: int, lists: list[str], chunk_nbytes: dict[str, dict[int, int]]
     ) -> TierFiles:
-        files = MetaFiles(Path(cfg.path), rank, {n: dict(chunk_nbytes[n]) for n in lists}, cfg.direct)
-        self.files_made.append(files)
-        return files
+        return MetaFiles(Path(cfg.path), rank, {n: dict(chunk_nbytes[n]) for n in lists}, cfg.direct)
 
     def lanes(self, files: TierFiles, on_failure: Callable[[BaseException], None]) -> TierLanes:
         assert isinstance(files, MetaFiles)

@@ -34,6 +34,7 @@ import torch
 from chunkstar.chunk.layout import TensorSlot
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.chunk.state import TensorState
+from chunkstar.device.tiers import host_device
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.errors import ChunkStateError
@@ -263,7 +264,10 @@ class Gradients:
         if acc is None:
             numel = self.mgr.layout.chunk_sizes[chunk_id]
             pool = self.mgr.chunks.pinned_buffers
-            acc = pool.take(numel, torch.float32) if self._async and pool is not None else torch.empty(numel, dtype=torch.float32)
+            if self._async and pool is not None:
+                acc = pool.take(numel, torch.float32)
+            else:  # on the host tier's device: meta in a dry run, which must hold no fp32 copy of the model
+                acc = torch.empty(numel, dtype=torch.float32, device=host_device(self.mgr.chunks.device))
             self._accumulators[chunk_id] = acc
         return acc
 

@@ -139,7 +139,7 @@ def memory_chunk_cap(cfg: EngineConfig, world_size: int, scratch_on_device: bool
     moment's, gathered ahead, beside its non-model memory, so a group must be a small
     part of the device. Bounded by the model's size alone (chunk/layout.py), 175B
     parameters on 8 A100s got chunks of 1.4 billion elements: a gradient reduction needed
-    25 GiB of chunks and 49 GiB of scratch at once, more than the device (the dry run found
+    25 GiB of chunks and 46 GiB of NCCL scratch (9 chunks in fp32) at once, more than the device (the dry run found
     it). The bound is the GPU's own size (:attr:`PlacementConfig.device_size`), never the
     budget: a layout that changed with the budget would make the smallest budget a
     ``DeviceMemoryError`` names, measured with one layout, wrong for the layout that budget
