@@ -27,6 +27,7 @@ __all__ = [
     "ChunkMoved",
     "ChunkAllocated",
     "ChunkFreed",
+    "ActivationMoved",
     "MemorySample",
     "Event",
     "EventBus",
@@ -134,6 +135,27 @@ class ChunkFreed:
 
 
 @dataclass(frozen=True)
+class ActivationMoved:
+    """One storage of a block's saved activations crossed the host link (Note [activation
+    offload] in :mod:`chunkstar.activations.offload`): to the host as the block's forward saved
+    it, or back to the device for its backward. Emitted once the copy is known to be done."""
+
+    block: str
+    """The block's qualified module name ("h.3")."""
+    nbytes: int
+    src: Tier
+    dst: Tier
+    prefetch: bool
+    """A copy back issued ahead of the block's backward (False: the backward waited for it)."""
+    moment: int
+    """The moment during which the copy was issued (-1 outside moments)."""
+    t_start_ns: int
+    """When the copy was issued."""
+    t_end_ns: int
+    """When it was found done (its end, or later: a copy nobody waited for is checked at the next chance)."""
+
+
+@dataclass(frozen=True)
 class MemorySample:
     """Memory of one tier at a moment boundary."""
 
@@ -148,7 +170,7 @@ class MemorySample:
     t_ns: int
 
 
-Event = Union[StageChanged, MomentBegin, MomentEnd, ChunkMoved, ChunkAllocated, ChunkFreed, MemorySample]
+Event = Union[StageChanged, MomentBegin, MomentEnd, ChunkMoved, ChunkAllocated, ChunkFreed, ActivationMoved, MemorySample]
 Subscriber = Callable[[Event], None]
 
 

@@ -271,3 +271,83 @@ def test_a_decoder_s_cache_and_grouped_heads(family: str, policy: str, small_off
         engine.close()
     assert_losses_close(got, want, RTOL["fp32"], f"{family}/{policy}")
     assert stats["chunk_moves_to_host"] > 0 and stats["activation_blocks"][policy] == (4 if family == "t5" else 3)
+
+
+# ---------------------------------------------------------------------- auto: planned per block
+def _minimum(build: Any, config: dict[str, Any], batch: Any, loss: Any) -> int:
+    """The least budget the engine's warm-up measured for ``config`` (two iterations at a roomy budget)."""
+    engine, opt = chunkstar.initialize_engine(build, config=config)
+    try:
+        for _ in range(2):
+            engine.backward(loss(engine, batch))
+            opt.step()
+            opt.zero_grad()
+        return int(engine.stats()["minimum_budget_bytes"])
+    finally:
+        engine.close()
+
+
+AUTO_FAMILIES = {
+    "gpt2": (lambda: CASES["gpt2"].build(), lambda s: CASES["gpt2"].batch(s)),
+    "bert": (lambda: CASES["bert"].build(), lambda s: CASES["bert"].batch(s)),
+    "t5": (_t5, lambda s: {"input_ids": torch.randint(1, 256, (2, 32), generator=torch.Generator().manual_seed(s)),
+                           "labels": torch.randint(1, 256, (2, 16), generator=torch.Generator().manual_seed(100 + s))}),
+    "llama": (_llama, lambda s: {"input_ids": (ids := torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(s))),
+                                 "labels": ids}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("family", sorted(AUTO_FAMILIES))
+def test_auto_trains_like_pytorch_where_keep_cannot(family: str, dtype: str, small_offloads: None) -> None:
+    """Under a budget between offloading's least and keeping's least, ``keep`` stops with a
+    DeviceMemoryError and ``auto`` plans its blocks, traces again under the plan and trains
+    equal to plain PyTorch (the plan keeps some blocks where it can: it is not just offload)."""
+    build, batch = AUTO_FAMILIES[family]
+    steps = 5
+
+    def loss(model: Any, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            return model(**b).loss  # type: ignore[no-any-return]
+
+    ref = build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    want = []
+    for s in range(steps):
+        out = loss(ref, batch(s))
+        out.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(out.item())
+
+    def config(policy: str, budget: int | str) -> dict[str, Any]:
+        cfg = {"device": "cpu", "device_memory_budget": budget, "default_chunk_size": 8192,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "activations": {"policy": policy}}  # fmt: skip
+        if dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        return cfg
+
+    keep_min = _minimum(build, config("keep", "256MB"), batch(0), loss)
+    off_min = _minimum(build, config("offload", "256MB"), batch(0), loss)
+    assert off_min < 0.9 * keep_min, (off_min, keep_min)
+    budget = (keep_min + off_min) // 2
+    with pytest.raises(chunkstar.DeviceMemoryError):
+        _minimum(build, config("keep", budget), batch(0), loss)
+    engine, opt = chunkstar.initialize_engine(build, config=config("auto", budget))
+    got = []
+    try:
+        for s in range(steps):
+            out = loss(engine, batch(s))
+            engine.backward(out)
+            opt.step()
+            opt.zero_grad()
+            got.append(out.item())
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert_losses_close(got, want, RTOL[dtype], f"{family}/auto/{dtype}")
+    plan = stats["activation_plan"]
+    assert not stats["activation_measuring"] and plan["fits"] and stats["activation_plan_fallbacks"] == 0
+    assert set(plan["blocks"].values()) <= {"keep", "checkpoint", "offload"} and set(plan["blocks"].values()) != {"keep"}
+    assert stats["activation_blocks"] == {p: list(plan["blocks"].values()).count(p) for p in ("keep", "checkpoint", "offload")}
+    assert stats["device_peak_bytes"] <= budget  # and the strict device checks every moment against it (tests/conftest.py)

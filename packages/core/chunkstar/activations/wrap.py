@@ -27,28 +27,83 @@ again (Note [activation policies] in :mod:`chunkstar.activations`).
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from chunkstar.activations.offload import HostOffload
+from chunkstar.activations.offload import HostOffload, SavedBytes
 from chunkstar.config import ActivationPolicy
 
 __all__ = ["BlockActivations"]
 
 
-class BlockActivations:
-    """The blocks of one model and the policy each runs under (the module docstring)."""
+class _Measure:
+    """One block's measurements while the plan is measured (Note [activation plan] in
+    :mod:`chunkstar.activations.plan`): per iteration, summed over its calls."""
 
-    def __init__(self, blocks: Sequence[nn.Module], policy: ActivationPolicy, offload: HostOffload) -> None:
+    __slots__ = ("saved", "small", "inputs", "forward_s", "calls", "_it_saved", "_it_small", "_it_s", "_it_calls", "_timers")
+
+    def __init__(self) -> None:
+        self.saved = 0  # bytes offloaded in one iteration (the largest iteration's)
+        self.small = 0  # bytes of small saved tensors left on the device
+        self.inputs = 0  # bytes of its tensor inputs (the largest iteration's)
+        self.forward_s: float | None = None  # forward seconds in one iteration (the fastest iteration's)
+        self.calls = 0  # calls in one iteration
+        self._it_saved = self._it_small = self._it_calls = 0
+        self._it_s = 0.0
+        self._timers: list[tuple[Any, Any, float]] = []  # CUDA: (start, end, seconds waited) per call
+
+    def add(self, saved: SavedBytes, inputs: int, seconds: float | None, timer: tuple[Any, Any] | None) -> None:
+        self._it_saved += saved.large
+        self._it_small += saved.small
+        self._it_calls += 1
+        self.inputs = max(self.inputs, inputs)
+        if timer is not None:
+            self._timers.append((*timer, saved.waited_s))
+        elif seconds is not None:
+            self._it_s += max(seconds - saved.waited_s, 0.0)
+
+    def close_iteration(self) -> None:
+        if not self._it_calls:
+            return
+        if self._timers:
+            torch.cuda.synchronize()
+            self._it_s += sum(max(a.elapsed_time(b) / 1e3 - w, 0.0) for a, b, w in self._timers)
+            self._timers.clear()
+        self.saved = max(self.saved, self._it_saved)
+        self.small = max(self.small, self._it_small)
+        self.calls = max(self.calls, self._it_calls)
+        self.forward_s = self._it_s if self.forward_s is None else min(self.forward_s, self._it_s)
+        self._it_saved = self._it_small = self._it_calls = 0
+        self._it_s = 0.0
+
+
+class BlockActivations:
+    """The blocks of one model and the policy each runs under (the module docstring).
+
+    ``policy`` AUTO: every block runs offloaded while :attr:`measuring` (the measuring policy,
+    Note [activation plan]), each call measured, until :meth:`apply` sets the plan."""
+
+    def __init__(
+        self, blocks: Sequence[nn.Module], policy: ActivationPolicy, offload: HostOffload, names: Sequence[str] | None = None
+    ) -> None:
         self.blocks = list(blocks)
-        self.policies = [policy] * len(self.blocks)
+        self.names = list(names) if names is not None else [type(b).__name__ for b in self.blocks]
+        self.auto = policy is ActivationPolicy.AUTO
+        self.policies = [ActivationPolicy.OFFLOAD if self.auto else policy] * len(self.blocks)
         """Each block's policy, by position in :attr:`blocks` (read at every call)."""
+        self.measuring = self.auto
+        """Calls are measured for a plan (AUTO, until the plan is applied)."""
+        self.measures = [_Measure() for _ in self.blocks]
         self.offload = offload
+        if self.measuring:
+            self._measuring_copies()
         self.recomputed_calls = 0
         self.offloaded_calls = 0
+        self._timed = offload.device.type == "cuda"
         self._originals: list[Callable[..., Any] | None] = []
         for i, block in enumerate(self.blocks):
             own = block.__dict__.get("forward")  # an instance forward the user set, kept under ours
@@ -57,6 +112,7 @@ class BlockActivations:
 
     def _wrapped(self, index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
         block = self.blocks[index]
+        name = self.names[index]
 
         @functools.wraps(forward)
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -69,18 +125,68 @@ class BlockActivations:
                 self.recomputed_calls += 1
                 return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **_without_cache(block, kwargs))
             self.offloaded_calls += 1
-            with self.offload.block_call():
-                return forward(*args, **kwargs)
+            if not self.measuring:
+                with self.offload.block_call(name):
+                    return forward(*args, **kwargs)
+            return self._measured(index, forward, args, kwargs)
 
         return run
+
+    def _measured(self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        saved = SavedBytes()
+        device = self.offload.device
+        # what a recomputation would keep instead: the inputs' storages (a view of a larger one keeps it all)
+        inputs = sum(t.untyped_storage().nbytes() for t in _tensors(args, kwargs) if t.device == device and t.is_floating_point())
+        timer = None
+        if self._timed:
+            timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timer[0].record()
+        t0 = time.perf_counter()
+        with self.offload.block_call(self.names[index], saved):
+            out = forward(*args, **kwargs)
+        seconds = time.perf_counter() - t0
+        if timer is not None:
+            timer[1].record()
+        self.measures[index].add(saved, inputs, seconds, timer)
+        return out
+
+    def close_iteration(self) -> None:
+        """A training iteration ended: its calls' measurements are one iteration's."""
+        if self.measuring:
+            for m in self.measures:
+                m.close_iteration()
+
+    def _measuring_copies(self) -> None:
+        # the measuring run holds no more than recomputing every block would (Note [activation
+        # plan]): each copy to the host waited for, each storage sent for when it is read
+        self.offload.pipelined = False
+        self.offload.prefetch = False
+
+    def measure(self) -> None:
+        """Measure again (the run changed shape): every block offloaded, fresh measurements."""
+        if self.auto:
+            self.measuring = True
+            self.measures = [_Measure() for _ in self.blocks]
+            self.policies = [ActivationPolicy.OFFLOAD] * len(self.blocks)
+            self._measuring_copies()
+
+    def apply(self, policies: Sequence[ActivationPolicy], overlap: bool = True) -> None:
+        """Run the blocks under ``policies`` from the next call on (the plan); offloaded ones with
+        their copies overlapped (``overlap``: to the host waited for a block later, back to the
+        device one block ahead), or each waited for at once, as measured."""
+        assert len(policies) == len(self.blocks)
+        self.policies = list(policies)
+        self.measuring = False
+        self.offload.prefetch = overlap
+        self.offload.pipelined = overlap
 
     def model_checkpointed(self) -> int:
         """Blocks the model checkpoints itself now (Hugging Face's gradient checkpointing)."""
         return sum(1 for b in self.blocks if getattr(b, "gradient_checkpointing", False))
 
     def counts(self) -> dict[str, int]:
-        """Blocks under each policy now (by the policies' names)."""
-        out = {p.value: 0 for p in ActivationPolicy}
+        """Blocks under each policy now (by the policies' names; AUTO is never one)."""
+        out = {p.value: 0 for p in ActivationPolicy if p is not ActivationPolicy.AUTO}
         for p in self.policies:
             out[p.value] += 1
         return out
@@ -93,6 +199,26 @@ class BlockActivations:
             else:
                 block.__dict__.pop("forward", None)
         self._originals = [None] * len(self.blocks)
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors among a call's arguments (one level into tuples, lists and dicts), each storage once."""
+    out: dict[int, torch.Tensor] = {}
+
+    def add(v: Any) -> None:
+        if isinstance(v, torch.Tensor):
+            out.setdefault(v.untyped_storage()._cdata, v)
+
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, (tuple, list)):
+            for x in v:
+                add(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                add(x)
+        else:
+            add(v)
+    return list(out.values())
 
 
 def _without_cache(block: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:

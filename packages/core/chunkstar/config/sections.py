@@ -51,6 +51,9 @@ class ActivationPolicy(enum.Enum):
     """What the blocks do with the tensors their forward saves for the backward (Note
     [activation policies] in :mod:`chunkstar.activations`)."""
 
+    AUTO = "auto"
+    """Per block, the fastest of the three below that fits the budget, planned from the warm-up's
+    measurements (Note [activation plan] in :mod:`chunkstar.activations.plan`)."""
     KEEP = "keep"
     """Saved on the device until the backward (PyTorch's own behaviour)."""
     CHECKPOINT = "checkpoint"
@@ -202,7 +205,8 @@ class ActivationsConfig:
     """Where the blocks' saved activations live (:mod:`chunkstar.activations`)."""
 
     policy: ActivationPolicy = _key(
-        "activations.policy", '"keep" (default), "checkpoint" or "offload": what every block does with its saved tensors',
+        "activations.policy",
+        '"keep" (default), "checkpoint" or "offload" (every block the same), or "auto" (each block planned from the warm-up)',
         ActivationPolicy.KEEP,
     )
     blocks: tuple[str, ...] | None = _key(

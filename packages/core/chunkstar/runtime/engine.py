@@ -251,6 +251,7 @@ class ChunkEngine:
         self._handles += install_upcasts(model, lambda m: upcast_dtype(m, dtype))
         self._casts: dict[int, torch.dtype] = {}  # id(module) -> dtype it cast its parameters to (see_in_dtype)
         self.activations = self._wrap_blocks(model, cfg)  # Note [activation policies]
+        self._iteration.activations = self.activations
         check_units_fit(modules, [u.key for u in self._units], self.mgr)
         # one guarded and one watched class per parameter class (Note [parameter guard], Note [data aliases])
         guarded: dict[type, tuple[type, type]] = {}
@@ -272,10 +273,14 @@ class ChunkEngine:
         if act.policy is ActivationPolicy.KEEP:
             return None
         chunk_storages = {c.device_view.untyped_storage()._cdata for c in self.mgr.chunks.chunks_of(ChunkList.PARAM)}
+        cursor = self.mgr.cursor
         offload = HostOffload(
-            cfg.device, lambda t: t.untyped_storage()._cdata in chunk_storages, quiet=self.mgr.probe.paused
-        )
-        return BlockActivations(find_blocks(model, act.blocks), act.policy, offload)
+            cfg.device, lambda t: t.untyped_storage()._cdata in chunk_storages, quiet=self.mgr.probe.paused,
+            copies=self.mgr.copies, events=self.events, moment=lambda: cursor.moment,
+        )  # fmt: skip
+        blocks = find_blocks(model, act.blocks)
+        names = {id(m): n for n, m in model.named_modules()}
+        return BlockActivations(blocks, act.policy, offload, [names[id(b)] for b in blocks])
 
     # ------------------------------------------------------------------ the parts, read-only
     @property
@@ -687,11 +692,13 @@ class ChunkEngine:
         }
 
     def _activation_stats(self) -> dict[str, Any]:
-        """What the blocks did with their saved activations (Note [activation policies])."""
+        """What the blocks did with their saved activations (Note [activation policies]), and
+        auto's plan (Note [activation plan])."""
         act = self.activations
         if act is None:
             return {"activation_policy": ActivationPolicy.KEEP.value, "activation_blocks": {}}
-        return {
+        it = self._iteration
+        out: dict[str, Any] = {
             "activation_policy": self.config.activations.policy.value,
             "activation_blocks": act.counts(),
             "activation_blocks_checkpointed_by_model": act.model_checkpointed(),
@@ -699,7 +706,26 @@ class ChunkEngine:
             "activation_offloaded_calls": act.offloaded_calls,
             "activation_bytes_to_host": act.offload.bytes_to_host,
             "activation_bytes_to_device": act.offload.bytes_to_device,
+            "activation_bytes_prefetched": act.offload.prefetched_bytes,
+            # the last training iteration's (forward and backward): what one step moves each way
+            "activation_step_bytes_to_host": it.activation_step_bytes[0],
+            "activation_step_bytes_to_device": it.activation_step_bytes[1],
         }
+        if act.auto:
+            report = it.activation_plan
+            out["activation_measuring"] = act.measuring
+            out["activation_plan_fallbacks"] = it.activation_fallbacks
+            if report is not None:
+                out["activation_plan"] = {
+                    "blocks": {b.name: p.value for b, p in zip(report.blocks, report.plan.policies)},
+                    "saved_bytes": {b.name: b.saved for b in report.blocks},
+                    "forward_seconds": {b.name: b.forward_s for b in report.blocks},
+                    "predicted_step_seconds": report.plan.step_s,
+                    "fits": report.plan.fits,
+                    "least_room_bytes": report.plan.least_room,
+                    "link_bytes_per_second": report.link,
+                }
+        return out
 
     def device_peak_bytes(self) -> int:
         """The most the device held at once for this engine: on the CPU virtual device its
@@ -716,6 +742,8 @@ class ChunkEngine:
         engine is not usable afterwards; the files also go when the engine is collected."""
         self._iteration.closed = True  # Note [closed engine]
         self._unhook_optimizers()
+        if self.activations is not None:
+            self.activations.offload.drain()  # its copies to the host run on the copy engines closed next
         self.host_work.close()
         self.mgr.copies.close()
         self.mgr.probe.release_all()

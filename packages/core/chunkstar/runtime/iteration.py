@@ -17,14 +17,17 @@ module's hooks do (:mod:`chunkstar.runtime.hook_targets`); gradients are
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from chunkstar.activations import BlockActivations
+from chunkstar.activations.plan import LinkLoad
 from chunkstar.chunk.lists import STATE_LISTS, ChunkList
 from chunkstar.chunk.state import TensorState
-from chunkstar.config import ScheduleConfig
+from chunkstar.config import ActivationPolicy, ScheduleConfig
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
 from chunkstar.errors import ChunkStateError, DeviceMemoryError
@@ -37,12 +40,15 @@ from chunkstar.memory.budget import Overrun
 from chunkstar.memory.cursor import Cursor
 from chunkstar.memory.tracer import TracePhase
 from chunkstar.placement.optimizer import plan_device_adam, resident_footprint
+from chunkstar.runtime.activation_planning import PlanReport, measure_link, plan_blocks
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.gradients import GradientConsumer, Gradients
 from chunkstar.runtime.reads import ReadState
 from chunkstar.runtime.schedule import Schedule
 
 __all__ = ["Iteration"]
+
+_log = logging.getLogger("chunkstar")
 
 
 class Iteration:
@@ -75,7 +81,24 @@ class Iteration:
         self.prefetch_window = schedule.prefetch_window
         self.hybrid_adam = hybrid_adam
         # the iteration and its schedule (Note [iteration] in runtime/schedule.py)
-        self.schedule = Schedule(mgr, cursor, comm, mgr.device, events, overrun, on_freeze=self._plan_adam)
+        self.schedule = Schedule(
+            mgr, cursor, comm, mgr.device, events, overrun, on_freeze=self._on_freeze,
+            on_retrace=self._measure_activations, on_too_small=self._activation_fallback,
+        )  # fmt: skip
+        # the blocks' activation policies (set by the engine once it has wrapped them), the plan
+        # of "auto" and what it was planned from (Note [activation plan] in activations/plan.py)
+        self.activations: BlockActivations | None = None
+        self.activation_plan: PlanReport | None = None
+        self.activation_fallbacks = 0
+        self._link: float | None = None  # the host link's speed, timed once (auto's plan)
+        # the chunk bytes the running iteration moved each way, when it began and when its backward did
+        self._traffic_at: tuple[int, int] = (0, 0)
+        self._traffic_fwd: tuple[int, int] = (0, 0)
+        self.chunk_traffic = LinkLoad()
+        """The last training iteration's chunk bytes over the host link, by pass and direction."""
+        self._activation_bytes_at = (0, 0)
+        self.activation_step_bytes = (0, 0)
+        """The last training iteration's offloaded activation bytes: (to the host, back to the device)."""
         self.device_adam_chunks = device_adam_chunks  # chunks whose Adam runs on the device (hybrid Adam)
         self.micro_step = 0
         self.open = False  # a training forward began and its backward has not ended
@@ -120,6 +143,10 @@ class Iteration:
         self.reads.reset()
         self.stack.clear()
         mgr = self.mgr
+        self._traffic_at = (mgr.counters.bytes_to_device, mgr.counters.bytes_to_host)
+        if self.activations is not None:
+            off = self.activations.offload
+            self._activation_bytes_at = (off.bytes_to_host, off.bytes_to_device)
         self.schedule.begin_iteration(sum(t.nbytes for t in output_tensors((args, kwargs))))
         # where the peak is: in the latest trace (frozen, or the warm-up's earlier passes), or unknown
         self._heap_released = False
@@ -256,6 +283,11 @@ class Iteration:
     def begin_backward(self) -> None:
         self._check_open()
         self.reads.flush_loose()
+        c = self.mgr.counters
+        self._traffic_fwd = (c.bytes_to_device - self._traffic_at[0], c.bytes_to_host - self._traffic_at[1])
+        self._traffic_at = (c.bytes_to_device, c.bytes_to_host)
+        if self.activations is not None:
+            self.activations.offload.drain()  # the forward's copies to the host: at the same point each time
         self.gradients.begin_backward()
         if release_at_turn(self.heap_plan, self._heap_released, self.cursor.moment):
             self.release_heap_at_peak()
@@ -272,6 +304,17 @@ class Iteration:
         self.open = False
         self.implicit = False
         self.stack.clear()
+        c = self.mgr.counters
+        self.chunk_traffic = LinkLoad(
+            self._traffic_fwd[0], self._traffic_fwd[1],
+            c.bytes_to_device - self._traffic_at[0], c.bytes_to_host - self._traffic_at[1],
+        )  # fmt: skip
+        if self.activations is not None:
+            off = self.activations.offload
+            self.activation_step_bytes = (
+                off.bytes_to_host - self._activation_bytes_at[0], off.bytes_to_device - self._activation_bytes_at[1]
+            )
+            self.activations.close_iteration()
         try:
             self.schedule.end_iteration()
         except DeviceMemoryError:
@@ -304,6 +347,62 @@ class Iteration:
         self.schedule.set_stage(Stage.IDLE)
 
     # ------------------------------------------------------------------ warm-up's end
+    def _on_freeze(self) -> None:
+        """The trace froze: plan the activations ("auto", once per shape of the run), then hybrid
+        Adam. A new activation plan changes what the device holds, so the trace it was planned
+        on no longer describes the run: it is traced again under the plan, and Adam is planned
+        when that trace freezes."""
+        act = self.activations
+        if act is not None and act.measuring:
+            report = self._plan_activations(act)
+            self.activation_plan = report
+            act.apply(report.plan.policies, overlap=report.plan.overlap)
+            if not report.plan.as_measured:
+                self.schedule.trace_again(
+                    f"the activation plan keeps {report.plan.count(ActivationPolicy.KEEP)}, recomputes "
+                    f"{report.plan.count(ActivationPolicy.CHECKPOINT)} and offloads "
+                    f"{report.plan.count(ActivationPolicy.OFFLOAD)} blocks"
+                )
+                return
+        self._plan_adam()
+
+    def _plan_activations(self, act: BlockActivations) -> PlanReport:
+        mgr = self.mgr
+        if self._link is None:
+            self._link = measure_link(mgr.device, mgr.copies)
+        trace = self.cursor.trace
+        return plan_blocks(
+            act, trace, mgr.capacity, lambda m: self.schedule.moment_chunk_bytes(trace.records[m].chunks),
+            self._collective_scratch(), self.chunk_traffic, self._link, self.comm, mgr.device,
+        )  # fmt: skip
+
+    def _measure_activations(self) -> None:
+        """The run changed shape and is traced again: "auto" measures its blocks again and plans anew."""
+        if self.activations is not None:
+            self.activations.measure()
+
+    def _activation_fallback(self) -> bool:
+        """A warm-up under the activation plan did not fit the budget: go back to what was measured
+        to fit (every block offloaded) and trace again; False when there is no plan to fall back from."""
+        act = self.activations
+        if act is None or not act.auto or act.measuring or all(p is ActivationPolicy.OFFLOAD for p in act.policies):
+            return False
+        _log.warning("chunkstar: the activation plan did not fit the device budget; every block is offloaded instead")
+        act.measure()  # the measured run: it fit
+        act.measuring = False
+        self.activation_fallbacks += 1
+        return True
+
+    def _collective_scratch(self) -> int:
+        """The largest flat buffer a collective of one chunk takes beside it (0 under gloo)."""
+        mgr = self.mgr
+        return max(
+            (max(self.comm.gather_scratch_bytes(c.numel, c.dtype, mgr.device),
+                 self.comm.reduce_scratch_bytes(c.numel, self.reducer.reduce_dtype, mgr.device))
+             for c in mgr.chunks.chunks_of(ChunkList.PARAM)),
+            default=0,
+        )  # fmt: skip
+
     def _plan_adam(self) -> None:
         """The trace froze: plan where each chunk's Adam runs (hybrid Adam)."""
         if not self.hybrid_adam:
@@ -320,11 +419,7 @@ class Iteration:
         }
         params = chunks.chunks_of(ChunkList.PARAM)
         # a collective's flat temporaries under NCCL sit beside a gathered group (0 under gloo)
-        scratch = max(
-            (max(self.comm.gather_scratch_bytes(c.numel, c.dtype, mgr.device),
-                 self.comm.reduce_scratch_bytes(c.numel, self.reducer.reduce_dtype, mgr.device)) for c in params),
-            default=0,
-        )  # fmt: skip
+        scratch = self._collective_scratch()
         footprint = resident_footprint(
             [c.nbytes for c in params],
             chunks.own,

@@ -88,6 +88,7 @@ class Schedule:
     def __init__(
         self, mgr: ChunkManager, cursor: Cursor, comm: Comm, device: torch.device, events: EventBus,
         overrun: Overrun, on_freeze: Callable[[], None],
+        on_retrace: Callable[[], None] = lambda: None, on_too_small: Callable[[], bool] = lambda: False,
     ) -> None:  # fmt: skip
         self.mgr = mgr
         self.cursor = cursor  # the manager's, which reads it; written here only
@@ -101,7 +102,12 @@ class Schedule:
         self._saved_moment = -1  # the training iteration's moment when the first of them began
         self.comm = comm
         self.device = device
-        self._on_freeze = on_freeze  # the engine plans hybrid Adam on the new trace
+        self._on_freeze = on_freeze  # the engine plans the activations and hybrid Adam on the new trace
+        # the run changed shape and is traced again (the activation plan measures again); a warm-up
+        # found its budget too small: True when the activation plan fell back to one that fit, and
+        # the warm-up goes on with it instead of raising (Note [activation plan] in activations/plan.py)
+        self._on_retrace = on_retrace
+        self._on_too_small = on_too_small
         self.phase = TracePhase.WARMUP
         self.replans = 0
         self._outgrown: MemoryTrace | None = None  # the trace a re-trace replaces (its peaks are kept)
@@ -250,6 +256,9 @@ class Schedule:
             t = torch.tensor(flags, dtype=torch.float64)
             flags = self.comm.all_reduce_max(t, what="the schedule check", device=self.device).tolist()
         if flags[2] > 0:
+            if self.phase is TracePhase.WARMUP and self._on_too_small():
+                self.trace_again("the activation plan did not fit: every block offloaded, as measured")
+                return
             self.went_over = True
             raise self._too_small_error(int(flags[2]), too_small, covered)
         if self.phase is TracePhase.WARMUP:
@@ -393,6 +402,19 @@ class Schedule:
         self._diverged_why = ""
         self._warmup_disagrees = False
         self._update_mode()
+        self._on_retrace()
+
+    def trace_again(self, why: str) -> None:
+        """Trace the next iterations afresh, the old trace's peaks dropped: the run itself changed
+        what it holds (a new activation plan), so they no longer describe it. All ranks call it alike."""
+        if self.phase is TracePhase.FROZEN:
+            self._set_phase(TracePhase.WARMUP)
+        _log.info("chunkstar: tracing again (%s)", why)
+        self.cursor.trace = MemoryTrace()
+        self._outgrown = None
+        self._diverged_why = ""
+        self._warmup_disagrees = False
+        self._update_mode()
 
     # ------------------------------------------------------------------ budget too small
     def _close_traced_moment(self, m: int) -> None:
@@ -422,7 +444,7 @@ class Schedule:
         if rec is None:
             return
         # the moment's chunks, or more when it went over the budget with others pinned beside them
-        chunks = max(self._moment_chunk_bytes(rec.chunks), self._overrun.required_peak) + scratch
+        chunks = max(self.moment_chunk_bytes(rec.chunks), self._overrun.required_peak) + scratch
         self._overrun.required_peak = 0
         need = minimum_budget(chunks, rec.non_model_peak, mgr.slack)
         self._pass_need = max(self._pass_need, need)
@@ -430,7 +452,7 @@ class Schedule:
             if self._too_small is None or need > self._too_small[0]:
                 self._too_small = (need, f"'{rec.module}' ({rec.stage})", chunks, rec.non_model_peak, rec.chunks)
 
-    def _moment_chunk_bytes(self, chunk_ids: tuple[int, ...]) -> int:
+    def moment_chunk_bytes(self, chunk_ids: tuple[int, ...]) -> int:
         """Param chunk bytes a moment needs on the device (whole groups with several processes)."""
         mgr = self.mgr
         ids = {k for c in chunk_ids for k in mgr.layout.group(c)} if self.comm.distributed else set(chunk_ids)

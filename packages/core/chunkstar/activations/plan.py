@@ -1,0 +1,264 @@
+"""The activation plan: which blocks keep, recompute or offload their saved tensors. Pure policy.
+
+Note [activation plan]: ``"policy": "auto"`` runs the warm-up with every block
+offloaded (the measuring policy: the least device memory a block can be left
+with short of recomputation, and the one whose pack hook sees every tensor a
+block saves), then plans from what it measured, per block:
+
+* ``saved``: the bytes of the storages its calls of one iteration offloaded,
+  which keeping would leave on the device from the end of its forward to the
+  start of its backward;
+* ``inputs``: the bytes of its tensor inputs, which recomputation keeps instead;
+* ``forward_s``: its forward's compute time (copy waits excluded), what a
+  recomputation costs in the backward;
+
+and, per moment of the traced iteration, the ``headroom``: the capacity less the
+moment's chunks and the non-model bytes measured with every block offloaded.
+The measuring run sends each storage back only when the backward reads it and
+waits for every copy to the host before the forward goes on, so it holds about
+what recomputing every block holds (a block's activations during its backward,
+and less than a recomputation's inputs before): where full checkpointing fits,
+the measuring run fits. A plan fits when at every moment the bytes it adds to
+that stay within the headroom less a margin: a kept block's saved bytes and a
+recomputed block's inputs, over the moments between the block's forward and its
+backward; an offloaded block's saved bytes until the next block's forward is
+over (its copies to the host overlap that forward, Note [activation offload])
+and again from the moment its copy back is sent for (one block ahead) to its
+backward.
+
+The step time the plan changes is predicted as compute plus the link time the
+compute cannot hide:
+
+* compute: the blocks' forward ``F`` (the sum of ``forward_s``), a backward of
+  ``2F`` (a backward does about twice a forward's work) and the recomputations;
+* the link: offloaded bytes travel to the host during the forward beside the
+  chunks' own traffic that way, and back during the backward beside the
+  chunks' prefetch; each direction of each pass is hidden up to the compute
+  time of that pass, and what exceeds it is on the step's path. The chunk
+  traffic is the warm-up's (it keeps only each moment's chunks on the device:
+  an upper bound of the frozen schedule's), so offloading is, if anything,
+  predicted dearer than it is.
+
+The search is greedy by price: from every block kept, while some moment does
+not fit, the worst such moment is relieved by the change that costs the least
+step time per byte it frees there (offloading a block, or recomputing it);
+then each recomputed or offloaded block is switched to the other choice where
+that is faster and still fits. Offloading costs nothing until the link is
+busy and then a fixed price per byte, and recomputing a block costs its
+forward: both prices only grow as more is taken, so the greedy order is the
+knapsack's fractional order, and the blocks of one model are alike, so little
+is lost to rounding. ProTrain's enumeration over (swap, checkpoint) counts is
+the exact version of the same search; a plan is searched in milliseconds for a
+hundred blocks and a few thousand moments (interval sums by prefix, not a scan
+per block). When nothing fits (a model whose offloaded warm-up fit only barely),
+the plan is the measured one: every block offloaded, each storage brought back
+when the backward reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from chunkstar.config import ActivationPolicy
+
+__all__ = ["ActivationPlan", "BlockCost", "LinkLoad", "plan_activations", "predict_step"]
+
+KEEP, CHECKPOINT, OFFLOAD = ActivationPolicy.KEEP, ActivationPolicy.CHECKPOINT, ActivationPolicy.OFFLOAD
+
+BACKWARD_PER_FORWARD = 2.0
+"""A backward's compute time as a multiple of the forward's (two matrix products per forward one)."""
+
+MARGIN_FRACTION = 0.05
+"""Of the bytes a plan adds on the device, the part kept free beside them (measurement jitter:
+allocator rounding, a tensor's shape that differs between calls)."""
+
+MARGIN_BYTES = 64 << 10
+"""And a fixed part, for the tensors too small to measure one by one."""
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block's measurements (Note [activation plan])."""
+
+    name: str
+    saved: int
+    """Bytes of the storages its calls of one iteration saved and offloading moves."""
+    inputs: int
+    """Bytes of its tensor inputs (what recomputation keeps)."""
+    forward_s: float
+    """Forward compute seconds per iteration (a recomputation's cost)."""
+    held_from: int
+    """The first moment at which keeping holds its saved bytes (after its last forward moment)."""
+    held_until: int
+    """The moment its backward begins (its saved bytes are held before it)."""
+    prefetch_from: int = -1
+    """Offloaded, the moment its copy back is sent for: the backward of the block the backward
+    reaches just before it begins (-1: none, the first block the backward reaches)."""
+    let_go_at: int = -1
+    """Offloaded, the moment its device bytes go once its copies are done: after the next block's
+    forward (-1: at once, as the measuring run waits for each copy)."""
+
+
+@dataclass(frozen=True)
+class LinkLoad:
+    """Chunk bytes one iteration moves over the host link, by pass and direction."""
+
+    forward_to_device: int = 0
+    forward_to_host: int = 0
+    backward_to_device: int = 0
+    backward_to_host: int = 0
+
+
+@dataclass(frozen=True)
+class ActivationPlan:
+    policies: tuple[ActivationPolicy, ...]
+    step_s: float
+    """The predicted time of the parts of a step the plan changes (Note [activation plan])."""
+    fits: bool
+    """Every moment fits its headroom (False: nothing did, and this is every block offloaded)."""
+    least_room: int
+    """The smallest headroom left at any moment (bytes; negative where it does not fit)."""
+    overlap: bool = True
+    """Offloaded blocks' copies overlap the compute: to the host let go a block later, back one
+    block ahead (False: each waited for at once, as measured: the plans for the least room)."""
+
+    @property
+    def as_measured(self) -> bool:
+        """The plan is the measuring run's own: every block offloaded, each copy waited for."""
+        return not self.overlap and all(p is OFFLOAD for p in self.policies)
+
+    def count(self, policy: ActivationPolicy) -> int:
+        return sum(1 for p in self.policies if p is policy)
+
+    def offloaded_bytes(self, blocks: Sequence[BlockCost]) -> int:
+        """Bytes the plan sends to the host (and back) per iteration."""
+        return sum(b.saved for b, p in zip(blocks, self.policies) if p is OFFLOAD)
+
+
+def predict_step(
+    blocks: Sequence[BlockCost], policies: Sequence[ActivationPolicy], link: float, chunks: LinkLoad, overlap: bool = True
+) -> float:
+    """The compute and exposed link seconds of one iteration under ``policies`` (Note [activation
+    plan]); without ``overlap`` every offloaded byte's copy is on the step's path, both ways."""
+    forward = sum(b.forward_s for b in blocks)
+    backward = BACKWARD_PER_FORWARD * forward + sum(b.forward_s for b, p in zip(blocks, policies) if p is CHECKPOINT)
+    off = sum(b.saved for b, p in zip(blocks, policies) if p is OFFLOAD)
+    if link <= 0:
+        return forward + backward
+    waited = 0.0
+    if not overlap:  # every copy on the step's path, none on the link beside the chunks
+        waited, off = 2 * off / link, 0
+    exposed = waited + (
+        max(0.0, (off + chunks.forward_to_host) / link - forward)
+        + max(0.0, chunks.forward_to_device / link - forward)
+        + max(0.0, (off + chunks.backward_to_device) / link - backward)
+        + max(0.0, chunks.backward_to_host / link - backward)
+    )
+    return forward + backward + exposed
+
+
+def _added(blocks: Sequence[BlockCost], policies: Sequence[ActivationPolicy], n_moments: int, overlap: bool = True) -> list[int]:
+    """Per moment, the bytes ``policies`` hold beyond every block offloaded (prefix sums of intervals)."""
+    diff = [0] * (n_moments + 1)
+    def add(extra: int, lo: int, hi: int) -> None:
+        lo, hi = max(lo, 0), min(hi, n_moments)
+        if extra and lo < hi:
+            diff[lo] += extra
+            diff[hi] -= extra
+
+    for b, p in zip(blocks, policies):
+        if p is KEEP:
+            add(b.saved, b.held_from, b.held_until)
+        elif p is CHECKPOINT:
+            add(b.inputs, b.held_from, b.held_until)
+        elif overlap:  # offloaded: held until the next block's forward is over, back one block ahead of its backward
+            if b.let_go_at >= 0:
+                add(b.saved, b.held_from, b.let_go_at)
+            if b.prefetch_from >= 0:
+                add(b.saved, b.prefetch_from, b.held_until)
+    out, run = [], 0
+    for m in range(n_moments):
+        run += diff[m]
+        out.append(run)
+    return out
+
+
+def _room(
+    blocks: Sequence[BlockCost], policies: Sequence[ActivationPolicy], headroom: Sequence[int], overlap: bool = True
+) -> tuple[int, int]:
+    """(least room, the moment of it): headroom less what the plan adds and its margin."""
+    added = _added(blocks, policies, len(headroom), overlap)
+    margin = MARGIN_BYTES + int(MARGIN_FRACTION * max(added, default=0))
+    least, where = None, -1
+    for m, (h, a) in enumerate(zip(headroom, added)):
+        r = h - a - margin
+        if least is None or r < least:
+            least, where = r, m
+    return (least if least is not None else 0), where
+
+
+def plan_activations(
+    blocks: Sequence[BlockCost], headroom: Sequence[int], link: float, chunks: LinkLoad = LinkLoad()
+) -> ActivationPlan:
+    """The fastest plan predicted to fit every moment's ``headroom`` (Note [activation plan]).
+    ``link``: the host link's bytes per second each way (0: no link to speak of, offloading free).
+    Offloaded blocks' copies overlap the compute where that fits; else they are waited for."""
+    plan = _search(blocks, headroom, link, chunks, overlap=True)
+    if plan.fits:
+        return plan
+    waited = _search(blocks, headroom, link, chunks, overlap=False)
+    return waited if waited.fits else plan
+
+
+def _search(
+    blocks: Sequence[BlockCost], headroom: Sequence[int], link: float, chunks: LinkLoad, overlap: bool
+) -> ActivationPlan:
+    n = len(blocks)
+    policies = [KEEP] * n
+
+    def step(p: Sequence[ActivationPolicy]) -> float:
+        return predict_step(blocks, p, link, chunks, overlap)
+
+    def room(p: Sequence[ActivationPolicy]) -> tuple[int, int]:
+        return _room(blocks, p, headroom, overlap)
+
+    least, where = room(policies)
+    while least < 0:
+        now = step(policies)
+        best: tuple[float, int, ActivationPolicy] | None = None
+        for i, b in enumerate(blocks):
+            if policies[i] is not KEEP or not b.held_from <= where < b.held_until:
+                continue
+            for choice, freed in ((OFFLOAD, b.saved), (CHECKPOINT, b.saved - b.inputs)):
+                if freed <= 0:
+                    continue
+                trial = list(policies)
+                trial[i] = choice
+                price = (step(trial) - now) / freed
+                if best is None or price < best[0] - 1e-15:
+                    best = (price, i, choice)
+        if best is None:
+            break
+        policies[best[1]] = best[2]
+        least, where = room(policies)
+    if least < 0:
+        every = [OFFLOAD] * n
+        return ActivationPlan(tuple(every), predict_step(blocks, every, link, chunks, False), False,
+                              _room(blocks, every, headroom, False)[0], overlap=False)  # fmt: skip
+    # each block that does not keep: the other choice, where it is faster and still fits
+    changed = True
+    rounds = 0
+    while changed and rounds < 2 * n + 2:
+        changed = False
+        rounds += 1
+        for i in range(n):
+            if policies[i] is KEEP:
+                continue
+            trial = list(policies)
+            trial[i] = CHECKPOINT if policies[i] is OFFLOAD else OFFLOAD
+            if step(trial) < step(policies) - 1e-12 and room(trial)[0] >= 0:
+                policies = trial
+                changed = True
+    least, _ = room(policies)
+    return ActivationPlan(tuple(policies), step(policies), True, least, overlap=overlap)

@@ -1,0 +1,172 @@
+"""``"activations": {"policy": "auto"}``: from the frozen warm-up trace to a plan for the blocks.
+
+The policy is :func:`chunkstar.activations.plan.plan_activations` (Note
+[activation plan]); this module gathers what it reads from the running engine:
+the blocks' measurements (:class:`~chunkstar.activations.BlockActivations`),
+where each block's forward and backward fall among the trace's moments, each
+moment's headroom (the capacity less its chunks, the collectives' scratch and
+its measured non-model peak), the warm-up's chunk traffic by pass and direction,
+and the host link's speed, timed once through the engine's own copy engines (so
+an emulated link on the CPU device is timed as it runs, and a GPU's PCIe as it
+is). With several processes every figure is agreed over the ranks (the largest
+bytes and times, the least headroom and link speed), so every rank plans the
+same blocks and their collectives stay in step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from chunkstar.activations import BlockActivations
+from chunkstar.activations.plan import ActivationPlan, BlockCost, LinkLoad, plan_activations
+from chunkstar.device.copy_engine import CopyEngine
+from chunkstar.device.tiers import host_device
+from chunkstar.distributed.comm import Comm
+from chunkstar.events import Stage
+from chunkstar.memory.tracer import MemoryTrace
+
+__all__ = ["LINK_PROBE_BYTES", "PlanReport", "Span", "block_spans", "costs", "measure_link", "plan_blocks"]
+
+LINK_PROBE_BYTES = 32 << 20
+"""Bytes timed each way to measure the host link (large enough that a copy's fixed cost is noise)."""
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    """A plan and what it was planned from (engine.stats() reports it)."""
+
+    plan: ActivationPlan
+    blocks: tuple[BlockCost, ...]
+    link: float
+    least_headroom: int
+
+
+def measure_link(device: torch.device, copies: CopyEngine) -> float:
+    """The host link's bytes per second, the slower way of a timed round trip of
+    :data:`LINK_PROBE_BYTES` through ``copies`` (best of two). The meta device has no link: 0."""
+    if device.type == "meta":
+        return 0.0
+    host = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=host_device(device), pin_memory=device.type == "cuda")
+    dev = torch.empty(LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
+    best = 0.0
+    for _ in range(2):
+        t0 = time.perf_counter()
+        copies.to_device(dev, host).order()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t1 = time.perf_counter()
+        copies.to_host(host, dev).wait()
+        t2 = time.perf_counter()
+        best = max(best, LINK_PROBE_BYTES / max(t1 - t0, t2 - t1, 1e-9))
+    return best
+
+
+@dataclass(frozen=True)
+class Span:
+    """Where one block falls in the trace: the moments of its first forward call (the first, and the
+    one after its last), and its first backward moment."""
+
+    first_fwd: int
+    after_fwd: int
+    first_bwd: int
+
+    @property
+    def found(self) -> bool:
+        return 0 <= self.first_fwd < self.after_fwd <= self.first_bwd
+
+
+def block_spans(trace: MemoryTrace, names: Sequence[str]) -> list[Span]:
+    """Per block, its :class:`Span` in the trace (-1s for a block with no moment of its own)."""
+    first_fwd: dict[str, int] = {}
+    after_fwd: dict[str, int] = {}  # the moment after the first call's last (its moments run in a row)
+    first_bwd: dict[str, int] = {}
+    owner: dict[str, str] = {}
+
+    def block_of(label: str) -> str | None:
+        if label not in owner:
+            owner[label] = next((n for n in names if label == n or label.startswith(n + ".")), "")
+        return owner[label] or None
+
+    running: str | None = None  # the block whose first forward call is running
+    for m, rec in enumerate(trace.records):
+        b = block_of(rec.module)
+        fwd = rec.stage == Stage.FWD.value
+        if running is not None and (b != running or not fwd):
+            after_fwd[running] = m
+            running = None
+        if b is None:
+            continue
+        if fwd and b not in first_fwd:
+            first_fwd[b] = m
+            running = b
+        elif rec.stage == Stage.BWD.value:
+            first_bwd.setdefault(b, m)
+    return [
+        Span(first_fwd[n], after_fwd.get(n, first_bwd[n]), first_bwd[n]) if n in first_fwd and n in first_bwd else Span(-1, -1, -1)
+        for n in names
+    ]
+
+
+def costs(spans: Sequence[Span], names: Sequence[str], saved: Sequence[float], inputs: Sequence[float],
+          forward_s: Sequence[float], backward_begins: int) -> tuple[BlockCost, ...]:  # fmt: skip
+    """The planner's view of each block (Note [activation plan]): beyond the measuring run, keeping
+    holds its bytes from the end of its first forward call to its first backward moment;
+    offloading, until the next block's forward call is over (or the backward begins,
+    ``backward_begins``), and again from the backward of the block the backward reaches just
+    before it (its copy back, one block ahead). Within its own forward the measuring run holds
+    them too (a call's storages live until it ends, Note [activation offload])."""
+    found = sorted((sp.first_fwd, i) for i, sp in enumerate(spans) if sp.found)
+    next_in_forward = {i: found[k + 1][1] for k, (_, i) in enumerate(found[:-1])}
+    bwd_starts = sorted(sp.first_bwd for sp in spans if sp.found)
+    out = []
+    for i, (name, sp) in enumerate(zip(names, spans)):
+        if not sp.found:
+            out.append(BlockCost(name, int(saved[i]), int(inputs[i]), forward_s[i], 0, 0))
+            continue
+        nxt = next_in_forward.get(i)
+        let_go = spans[nxt].after_fwd if nxt is not None else backward_begins
+        before = [b for b in bwd_starts if b < sp.first_bwd]
+        out.append(BlockCost(
+            name, int(saved[i]), int(inputs[i]), forward_s[i], sp.after_fwd, sp.first_bwd,
+            before[-1] if before else -1, min(max(let_go, sp.after_fwd), sp.first_bwd),
+        ))  # fmt: skip
+    return tuple(out)
+
+
+def plan_blocks(
+    act: BlockActivations,
+    trace: MemoryTrace,
+    capacity: int,
+    moment_chunk_bytes: Callable[[int], int],
+    scratch: int,
+    chunk_traffic: LinkLoad,
+    link: float,
+    comm: Comm,
+    device: torch.device,
+) -> PlanReport:
+    """The plan for ``act``'s blocks on the frozen ``trace`` (module docstring)."""
+    spans = block_spans(trace, act.names)
+    n, m = len(act.blocks), trace.n_moments
+    headroom = [capacity - moment_chunk_bytes(i) - scratch - trace.records[i].non_model_peak for i in range(m)]
+    figures = (
+        [float(x.saved) for x in act.measures] + [float(x.inputs) for x in act.measures]
+        + [float(x.forward_s or 0.0) for x in act.measures] + [-float(h) for h in headroom]
+        + [-link, float(chunk_traffic.forward_to_device), float(chunk_traffic.forward_to_host),
+           float(chunk_traffic.backward_to_device), float(chunk_traffic.backward_to_host)]
+    )  # fmt: skip
+    if comm.distributed:
+        t = torch.tensor(figures, dtype=torch.float64)
+        figures = comm.all_reduce_max(t, what="the activation plan's measurements", device=device).tolist()
+    saved, inputs, fwd = figures[:n], figures[n : 2 * n], figures[2 * n : 3 * n]
+    headroom = [int(-h) for h in figures[3 * n : 3 * n + m]]
+    tail = figures[3 * n + m :]
+    link = -tail[0]
+    traffic = LinkLoad(*(int(x) for x in tail[1:5]))
+    backward_begins = next((i for i, r in enumerate(trace.records) if r.stage == Stage.BWD.value), m)
+    blocks = costs(spans, act.names, saved, inputs, fwd, backward_begins)
+    plan = plan_activations(blocks, headroom, link, traffic)
+    return PlanReport(plan, blocks, link, min(headroom, default=0))
