@@ -20,6 +20,7 @@ STEPS = 3
 COMPILED_STEPS = 4
 ACCUM = 2
 ACCUM_STEPS = 3
+AUTO_STEPS = 6  # two measured, two traced under the plan, two on it
 
 
 def _checkpointed_gpt2() -> torch.nn.Module:
@@ -161,6 +162,16 @@ def habits(rank: int, world: int, port: int, out: str) -> None:
             stats = engine.stats()
             result[f"{policy}_calls"] = stats["activation_recomputed_calls"] + stats["activation_offloaded_calls"]
             result[f"{policy}_moves"] = stats["chunk_moves_to_host"]
+            if policy == "offload":
+                offload_minimum = stats["minimum_budget_bytes"]
+        # auto: each rank measures its own blocks; the figures are agreed, so every rank plans alike
+        # (a budget a little above offloading every block's least: the plan has to choose)
+        config = engine_config("fp32", budget=int(offload_minimum * 1.2), activations={"policy": "auto"})
+        engine, optimizer = chunkstar.initialize_engine(case.build, rank, config)
+        result["auto_losses"] = train_slices(engine, optimizer, gpt2_batch, range(AUTO_STEPS))
+        stats = engine.stats()
+        result["auto_plan"] = stats["activation_plan"]["blocks"]
+        result["auto_measuring"] = stats["activation_measuring"]
 
         # 5. a parameter that gets gradients in an earlier micro-batch only: refused on every rank alike
         torch.manual_seed(0)

@@ -14,7 +14,7 @@ import torch
 from tests.core._models import CASES, ModelCase, assert_losses_close, train_reference
 from tests.core.runtime.test_param_access import _encoder_loss, _seq_batch, build_encoder
 
-from ._habits_worker import ACCUM, ACCUM_STEPS, COMPILED_STEPS, STEPS, habits
+from ._habits_worker import ACCUM, ACCUM_STEPS, AUTO_STEPS, COMPILED_STEPS, STEPS, habits
 from ._spawn import run_ranks
 
 
@@ -90,3 +90,13 @@ def test_activation_policies_on_two_ranks_match_one_process(results: tuple[list[
     for r in results[0]:
         assert_losses_close(r[f"{policy}_losses"], want, 1e-5, f"GPT-2, {policy}, rank {r['rank']}")
         assert r[f"{policy}_calls"] == 4 * STEPS and r[f"{policy}_moves"] > 0, r
+
+
+def test_auto_plans_alike_on_two_ranks_and_matches_one_process(results: tuple[list[dict[str, Any]], Path]) -> None:
+    want = train_reference(CASES["gpt2"], AUTO_STEPS)
+    for r in results[0]:
+        assert "error" not in r, r.get("error")
+        assert_losses_close(r["auto_losses"], want, 1e-5, f"GPT-2, auto, rank {r['rank']}")
+        assert r["auto_measuring"] is False
+    plans = [r["auto_plan"] for r in results[0]]
+    assert plans[0] == plans[1] and len(plans[0]) == 4, plans

@@ -279,7 +279,8 @@ def _minimum(build: Any, config: dict[str, Any], batch: Any, loss: Any) -> int:
     engine, opt = chunkstar.initialize_engine(build, config=config)
     try:
         for _ in range(2):
-            engine.backward(loss(engine, batch))
+            for _ in range(config.get("gradient_accumulation_steps", 1)):
+                engine.backward(loss(engine, batch))
             opt.step()
             opt.zero_grad()
         return int(engine.stats()["minimum_budget_bytes"])
@@ -351,3 +352,79 @@ def test_auto_trains_like_pytorch_where_keep_cannot(family: str, dtype: str, sma
     assert set(plan["blocks"].values()) <= {"keep", "checkpoint", "offload"} and set(plan["blocks"].values()) != {"keep"}
     assert stats["activation_blocks"] == {p: list(plan["blocks"].values()).count(p) for p in ("keep", "checkpoint", "offload")}
     assert stats["device_peak_bytes"] <= budget  # and the strict device checks every moment against it (tests/conftest.py)
+
+
+def _mid_budget(build: Any, base: dict[str, Any], batch: Any) -> int:
+    """A budget between offloading every block's least and keeping every block's least."""
+
+    def loss(model: Any, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(**b).loss  # type: ignore[no-any-return]
+
+    base = {**base, "device_memory_budget": "256MB"}
+    keep_min = _minimum(build, {**base, "activations": {"policy": "keep"}}, batch, loss)
+    off_min = _minimum(build, {**base, "activations": {"policy": "offload"}}, batch, loss)
+    return (keep_min + off_min) // 2
+
+
+def test_auto_with_the_habits_of_real_loops(monkeypatch: pytest.MonkeyPatch, small_offloads: None) -> None:
+    """Accumulation over two micro-batches, the second through a plain ``loss.backward()``,
+    an evaluation under ``no_grad`` and one under ``inference_mode`` between steps, and random
+    delays before every copy (a copy used before it landed would show as a wrong loss): auto
+    trains as plain PyTorch does."""
+    case = CASES["gpt2"]
+    steps, accum = 5, 2
+    want = train_reference(case, steps, accum=accum)
+    base = engine_config("fp32", budget="256MB", accum=accum)
+    budget = _mid_budget(case.build, base, case.batch(0))
+    monkeypatch.setenv("CHUNKSTAR_DEBUG_COPY_DELAY_MS", "0-3")
+    engine, opt = chunkstar.initialize_engine(case.build, config={**base, "device_memory_budget": budget, "activations": {"policy": "auto"}})
+    got = []
+    try:
+        for step in range(steps):
+            for micro in range(accum):
+                loss = case.loss(engine, case.batch(step * accum + micro), torch.float32)
+                if micro == 0:
+                    engine.backward(loss)
+                else:
+                    loss.backward()
+                got.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                engine(**case.batch(100))
+            with torch.inference_mode():
+                engine(**case.batch(101))
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert_losses_close(got, want, RTOL["fp32"], "auto with accumulation, plain backward and evaluations")
+    assert stats["activation_plan"]["fits"] and not stats["activation_measuring"]
+    assert set(stats["activation_plan"]["blocks"].values()) != {"keep"}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_auto_with_compiled_blocks(small_offloads: None) -> None:
+    """Blocks compiled as torchtitan users do (``block.compile()``): the plan changes what the
+    compiled forward runs (Dynamo compiles again for the new policy) and training stays exact."""
+    from tests.core.hooks.test_compile import Graphs, compiled_gpt2
+
+    case = CASES["gpt2"]
+    want = train_reference(case, 6)
+    torch._dynamo.reset()
+    graphs = Graphs()
+    base = engine_config("fp32", budget="256MB")
+    budget = _mid_budget(case.build, base, case.batch(0))
+    try:
+        engine, opt = chunkstar.initialize_engine(
+            lambda: compiled_gpt2(graphs), config={**base, "device_memory_budget": budget, "activations": {"policy": "auto"}}
+        )
+        try:
+            got = train_engine(engine, opt, case, 6)
+            stats = engine.stats()
+        finally:
+            engine.close()
+    finally:
+        torch._dynamo.reset()
+    assert_losses_close(got, want, RTOL["fp32"], "auto, compiled blocks")
+    assert stats["compiled_units"] == 4 and stats["compiled_calls"] > 0 and graphs.count >= 4
+    assert stats["activation_plan"]["fits"] and set(stats["activation_plan"]["blocks"].values()) != {"keep"}

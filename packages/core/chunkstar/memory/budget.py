@@ -122,6 +122,14 @@ class Overrun:
         self.required_peak = 0
         """The most chunk bytes a moment let through had to hold at once (since the last reset)."""
 
+    def held_at_once(self, held: int) -> None:
+        """A warm-up moment made its room by evicting all it could and still holds ``held``
+        chunk bytes (its own, and what could not move: chunks in use, other ranks' gathered
+        chunks, a group a reduction holds): kept like a moment let through, so the smallest
+        budget the warm-up names holds them too, not only the moment's own chunks."""
+        if self.measuring:
+            self.required_peak = max(self.required_peak, held)
+
     def let_through(self, required: int) -> bool:
         """No room for a moment's chunks, ``required`` bytes of which must be held at once:
         whether to go over the budget (and keep ``required``)."""

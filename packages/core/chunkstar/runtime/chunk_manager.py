@@ -92,6 +92,7 @@ class ChunkManager:
         copies: CopyEngine,
         cursor: Cursor,
         let_through: Callable[[int], bool] = lambda _required: False,
+        held_at_once: Callable[[int], None] = lambda _held: None,
     ) -> None:
         """``placement``: the config's section (Note [config sections]); ``capacity``: the
         device bytes the engine plans with, resolved once from it (the budget, the slack and
@@ -100,7 +101,8 @@ class ChunkManager:
         cursor (read here, written by the schedule only: memory/cursor.py), and
         ``let_through``, asked by :meth:`make_room` when a moment's chunks cannot fit, with the
         bytes it must hold at once, whether to let it through (the schedule's warm-up measures
-        the smallest budget that fits instead of raising at once: runtime/schedule.py)."""
+        the smallest budget that fits instead of raising at once: runtime/schedule.py), and
+        ``held_at_once``, told what a warm-up moment still holds after evicting all it could."""
         self.layout = layout
         self.comm = comm
         self.device = placement.device
@@ -112,6 +114,7 @@ class ChunkManager:
         self.events = events
         self.cursor = cursor
         self.let_through = let_through
+        self.held_at_once = held_at_once
 
         # the device: every device payload grows and shrinks through `memory`: the bytes the device
         # really holds for chunks, frees deferred until their copy is done (Note [deferred free]),
@@ -261,6 +264,7 @@ class ChunkManager:
         # with no trace to trust (warm-up, or an evaluation before the first step) nothing knows what
         # the moment will allocate: it keeps only what it needs (Note [budget per moment])
         target = room_target(budget, cur.mode, cur.stage is Stage.FWD or cur.stage is Stage.BWD)
+        keeps_least = target == 0  # a warm-up moment: all that can move goes
         # the device holds the resident chunks and the frees still pending (both count), and under
         # NCCL the flat buffers of collectives in flight (a gather ahead, the gradient reductions),
         # which only this counts (Note [scratch counted once] in distributed/comm.py)
@@ -295,6 +299,13 @@ class ChunkManager:
                     stuck = self.counters.device_chunk_bytes - freed + need
                     raise self.memory_error(where, sorted(req), budget, at_once=stuck)
             victims = [c.key for c in candidates]
+        if keeps_least:
+            # what stays beside the moment's own chunks (in use, other ranks'
+            # gathered chunks, a group a reduction holds) is part of the smallest budget: measured
+            # only when the room ran out, a roomy warm-up named a minimum that failed on two ranks
+            chosen = set(victims)
+            gone = sum(c.nbytes for c in candidates if c.key in chosen)
+            self.held_at_once(self.counters.device_chunk_bytes - gone + need)
         for v in victims:
             assert isinstance(v, tuple)
             self.move(v, Tier.HOST, MoveReason.EVICTION)

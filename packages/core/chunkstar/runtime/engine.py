@@ -166,7 +166,7 @@ class ChunkEngine:
             self.mgr = ChunkManager(
                 layout, placement, capacity, dtype, probe=make_probe(cfg.device), events=self.events, comm=self.comm,
                 copies=make_copy_engine(cfg.device, placement.overlap, placement.link_bandwidth), cursor=cursor,
-                let_through=overrun.let_through,
+                let_through=overrun.let_through, held_at_once=overrun.held_at_once,
             )  # fmt: skip
             self.heap_retention_bounded = False
             if cfg.disk is not None:  # Note [disk tier]: the state lists' chunks live in files
