@@ -413,7 +413,9 @@ def test_auto_with_compiled_blocks(small_offloads: None) -> None:
     torch._dynamo.reset()
     graphs = Graphs()
     base = engine_config("fp32", budget="256MB")
-    budget = _mid_budget(case.build, base, case.batch(0))
+    # a compiled block's backward is one moment holding all of its chunks: the budget is the compiled model's
+    budget = _mid_budget(lambda: compiled_gpt2(Graphs()), base, case.batch(0))
+    torch._dynamo.reset()
     try:
         engine, opt = chunkstar.initialize_engine(
             lambda: compiled_gpt2(graphs), config={**base, "device_memory_budget": budget, "activations": {"policy": "auto"}}
@@ -428,3 +430,21 @@ def test_auto_with_compiled_blocks(small_offloads: None) -> None:
     assert_losses_close(got, want, RTOL["fp32"], "auto, compiled blocks")
     assert stats["compiled_units"] == 4 and stats["compiled_calls"] > 0 and graphs.count >= 4
     assert stats["activation_plan"]["fits"] and set(stats["activation_plan"]["blocks"].values()) != {"keep"}
+
+
+def test_a_warm_up_that_does_not_fit_names_the_blocks_activations_and_what_auto_would_do(small_offloads: None) -> None:
+    case = CASES["gpt2"]
+    base = engine_config("fp32", budget="256MB")
+    budget = _mid_budget(case.build, base, case.batch(0))
+    engine, _opt = chunkstar.initialize_engine(case.build, config={**base, "device_memory_budget": budget})
+    with pytest.raises(chunkstar.DeviceMemoryError) as err:
+        engine.backward(case.loss(engine, case.batch(0), torch.float32))
+    engine.close()
+    text = str(err.value)
+    assert "bytes were activations" in text and "of the model's 4 blocks" in text, text
+    assert '"activations": {"policy": "auto"}' in text and "with every block offloaded" in text, text
+    # the count is the warm-up's only, and leaves the model as it was
+    assert "forward" not in engine.module.transformer.h[0].__dict__
+    # a model without blocks under keep: nothing to count, nothing refused
+    mlp, _ = chunkstar.initialize_engine(CASES["mlp"].build, config=engine_config("fp32", budget="64MB"))
+    mlp.close()

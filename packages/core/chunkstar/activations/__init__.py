@@ -17,9 +17,12 @@ device like any other non-model memory, so budgets, eviction and prefetch
 follow it as they follow activations today.
 
 Each block's forward is wrapped (:class:`BlockActivations`, mechanism); which
-policy each block runs is set from the config for now, one for every block. A
-planner that chooses per block from the warm-up's measurements (``"auto"``) is
-the next step (issue 27).
+policy each block runs is the config's, one for every block, or under
+``"auto"`` the plan's (:func:`~chunkstar.activations.plan.plan_activations`,
+policy, Note [activation plan]), made from the warm-up's measurements by the
+runtime (:mod:`chunkstar.runtime.activation_planning`). Under ``"keep"`` a
+:class:`~chunkstar.activations.measure.SavedCounter` counts what the blocks
+save during the warm-up, for the errors only.
 """
 
 from chunkstar.activations.blocks import find_blocks, repeated_classes

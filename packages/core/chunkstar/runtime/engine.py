@@ -53,6 +53,7 @@ from chunkstar.distributed.startup import agree_on_startup
 from chunkstar.errors import ChunkStateError
 from chunkstar.events import EventBus, Stage
 from chunkstar.activations import BlockActivations, HostOffload, find_blocks
+from chunkstar.activations.measure import SavedCounter
 from chunkstar.hooks.module_hooks import EngineHook, hooked_modules, install_hooks
 from chunkstar.hooks.param_guard import guarded_class, watched_class
 from chunkstar.hooks.param_upcast import install_upcasts  # issue 18.5: Note [norm dtypes]
@@ -252,6 +253,7 @@ class ChunkEngine:
         self._casts: dict[int, torch.dtype] = {}  # id(module) -> dtype it cast its parameters to (see_in_dtype)
         self.activations = self._wrap_blocks(model, cfg)  # Note [activation policies]
         self._iteration.activations = self.activations
+        self._iteration.saved_counter = self._saved_counter(model, cfg)
         check_units_fit(modules, [u.key for u in self._units], self.mgr)
         # one guarded and one watched class per parameter class (Note [parameter guard], Note [data aliases])
         guarded: dict[type, tuple[type, type]] = {}
@@ -281,6 +283,23 @@ class ChunkEngine:
         blocks = find_blocks(model, act.blocks)
         names = {id(m): n for n, m in model.named_modules()}
         return BlockActivations(blocks, act.policy, offload, [names[id(b)] for b in blocks])
+
+    def _saved_counter(self, model: nn.Module, cfg: EngineConfig) -> SavedCounter | None:
+        """Under ``keep``, the warm-up's count of what the blocks save (for its errors): None for a
+        model without blocks, or under another policy (which wraps them itself)."""
+        if cfg.activations.policy is not ActivationPolicy.KEEP:
+            return None
+        try:
+            blocks = find_blocks(model, cfg.activations.blocks)
+        except ValueError:
+            if cfg.activations.blocks is not None:
+                raise  # named classes the model does not have: said at start, as under the other policies
+            return None
+        names = {id(m): n for n, m in model.named_modules()}
+        chunk_storages = {c.device_view.untyped_storage()._cdata for c in self.mgr.chunks.chunks_of(ChunkList.PARAM)}
+        return SavedCounter(
+            blocks, [names[id(b)] for b in blocks], cfg.device, lambda t: t.untyped_storage()._cdata in chunk_storages
+        )
 
     # ------------------------------------------------------------------ the parts, read-only
     @property
@@ -761,4 +780,6 @@ class ChunkEngine:
         self._handles = []
         if self.activations is not None:
             self.activations.remove()
+        if self._iteration.saved_counter is not None:
+            self._iteration.saved_counter.remove()
         self.mgr.remove_guard()

@@ -23,7 +23,8 @@ from typing import Any, Sequence
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from chunkstar.activations import BlockActivations
+from chunkstar.activations import MIN_OFFLOAD_BYTES, BlockActivations
+from chunkstar.activations.measure import SavedCounter
 from chunkstar.activations.plan import LinkLoad
 from chunkstar.chunk.lists import STATE_LISTS, ChunkList
 from chunkstar.chunk.state import TensorState
@@ -36,11 +37,11 @@ from chunkstar.hooks.module_hooks import output_tensors
 from chunkstar.memory.host_heap import (
     NO_HEAP, HeapPlan, HostHeap, plan_heap_release, release_after_step, release_at_turn, release_before_step,
 )  # fmt: skip
-from chunkstar.memory.budget import Overrun
+from chunkstar.memory.budget import Overrun, minimum_budget
 from chunkstar.memory.cursor import Cursor
 from chunkstar.memory.tracer import TracePhase
 from chunkstar.placement.optimizer import plan_device_adam, resident_footprint
-from chunkstar.runtime.activation_planning import PlanReport, measure_link, plan_blocks
+from chunkstar.runtime.activation_planning import PlanReport, block_spans, measure_link, plan_blocks
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.gradients import GradientConsumer, Gradients
 from chunkstar.runtime.reads import ReadState
@@ -84,10 +85,12 @@ class Iteration:
         self.schedule = Schedule(
             mgr, cursor, comm, mgr.device, events, overrun, on_freeze=self._on_freeze,
             on_retrace=self._measure_activations, on_too_small=self._activation_fallback,
+            activation_advice=self._activation_advice,
         )  # fmt: skip
         # the blocks' activation policies (set by the engine once it has wrapped them), the plan
         # of "auto" and what it was planned from (Note [activation plan] in activations/plan.py)
         self.activations: BlockActivations | None = None
+        self.saved_counter: SavedCounter | None = None  # "keep": the blocks' saved bytes, counted in warm-up
         self.activation_plan: PlanReport | None = None
         self.activation_fallbacks = 0
         self._link: float | None = None  # the host link's speed, timed once (auto's plan)
@@ -148,6 +151,9 @@ class Iteration:
             off = self.activations.offload
             self._activation_bytes_at = (off.bytes_to_host, off.bytes_to_device)
         self.schedule.begin_iteration(sum(t.nbytes for t in output_tensors((args, kwargs))))
+        if self.saved_counter is not None:
+            self.saved_counter.reset()
+            self.saved_counter.counting = self.schedule.phase is TracePhase.WARMUP
         # where the peak is: in the latest trace (frozen, or the warm-up's earlier passes), or unknown
         self._heap_released = False
         phase = self.schedule.phase
@@ -392,6 +398,35 @@ class Iteration:
         act.measuring = False
         self.activation_fallbacks += 1
         return True
+
+    def _activation_advice(self, moment: int, need: int) -> str:
+        """What a warm-up error says of the blocks' saved activations at ``moment`` (which needed
+        ``need`` bytes of device memory in all), and of what "auto" would do (Note [activation plan])."""
+        act, counter = self.activations, self.saved_counter
+        trace = self.cursor.trace
+        keep = '"activations": {"policy": "auto"}'
+        if counter is not None:
+            spans = block_spans(trace, counter.names)
+            held = [i for i, sp in enumerate(spans) if sp.found and sp.after_fwd <= moment < sp.first_bwd]
+            kept = sum(counter.total[i] for i in held)
+            movable = sum(counter.large[i] for i in held)
+            if not kept:
+                return ""
+            return (
+                f"of its non-model memory, {kept} bytes were activations {len(held)} of the model's {len(counter.names)} "
+                f"blocks had saved for their backward and kept on the device ('activations' policy 'keep'); {keep} "
+                f"plans per block whether to keep, offload or recompute them: with every block offloaded ({movable} "
+                f"bytes to host memory) this moment would need about {max(need - movable, 0)} bytes of device memory, "
+                f"a 'device_memory_budget' of about {minimum_budget(max(need - movable, 0), 0, self.mgr.slack)} bytes "
+                "(recomputing every block needs less where the blocks save many small tensors)"
+            )
+        if act is not None and act.auto and act.measuring:
+            return (
+                "this warm-up already ran every block offloaded ('auto' measures its blocks so): their saved "
+                f"tensors of {MIN_OFFLOAD_BYTES} bytes and more were in host memory, the smaller ones stayed; "
+                "'activations': {\"policy\": \"checkpoint\"} keeps only each block's inputs"
+            )
+        return ""
 
     def _collective_scratch(self) -> int:
         """The largest flat buffer a collective of one chunk takes beside it (0 under gloo)."""

@@ -89,6 +89,7 @@ class Schedule:
         self, mgr: ChunkManager, cursor: Cursor, comm: Comm, device: torch.device, events: EventBus,
         overrun: Overrun, on_freeze: Callable[[], None],
         on_retrace: Callable[[], None] = lambda: None, on_too_small: Callable[[], bool] = lambda: False,
+        activation_advice: Callable[[int, int], str] = lambda _moment, _need: "",
     ) -> None:  # fmt: skip
         self.mgr = mgr
         self.cursor = cursor  # the manager's, which reads it; written here only
@@ -108,13 +109,15 @@ class Schedule:
         # the warm-up goes on with it instead of raising (Note [activation plan] in activations/plan.py)
         self._on_retrace = on_retrace
         self._on_too_small = on_too_small
+        # what the blocks' saved activations were at a moment that did not fit, and what "auto" would do
+        self._activation_advice = activation_advice
         self.phase = TracePhase.WARMUP
         self.replans = 0
         self._outgrown: MemoryTrace | None = None  # the trace a re-trace replaces (its peaks are kept)
         self._diverged_why = ""  # why this iteration left the schedule ("" while on it)
         self._warmup_disagrees = False  # a warm-up pass differed from the first one
-        # (minimum budget, moment, its chunk bytes, its non-model peak, its chunks): the worst warm-up moment that did not fit
-        self._too_small: tuple[int, str, int, int, tuple[int, ...]] | None = None
+        # (minimum budget, moment, its chunk bytes, its non-model peak, its chunks, its index): the worst warm-up moment that did not fit
+        self._too_small: tuple[int, str, int, int, tuple[int, ...], int] | None = None
         # Note [advice covers the paths seen]: the completed warm-up passes, over every re-trace
         self._pass_need = 0  # the running pass's smallest budget holding each of its moments
         self._seen_need = 0  # the same over the completed passes
@@ -450,7 +453,7 @@ class Schedule:
         self._pass_need = max(self._pass_need, need)
         if chunks + rec.non_model_peak > mgr.capacity:
             if self._too_small is None or need > self._too_small[0]:
-                self._too_small = (need, f"'{rec.module}' ({rec.stage})", chunks, rec.non_model_peak, rec.chunks)
+                self._too_small = (need, f"'{rec.module}' ({rec.stage})", chunks, rec.non_model_peak, rec.chunks, m)
 
     def moment_chunk_bytes(self, chunk_ids: tuple[int, ...]) -> int:
         """Param chunk bytes a moment needs on the device (whole groups with several processes)."""
@@ -459,15 +462,15 @@ class Schedule:
         return sum(mgr.chunks.chunk(ChunkList.PARAM, c).nbytes for c in ids)
 
     def _too_small_error(
-        self, minimum: int, too_small: tuple[int, str, int, int, tuple[int, ...]] | None, covered: tuple[int, int]
+        self, minimum: int, too_small: tuple[int, str, int, int, tuple[int, ...], int] | None, covered: tuple[int, int]
     ) -> DeviceMemoryError:
         """The error for a warm-up that did not fit; ``covered``: the warm-up iterations and the
         distinct paths through the model the minimum holds for (Note [advice covers the paths seen])."""
         mgr = self.mgr
         if too_small is not None:
-            _, where, chunks, non_model, chunk_ids = too_small
+            _, where, chunks, non_model, chunk_ids, moment = too_small
         else:
-            where, chunks, non_model, chunk_ids = "a moment on another rank", minimum, 0, ()
+            where, chunks, non_model, chunk_ids, moment = "a moment on another rank", minimum, 0, (), -1
         room = mgr.capacity - non_model  # chunk memory the moment had beside its non-model peak
 
         def bytes_of(s: TensorSlot) -> int:
@@ -503,6 +506,9 @@ class Schedule:
                 "memory; or lower "
                 "'default_chunk_size' so a moment needs fewer whole chunks"
             )
+        activations = self._activation_advice(moment, chunks + non_model) if moment >= 0 else ""
+        if activations:
+            advice = f"{activations}. Otherwise: {advice}"
         return DeviceMemoryError(
             device=str(self.device), needed=chunks, free=max(0, mgr.capacity - non_model), budget=mgr.capacity,
             where=f"the warm-up iteration's moment {where}, whose non-model memory peaked at {non_model} bytes",
