@@ -254,3 +254,27 @@ def test_gradient_accumulation_decides_as_in_a_real_run() -> None:
     assert report.fits
     for step, (r, d) in enumerate(zip(real, report.ranks[0].steps)):
         assert {k: d[k] for k in _COUNTERS} == {k: r[k] for k in _COUNTERS}, step
+
+
+def test_auto_plans_at_the_target_s_rates() -> None:
+    """Under "auto" a dry run plans its blocks as a real run would, from the blocks' FLOPs at the
+    target's rate and the target's host link (nothing on meta takes time to measure), and reports
+    the plan; a recomputed block's forward is in the step the time model replays."""
+    def build() -> torch.nn.Module:
+        return GPT2LMHeadModel(GPT2Config(vocab_size=50257, n_embd=1024, n_layer=8, n_head=16, n_positions=1024))
+
+    ids = torch.zeros(8, 1024, dtype=torch.long)
+    config = {"bf16": {"enabled": True}, "activations": {"policy": "auto"}}
+    report = chunkstar.dry_run(build, config, {"input_ids": ids, "labels": ids}, hardware="v100x8_240gb", steps=5)
+    assert report.fits and report.prediction is not None
+    last = report.ranks[0].stats
+    plan = last["activation_plan"]
+    assert not last["activation_measuring"] and plan["fits"] and len(plan["blocks"]) == 8
+    from chunkstar.dryrun import hardware_named
+
+    hw = hardware_named("v100x8_240gb")
+    assert plan["link_bytes_per_second"] == min(hw.h2d_bandwidth, hw.d2h_bandwidth)
+    # a block's forward: about 2 x its 12.6M parameters x 8192 tokens, plus attention, at the V100's rate
+    seconds = set(plan["forward_seconds"].values())
+    assert len(seconds) == 1 and 0.8 < seconds.pop() * hw.peak_flops * hw.efficiency / (2 * 12.6e6 * 8192) < 1.6
+    assert last["activation_blocks"] == {p: list(plan["blocks"].values()).count(p) for p in ("keep", "checkpoint", "offload")}

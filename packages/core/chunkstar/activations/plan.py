@@ -39,11 +39,21 @@ compute cannot hide:
   an upper bound of the frozen schedule's), so offloading is, if anything,
   predicted dearer than it is.
 
+Device memory the activations do not take is not free of value: hybrid Adam
+keeps as much optimizer state on the device as the room beside the chunks and
+the activations allows, and each parameter it cannot keep there costs a host
+update. So the cost of a plan is its predicted step time plus ``room_value``
+seconds per byte of the most it adds at any moment beyond the ``spare_room``
+the state would leave unused (the runtime measures the host update's time per
+parameter in the warm-up's first optimizer step; 0 on the CPU device, whose
+host and device updates run on the same cores).
+
 The search is greedy by price: from every block kept, while some moment does
 not fit, the worst such moment is relieved by the change that costs the least
-step time per byte it frees there (offloading a block, or recomputing it);
-then each recomputed or offloaded block is switched to the other choice where
-that is faster and still fits. Offloading costs nothing until the link is
+per byte it frees there (offloading a block, or recomputing it); then, while
+some change lowers the cost and still fits, the best of them is made (a
+recomputed block offloaded where the link has time, a kept block given up
+where its room is worth more than its recomputation). Offloading costs nothing until the link is
 busy and then a fixed price per byte, and recomputing a block costs its
 forward: both prices only grow as more is taken, so the greedy order is the
 knapsack's fractional order, and the blocks of one model are alike, so little
@@ -199,20 +209,25 @@ def _room(
 
 
 def plan_activations(
-    blocks: Sequence[BlockCost], headroom: Sequence[int], link: float, chunks: LinkLoad = LinkLoad()
+    blocks: Sequence[BlockCost], headroom: Sequence[int], link: float, chunks: LinkLoad = LinkLoad(),
+    room_value: float = 0.0, spare_room: int = 0,
 ) -> ActivationPlan:
-    """The fastest plan predicted to fit every moment's ``headroom`` (Note [activation plan]).
-    ``link``: the host link's bytes per second each way (0: no link to speak of, offloading free).
-    Offloaded blocks' copies overlap the compute where that fits; else they are waited for."""
-    plan = _search(blocks, headroom, link, chunks, overlap=True)
+    """The plan of least cost predicted to fit every moment's ``headroom`` (Note [activation plan]).
+    ``link``: the host link's bytes per second each way (0: no link to speak of, offloading free);
+    ``room_value``: the seconds a step saves per byte of device memory the activations leave to
+    the optimizer's state, beyond the first ``spare_room`` bytes, which the state would not use
+    (0: the model data has all the room it can use). Offloaded blocks' copies overlap the compute
+    where that fits; else they are waited for."""
+    plan = _search(blocks, headroom, link, chunks, room_value, spare_room, overlap=True)
     if plan.fits:
         return plan
-    waited = _search(blocks, headroom, link, chunks, overlap=False)
+    waited = _search(blocks, headroom, link, chunks, room_value, spare_room, overlap=False)
     return waited if waited.fits else plan
 
 
 def _search(
-    blocks: Sequence[BlockCost], headroom: Sequence[int], link: float, chunks: LinkLoad, overlap: bool
+    blocks: Sequence[BlockCost], headroom: Sequence[int], link: float, chunks: LinkLoad, room_value: float,
+    spare_room: int, overlap: bool,
 ) -> ActivationPlan:
     n = len(blocks)
     policies = [KEEP] * n
@@ -220,12 +235,18 @@ def _search(
     def step(p: Sequence[ActivationPolicy]) -> float:
         return predict_step(blocks, p, link, chunks, overlap)
 
+    def cost(p: Sequence[ActivationPolicy]) -> float:
+        if not room_value:
+            return step(p)
+        taken = max(_added(blocks, p, len(headroom), overlap), default=0)
+        return step(p) + room_value * max(0, taken - spare_room)
+
     def room(p: Sequence[ActivationPolicy]) -> tuple[int, int]:
         return _room(blocks, p, headroom, overlap)
 
     least, where = room(policies)
     while least < 0:
-        now = step(policies)
+        now = cost(policies)
         best: tuple[float, int, ActivationPolicy] | None = None
         for i, b in enumerate(blocks):
             if policies[i] is not KEEP or not b.held_from <= where < b.held_until:
@@ -235,7 +256,7 @@ def _search(
                     continue
                 trial = list(policies)
                 trial[i] = choice
-                price = (step(trial) - now) / freed
+                price = (cost(trial) - now) / freed
                 if best is None or price < best[0] - 1e-15:
                     best = (price, i, choice)
         if best is None:
@@ -246,19 +267,23 @@ def _search(
         every = [OFFLOAD] * n
         return ActivationPlan(tuple(every), predict_step(blocks, every, link, chunks, False), False,
                               _room(blocks, every, headroom, False)[0], overlap=False)  # fmt: skip
-    # each block that does not keep: the other choice, where it is faster and still fits
-    changed = True
-    rounds = 0
-    while changed and rounds < 2 * n + 2:
-        changed = False
-        rounds += 1
+    # then the change that lowers the cost most while it still fits, for as long as one does: a
+    # recomputed block offloaded where the link has time, a kept block given up where its room
+    # is worth more to the optimizer's state than its recomputation costs
+    for _ in range(3 * n + 3):
+        now = cost(policies)
+        best_trial: tuple[float, list[ActivationPolicy]] | None = None
         for i in range(n):
-            if policies[i] is KEEP:
-                continue
-            trial = list(policies)
-            trial[i] = CHECKPOINT if policies[i] is OFFLOAD else OFFLOAD
-            if step(trial) < step(policies) - 1e-12 and room(trial)[0] >= 0:
-                policies = trial
-                changed = True
+            for choice in (KEEP, CHECKPOINT, OFFLOAD):
+                if choice is policies[i]:
+                    continue
+                trial = list(policies)
+                trial[i] = choice
+                gain = now - cost(trial)
+                if gain > 1e-12 and (best_trial is None or gain > best_trial[0]) and room(trial)[0] >= 0:
+                    best_trial = (gain, trial)
+        if best_trial is None:
+            break
+        policies = best_trial[1]
     least, _ = room(policies)
     return ActivationPlan(tuple(policies), step(policies), True, least, overlap=overlap)

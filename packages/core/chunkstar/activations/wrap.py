@@ -104,6 +104,9 @@ class BlockActivations:
         self.recomputed_calls = 0
         self.offloaded_calls = 0
         self._timed = offload.device.type == "cuda"
+        self.cost: Callable[[Callable[[], Any]], tuple[Any, float]] | None = None
+        """How a measured call's forward seconds are known: None, timed as it runs; a dry run
+        sets its FLOPs at the target's rate (``cost(run) -> (output, seconds)``)."""
         self._originals: list[Callable[..., Any] | None] = []
         for i, block in enumerate(self.blocks):
             own = block.__dict__.get("forward")  # an instance forward the user set, kept under ours
@@ -137,6 +140,11 @@ class BlockActivations:
         device = self.offload.device
         # what a recomputation would keep instead: the inputs' storages (a view of a larger one keeps it all)
         inputs = sum(t.untyped_storage().nbytes() for t in _tensors(args, kwargs) if t.device == device and t.is_floating_point())
+        if self.cost is not None:
+            with self.offload.block_call(self.names[index], saved):
+                out, seconds = self.cost(lambda: forward(*args, **kwargs))
+            self.measures[index].add(saved, inputs, seconds + saved.waited_s, None)
+            return out
         timer = None
         if self._timed:
             timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))

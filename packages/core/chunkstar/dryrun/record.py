@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from chunkstar.dryrun.comm import CollectiveBytes, SimulatedComm
-from chunkstar.events import ChunkMoved, Event, MomentBegin, Stage, StageChanged, Tier
+from chunkstar.events import ActivationMoved, ChunkMoved, Event, MomentBegin, Stage, StageChanged, Tier
 
 __all__ = ["Move", "MomentRecord", "StepRecord", "StepRecorder"]
 
@@ -36,7 +36,8 @@ class Move:
     src: str
     dst: str
     reason: str
-    """A :class:`chunkstar.events.MoveReason` value: access, eviction, prefetch, optimizer, offload, stage_in, stage_out."""
+    """A :class:`chunkstar.events.MoveReason` value: access, eviction, prefetch, optimizer, offload, stage_in,
+    stage_out; or ``activation`` (a block's saved tensors going to the host, ``chunk_list`` "activation")."""
     seq: int = 0
     """Its place among the step's moves, in the order they were issued (the events' order)."""
     gathered: bool = False
@@ -214,6 +215,15 @@ class StepRecorder:
             self._seq += 1
             mv = Move(e.chunk_id, e.chunk_list, e.nbytes, _tier(e.src), _tier(e.dst), e.reason.value, self._seq - 1, e.gathered)
             (self._moment.moves if self._moment is not None else self.record.optimizer_moves).append(mv)
+        elif isinstance(e, ActivationMoved):
+            # a block's saved tensors over the host link (chunk_list "activation", no chunk): charged
+            # to the moment that issued the copy, an offload as an eviction is (beside the compute),
+            # a copy back sent for ahead as a prefetch, one the backward waited for as an access
+            self._seq += 1
+            reason = "activation" if e.dst is Tier.HOST else "prefetch" if e.prefetch else "access"
+            mv = Move(-1, "activation", e.nbytes, _tier(e.src), _tier(e.dst), reason, self._seq - 1)
+            issued = next((m for m in reversed(self.record.moments) if m.index == e.moment), self._moment)
+            (issued.moves if issued is not None else self.record.optimizer_moves).append(mv)
 
     def _adam_work(self) -> None:
         """Parameters this rank's Adam updates, on the host and on the device."""

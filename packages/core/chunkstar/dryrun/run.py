@@ -191,7 +191,7 @@ def _backward(engine: ChunkEngine, loss: torch.Tensor, target: str) -> None:
 
 def _run_rank(
     model_func: Callable[[], nn.Module], cfg: EngineConfig, target: str, rank: int, world_size: int,
-    inputs: Any, steps: int, loss_fn: LossFn, say: Callable[[str], None],
+    inputs: Any, steps: int, loss_fn: LossFn, say: Callable[[str], None], hardware: Hardware | None = None,
 ) -> RankReport:  # fmt: skip
     t0 = time.perf_counter()
     comm = SimulatedComm(rank, world_size, "nccl" if target == "cuda" else "gloo")
@@ -204,6 +204,11 @@ def _run_rank(
         tie()  # a model moved to meta loses its ties; built on meta it keeps them (a no-op then)
     # the disk tier's files record bytes and hold none (Note [dry run disk])
     engine = ChunkEngine(model, cfg, model_func=model_func, comm=comm, disk_parts=SimulatedDisk() if cfg.disk else None)
+    if hardware is not None:
+        engine._target_costs(
+            flop_seconds(hardware.peak_flops * hardware.efficiency), min(hardware.h2d_bandwidth, hardware.d2h_bandwidth),
+            1.0 / hardware.host_adam_params_per_s,
+        )
     report = RankReport(rank=rank, fits=True, minimum_budget=0)
     try:
         opt = cfg.optimizer
@@ -259,6 +264,19 @@ def _run_rank(
     return report
 
 
+def flop_seconds(rate: float) -> Callable[[Callable[[], Any]], tuple[Any, float]]:
+    """A block call's forward seconds on the target: its FLOPs (counted on the meta tensors) at
+    ``rate`` FLOP/s. What "auto" plans with in a dry run, where nothing takes time to measure."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def cost(run: Callable[[], Any]) -> tuple[Any, float]:
+        with FlopCounterMode(display=False) as counter:
+            out = run()
+        return out, counter.get_total_flops() / rate
+
+    return cost
+
+
 def _gib(n: int) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
@@ -304,7 +322,7 @@ def dry_run(
     reports = []
     with meta_kernels():
         for r in chosen:
-            reports.append(_run_rank(model_func, cfg, target, r, world_size, meta_inputs, steps, loss_fn or loss_of, say))
+            reports.append(_run_rank(model_func, cfg, target, r, world_size, meta_inputs, steps, loss_fn or loss_of, say, hw))
     report = DryRunReport(
         target=target, world_size=world_size, ranks=reports, hardware=hw, overlap=cfg.placement.overlap, config=dict(cfg.raw)
     )

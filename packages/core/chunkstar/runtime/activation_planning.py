@@ -147,6 +147,7 @@ def plan_blocks(
     link: float,
     comm: Comm,
     device: torch.device,
+    room: tuple[float, int] = (0.0, 0),
 ) -> PlanReport:
     """The plan for ``act``'s blocks on the frozen ``trace`` (module docstring)."""
     spans = block_spans(trace, act.names)
@@ -155,7 +156,7 @@ def plan_blocks(
     figures = (
         [float(x.saved) for x in act.measures] + [float(x.inputs) for x in act.measures]
         + [float(x.forward_s or 0.0) for x in act.measures] + [-float(h) for h in headroom]
-        + [-link, float(chunk_traffic.forward_to_device), float(chunk_traffic.forward_to_host),
+        + [-link, room[0], -float(room[1]), float(chunk_traffic.forward_to_device), float(chunk_traffic.forward_to_host),
            float(chunk_traffic.backward_to_device), float(chunk_traffic.backward_to_host)]
     )  # fmt: skip
     if comm.distributed:
@@ -164,9 +165,9 @@ def plan_blocks(
     saved, inputs, fwd = figures[:n], figures[n : 2 * n], figures[2 * n : 3 * n]
     headroom = [int(-h) for h in figures[3 * n : 3 * n + m]]
     tail = figures[3 * n + m :]
-    link = -tail[0]
-    traffic = LinkLoad(*(int(x) for x in tail[1:5]))
+    link, room_value, spare = -tail[0], tail[1], int(-tail[2])
+    traffic = LinkLoad(*(int(x) for x in tail[3:7]))
     backward_begins = next((i for i, r in enumerate(trace.records) if r.stage == Stage.BWD.value), m)
     blocks = costs(spans, act.names, saved, inputs, fwd, backward_begins)
-    plan = plan_activations(blocks, headroom, link, traffic)
+    plan = plan_activations(blocks, headroom, link, traffic, room_value, spare)
     return PlanReport(plan, blocks, link, min(headroom, default=0))

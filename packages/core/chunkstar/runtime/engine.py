@@ -284,6 +284,16 @@ class ChunkEngine:
         names = {id(m): n for n, m in model.named_modules()}
         return BlockActivations(blocks, act.policy, offload, [names[id(b)] for b in blocks])
 
+    def _target_costs(
+        self, forward_cost: Callable[[Callable[[], Any]], tuple[Any, float]], link: float, host_update_seconds: float
+    ) -> None:
+        """A dry run's stand-ins for what "auto" measures (Note [dry run]): a block's forward seconds
+        from its FLOPs at the target's rate, the target's host link and host Adam update rate."""
+        if self.activations is not None:
+            self.activations.cost = forward_cost
+        self._iteration.link_bandwidth = link
+        self._iteration.host_update_seconds = host_update_seconds
+
     def _saved_counter(self, model: nn.Module, cfg: EngineConfig) -> SavedCounter | None:
         """Under ``keep``, the warm-up's count of what the blocks save (for its errors): None for a
         model without blocks, or under another policy (which wraps them itself)."""

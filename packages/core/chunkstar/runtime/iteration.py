@@ -18,6 +18,7 @@ module's hooks do (:mod:`chunkstar.runtime.hook_targets`); gradients are
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Sequence
 
 import torch
@@ -93,7 +94,13 @@ class Iteration:
         self.saved_counter: SavedCounter | None = None  # "keep": the blocks' saved bytes, counted in warm-up
         self.activation_plan: PlanReport | None = None
         self.activation_fallbacks = 0
-        self._link: float | None = None  # the host link's speed, timed once (auto's plan)
+        self.host_update_seconds: float | None = None
+        """Seconds a host Adam update takes per parameter: measured in the warm-up's first optimizer
+        step (a dry run sets its target's); what a byte of device room is worth to "auto"'s plan."""
+        self._step_began = 0.0
+        self.link_bandwidth: float | None = None
+        """The host link's bytes/s for auto's plan: timed once when first needed (a dry run sets
+        its target's instead)."""
         # the chunk bytes the running iteration moved each way, when it began and when its backward did
         self._traffic_at: tuple[int, int] = (0, 0)
         self._traffic_fwd: tuple[int, int] = (0, 0)
@@ -374,13 +381,34 @@ class Iteration:
 
     def _plan_activations(self, act: BlockActivations) -> PlanReport:
         mgr = self.mgr
-        if self._link is None:
-            self._link = measure_link(mgr.device, mgr.copies)
+        if self.link_bandwidth is None:
+            self.link_bandwidth = measure_link(mgr.device, mgr.copies)
         trace = self.cursor.trace
         return plan_blocks(
             act, trace, mgr.capacity, lambda m: self.schedule.moment_chunk_bytes(trace.records[m].chunks),
-            self._collective_scratch(), self.chunk_traffic, self._link, self.comm, mgr.device,
+            self._collective_scratch(), self.chunk_traffic, self.link_bandwidth, self.comm, mgr.device,
+            room=self._room_value(),
         )  # fmt: skip
+
+    def _room_value(self) -> tuple[float, int]:
+        """(seconds a step saves per byte of device room left to the optimizer's state, the bytes
+        the state would leave spare) for "auto"'s plan (Note [activation plan]): a host update's
+        time per parameter over the state's bytes per parameter, where hybrid Adam places state;
+        the spare room is the capacity less the measured non-model peak, this rank's param chunks
+        and all its state. (0, 0) on the CPU device, where a host update and a device one run on
+        the same cores."""
+        mgr = self.mgr
+        if not self.hybrid_adam or not self.host_update_seconds or mgr.device.type == "cpu":
+            return 0.0, 0
+        chunks = mgr.chunks
+        own = [i for i in range(mgr.layout.n_chunks) if chunks.own(i) and not chunks.frozen(i)]
+        params = sum(chunks.chunk(ChunkList.PARAM, i).numel for i in own)
+        state = sum(chunks.chunk(name, i).nbytes for name in STATE_LISTS for i in own)
+        if not params or not state:
+            return 0.0, 0
+        held = sum(chunks.chunk(ChunkList.PARAM, i).nbytes for i in range(mgr.layout.n_chunks) if chunks.own(i))
+        spare = mgr.capacity - self.schedule.warmup_non_model_peak - held - state
+        return self.host_update_seconds / (state / params), max(spare, 0)
 
     def _measure_activations(self) -> None:
         """The run changed shape and is traced again: "auto" measures its blocks again and plans anew."""
@@ -470,6 +498,7 @@ class Iteration:
     # ------------------------------------------------------------------ the optimizer step
     def begin_optimizer_step(self) -> None:
         self._check_open()
+        self._step_began = time.perf_counter()
         self.gradients.check_step()
         self.gradients.fold_kept()  # gradients a forward kept with no backward since
         self.schedule.begin_optimizer_step()
@@ -482,6 +511,10 @@ class Iteration:
 
     def end_optimizer_step(self) -> None:
         mgr = self.mgr
+        if self.host_update_seconds is None and not self.device_adam_chunks and mgr.device.type == "cuda":
+            params = sum(c.numel for c in mgr.chunks.chunks_of(ChunkList.PARAM) if mgr.chunks.own(c.chunk_id))
+            if params:
+                self.host_update_seconds = (time.perf_counter() - self._step_began) / params
         self.gradients.step_taken()
         moved = mgr.counters.bytes_to_device + mgr.counters.bytes_to_host - self._bytes_before_step
         if self.host_heap is not None and release_after_step(moved, mgr.chunks.state_bytes()):
