@@ -81,6 +81,38 @@ def disk_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def offload_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-step profile of a run that offloads its blocks' saved activations (``"activations": {"policy": "offload"}``):
+    a two-block GPT-2 256 wide on 2 x 256 tokens, whose saved storages (1.5-2 MiB) pass the offload's 1 MiB minimum,
+    under a budget that moves chunks too."""
+    import chunkstar
+    import chunkstar_profiler
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from core._models import engine_config, gpt2_batch, hf_loss
+
+    def gpt2() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=256, n_embd=256, n_layer=2, n_head=4, resid_pdrop=0.0,
+                                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))  # fmt: skip
+
+    path = tmp_path_factory.mktemp("profiles") / "offload.csprof"
+    cfg = engine_config(budget="40MB", chunk_size=1 << 16, activations={"policy": "offload"})
+    engine, optimizer = chunkstar.initialize_engine(model_func=gpt2, local_rank=0, config=cfg)
+    try:
+        with chunkstar_profiler.Profiler(engine) as prof:
+            for step in range(3):
+                engine.backward(hf_loss(engine, gpt2_batch(step, batch=2, seq=256), torch.float32))
+                optimizer.step()
+                optimizer.zero_grad()
+        prof.save(str(path))
+    finally:
+        engine.close()
+    return path
+
+
+@pytest.fixture(scope="session")
 def predicted_profile_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A predicted profile: rank 0's step of a 2-rank dry run of a tiny GPT-2 (3 layers) on the meta device,
     under a budget that forces moves, on the time model's clock for the paper's 8 x A100 node

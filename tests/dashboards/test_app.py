@@ -219,6 +219,75 @@ def test_a_profile_without_the_disk_tier_shows_no_disk(profile_path: Path) -> No
     assert not {"stage-ins", "MiB staged in"} & set(at.dataframe[0].value.columns)
 
 
+def _array(values: object) -> np.ndarray:
+    """A trace's numbers as the browser gets them: a list, or plotly's base64 typed array (``{"bdata", "dtype"}``)."""
+    if isinstance(values, dict):
+        import base64
+
+        return np.frombuffer(base64.b64decode(values["bdata"]), dtype=values["dtype"])
+    return np.asarray(values)
+
+
+def test_pages_show_activation_moves_apart_from_chunk_moves(offload_profile_path: Path, profile_path: Path) -> None:
+    import json
+
+    import chunkstar_profiler
+
+    prof = chunkstar_profiler.load(str(offload_profile_path))
+    am, moves = prof.activation_moves, prof.moves
+    to_host, to_device = am[am["dst"] == "host"], am[am["dst"] == "device"]
+    assert len(to_host) > 0 and len(to_device) > 0 and len(moves) > 0
+    at = _app(offload_profile_path)
+    _assert_clean(at)
+    traces = json.loads(_plotly_charts(at)[0].proto.spec)["data"]
+    markers = {t["name"]: t for t in traces if t.get("name", "").startswith("activations")}
+    assert set(markers) == {"activations to host", "activations to device"}
+    for name, frame in (("activations to host", to_host), ("activations to device", to_device)):
+        np.testing.assert_allclose(np.sort(_array(markers[name]["y"])), np.sort(frame["nbytes"] / 2**20))
+    assert all(t["mode"] == "markers" for t in markers.values())
+    assert {t["yaxis"] for t in markers.values()} == {"y3"}  # a panel under device and host memory
+    assert any(f"{len(to_host):,} copies to the host" in c.value for c in at.caption)
+    assert any("activations offloaded" in c.value for c in at.sidebar.caption)
+
+    at.switch_page("views/operators.py").run()
+    _assert_clean(at)
+    labels = {m.label: m.value for m in at.metric}
+    assert labels["Moves"] == f"{len(moves):,}"  # the chunk moves alone
+    assert labels["Activation moves"] == f"{len(am):,}"
+    chunk_table, act_table = at.dataframe[0].value, at.dataframe[1].value
+    assert chunk_table["moves"].sum() == len(moves)
+    assert chunk_table["MiB to host"].sum() * 2**20 == pytest.approx(moves.loc[moves["dst"] == "host", "nbytes"].sum())
+    assert set(act_table["block"]) == set(am["block"])
+    assert act_table["copies to host"].sum() == len(to_host) and act_table["copies to device"].sum() == len(to_device)
+    assert act_table["MiB to host"].sum() * 2**20 == pytest.approx(to_host["nbytes"].sum())
+    assert act_table["MiB to device"].sum() * 2**20 == pytest.approx(to_device["nbytes"].sum())
+    # the chunk filters leave the activation moves as they are
+    at.multiselect(key="ops_reasons").set_value(["eviction"]).run()
+    _assert_clean(at)
+    assert at.dataframe[1].value["copies to host"].sum() == len(to_host)
+
+    # beside a run that offloads none
+    at.switch_page("views/compare.py").run()
+    at.text_input(key="compare_path").input(str(profile_path)).run()
+    _assert_clean(at)
+    figures = at.dataframe[0].value.set_index("figure")
+    per_iteration = figures.loc["activations to host per iteration (MiB)"]
+    assert per_iteration.iloc[0] * 2**20 * 3 == pytest.approx(to_host["nbytes"].sum(), rel=5e-3) and pd.isna(per_iteration.iloc[1])
+    assert figures.loc["moves per iteration"].iloc[0] == round_significant([len(moves) / 3])[0]
+
+
+def test_a_profile_without_activation_moves_shows_none(profile_path: Path) -> None:
+    import json
+
+    at = _app(profile_path)
+    names = {t.get("name") for t in json.loads(_plotly_charts(at)[0].proto.spec)["data"]}
+    assert not {"activations to host", "activations to device"} & names
+    assert not any("activation moves" in c.value for c in at.caption)
+    at.switch_page("views/operators.py").run()
+    _assert_clean(at)
+    assert len(at.dataframe) == 1 and "Activation moves" not in {m.label for m in at.metric}
+
+
 def _x_titles(chart: object) -> list[str]:
     import json
 

@@ -14,6 +14,8 @@ draw, no page shows a Streamlit exception box, and what a newcomer sees:
 * durations in µs/ms/s/min, never seconds with many digits;
 * the compare table per iteration, three significant figures;
 * the memory timeline's iteration range and numbered forward/backward/optimizer bands;
+* a run's activation moves in a panel and legend entries of their own, and a table of their own
+  on the operator page (a run that offloads none shows neither);
 * CPU benchmark runs in tokens/s, the paper's GPU figures only on request.
 
 A full-page screenshot of each page (and of the states the test moves to) goes
@@ -113,9 +115,12 @@ def _serve(cmd: list[str], port: int, log: Path, cwd: Path) -> Iterator[str]:
                 proc.wait(timeout=10)
 
 
-@pytest.fixture(params=["profile_path", "disk_profile_path"], ids=["device+host", "disk tier"])
+@pytest.fixture(
+    params=["profile_path", "disk_profile_path", "offload_profile_path"], ids=["device+host", "disk tier", "activation offload"]
+)
 def server(request: pytest.FixtureRequest, other_profile_path: Path, bench_db_path: Path, tmp_path: Path) -> Iterator[str]:
-    """``chunkstar-profile view`` on a profile of a run without the disk tier, then on one with it."""
+    """``chunkstar-profile view`` on a profile of a run without the disk tier, then on one with it, then on one
+    that offloads its blocks' activations."""
     profile_path: Path = request.getfixturevalue(request.param)
     port = _free_port()
     cmd = [
@@ -198,9 +203,13 @@ def _assert_newcomer_view(page: Any, where: str) -> list[dict[str, Any]]:
     return plots
 
 
-def _memory_page(page: Any, plots: list[dict[str, Any]], shots: Path) -> None:
+def _memory_page(page: Any, plots: list[dict[str, Any]], shots: Path, offload: bool) -> None:
     timeline = plots[0]
     assert {"forward", "backward", "optimizer"} <= set(timeline["legendTexts"])
+    # activation moves: their own legend entries and panel, only for a run that moved some
+    activations = {"activations to host", "activations to device"}
+    assert (activations <= set(timeline["legendTexts"])) == offload and (activations & set(timeline["legendTexts"]) != set()) == offload
+    assert ("activation moves (MiB)" in timeline["text"]) == offload
     assert timeline["annotationTexts"] == ["iter 0", "iter 1", "iter 2"]
     assert re.search(r"time since profile start \((ms|s)\)", timeline["text"])  # ms for a run under 2 s
     bands = page.evaluate(
@@ -224,7 +233,9 @@ def _memory_page(page: Any, plots: list[dict[str, Any]], shots: Path) -> None:
     _screenshot(page, shots / "page_memory_iterations_1-2.png")
 
 
-def _operators_page(page: Any, plots: list[dict[str, Any]]) -> None:
+def _operators_page(page: Any, plots: list[dict[str, Any]], offload: bool) -> None:
+    assert page.get_by_text("Activation moves by block").count() == int(offload)
+    assert page.locator('[data-testid="stDataFrame"]').count() == 1 + offload
     bars = plots[0]
     assert {"to host", "to device"} <= set(bars["legendTexts"])
     assert all(bars["legend"][1] >= area[3] for area in bars["areas"])  # under the bars, not over the top one
@@ -277,6 +288,7 @@ def test_pages_render_in_chromium(server: str, request: pytest.FixtureRequest, t
     from playwright.sync_api import sync_playwright
 
     shots = _shots(request, tmp_path)
+    offload = request.node.callspec.id == "activation offload"
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
@@ -287,11 +299,11 @@ def test_pages_render_in_chromium(server: str, request: pytest.FixtureRequest, t
                 plots = _assert_newcomer_view(page, path or "memory")
                 _screenshot(page, shots / f"page_{path or 'memory'}.png")
                 if path == "":
-                    _memory_page(page, plots, shots)
+                    _memory_page(page, plots, shots, offload)
                 elif path == "chunks":
                     assert page.get_by_text("Largest chunk x bin grid").count() == 0  # the stray docstring of old
                 elif path == "operators":
-                    _operators_page(page, plots)
+                    _operators_page(page, plots, offload)
                 elif path == "compare":
                     _compare_page(page)
                 elif path == "benchmarks":

@@ -10,6 +10,9 @@ from chunkstar_profiler import Profile
 from chunkstar_dashboard import charts
 from chunkstar_dashboard.data import (
     OUTSIDE_MOMENTS,
+    activation_moves_by_block,
+    activation_series,
+    activation_totals,
     clock_label,
     MoveFilter,
     compare_table,
@@ -19,6 +22,7 @@ from chunkstar_dashboard.data import (
     filter_moves,
     format_bytes,
     format_duration,
+    has_activation_moves,
     has_disk_tier,
     iteration_span,
     memory_series,
@@ -537,3 +541,101 @@ def test_memory_timeline_zooms_to_an_iteration_range() -> None:
     assert len(total.x) == len(inside) + 1 and min(total.x) < t0 * 1e3
     bands = [t for t in fig.data if t.name in ("forward", "backward", "optimizer")]
     assert len(bands) == 3 and all(np.nanmin(b.x) >= t0 * 1e3 - 1e-9 for b in bands)
+
+
+# --- activation moves -----------------------------------------------------------------
+
+
+def _activation_moves(n_steps: int = 3) -> pd.DataFrame:
+    """Per step (10 ms each: forward 3 ms, backward 5 ms, then the optimizer): two blocks' two storages to the host
+    in the forward, back to the device in the backward, the second block's ahead of its backward (prefetched)."""
+    rows = []
+    for it in range(n_steps):
+        t = it * 0.01
+        for k, (block, mib) in enumerate((("h.0", 2), ("h.0", 3), ("h.1", 2), ("h.1", 3))):
+            rows.append((t + 0.0005 * k, block, mib * MIB, "device", "host", False, "fwd", it))
+        for k, (block, mib) in enumerate((("h.1", 2), ("h.1", 3), ("h.0", 2), ("h.0", 3))):
+            rows.append((t + 0.004 + 0.0005 * k, block, mib * MIB, "host", "device", block == "h.0", "bwd", it))
+    frame = pd.DataFrame(rows, columns=["t_start_s", "block", "nbytes", "src", "dst", "prefetch", "stage", "iteration"])
+    return frame.assign(
+        t_end_s=frame["t_start_s"] + 0.001, duration_s=0.001, moment_row=0, module=frame["block"] + ".mlp",
+    )  # fmt: skip
+
+
+def test_activation_moves_are_counted_apart_from_chunk_moves() -> None:
+    am = _activation_moves()
+    table = activation_moves_by_block(am).set_index("block")
+    assert list(table.index) == ["h.0", "h.1"]
+    assert table.loc["h.0", ["moves", "to_host", "to_device", "bytes_to_host", "bytes_to_device", "prefetched"]].tolist() == [
+        12, 6, 6, 15 * MIB, 15 * MIB, 6,
+    ]  # fmt: skip
+    assert table.loc["h.1", "prefetched"] == 0 and table["copy_s"].sum() == pytest.approx(24 * 0.001)
+    totals = activation_totals(am)
+    assert totals == {
+        "moves": 24, "to_host": 12, "to_device": 12, "bytes_to_host": 30 * MIB, "bytes_to_device": 30 * MIB, "prefetched": 6,
+        "copy_s": pytest.approx(0.024),
+    }  # fmt: skip
+    assert activation_totals(am.iloc[:0])["moves"] == 0 and activation_moves_by_block(am.iloc[:0]).empty
+    # a profile's chunk figures are the chunk moves' alone; the activation moves get figures of their own
+    moves = _moves()
+    plain = _profile("a", peak_mib=100, moves=moves, step_s=[0.008, 0.008, 0.008])
+    offload = _with(plain, activation_moves=am)
+    assert not has_activation_moves(plain) and has_activation_moves(offload)
+    assert move_totals(offload.moves) == move_totals(moves)
+    table = compare_table(plain, offload).set_index("figure")
+    assert table.loc["moves per iteration", "B"] == table.loc["moves per iteration", "A"] == len(moves) / 3
+    assert table.loc["activation moves per iteration", "B"] == 8 and np.isnan(table.loc["activation moves per iteration", "A"])
+    assert table.loc["activations to host per iteration (MiB)", "B"] == pytest.approx(10)
+    assert table.loc["activations to device per iteration (MiB)", "B"] == pytest.approx(10)
+    assert "activation moves per iteration" not in compare_table(plain, plain)["figure"].tolist()
+
+
+def test_memory_timeline_draws_activation_moves_in_a_panel_of_their_own() -> None:
+    am = _activation_moves()
+    plain = _with(_profile("a", peak_mib=100, moves=_moves(), step_s=[0.008, 0.008, 0.008]), memory=_memory(30))
+    p = _with(plain, activation_moves=am)
+    fig, downsampled = charts.memory_timeline(p)
+    assert not downsampled
+    markers = {t.name: t for t in fig.data if t.name in ("activations to host", "activations to device")}
+    assert set(markers) == {"activations to host", "activations to device"}
+    for name, dst in (("activations to host", "host"), ("activations to device", "device")):
+        trace, want = markers[name], am[am["dst"] == dst]
+        assert trace.mode == "markers" and trace.marker.color == charts.TIER_COLOURS[dst]
+        assert trace.yaxis == "y2" and trace.showlegend is not False  # under the device panel, with a legend entry
+        np.testing.assert_allclose(trace.x, want["t_start_s"] * 1e3)  # ms: a 30 ms run
+        np.testing.assert_allclose(trace.y, want["nbytes"] / MIB)
+    assert [c[0] for c in markers["activations to device"].customdata] == list(am.loc[am["dst"] == "device", "block"])
+    assert ", prefetched" in {c[4] for c in markers["activations to device"].customdata}
+    assert fig.layout.yaxis2.title.text == "activation moves (MiB)" and fig.layout.yaxis.title.text == "device memory (MiB)"
+    assert fig.layout.height == 320 + charts.ACTIVATION_PANEL_PX + 100
+    assert fig.layout.xaxis2.title.text == "time since profile start (ms)"  # under the bottom panel
+    # the memory lines are what they were without the activation moves
+    def memory_lines(f: object) -> list[tuple[str, str, tuple[float, ...]]]:
+        return [(t.name, t.yaxis, tuple(t.y)) for t in f.data if t.name in ("total", "chunks", "non-model")]  # type: ignore[attr-defined]
+
+    bare, _ = charts.memory_timeline(plain)
+    assert memory_lines(fig) == memory_lines(bare)
+    # none without activation moves, or when asked for none (the compare page's two timelines keep one layout)
+    for fig in (bare, charts.memory_timeline(p, activations=False)[0]):
+        assert not any((t.name or "").startswith("activations") for t in fig.data) and fig.layout.height == 420
+    # zoomed to iteration 1: its moves only
+    zoomed, _ = charts.memory_timeline(p, iterations=(1, 1))
+    host = next(t for t in zoomed.data if t.name == "activations to host")
+    assert len(host.x) == ((am["dst"] == "host") & (am["iteration"] == 1)).sum()
+
+
+def test_activation_series_downsamples_and_keeps_the_largest_copy() -> None:
+    n = 20_000
+    am = pd.DataFrame(
+        {
+            "t_start_s": np.arange(n) * 1e-4, "t_end_s": np.arange(n) * 1e-4, "duration_s": 0.0, "block": "h.0",
+            "nbytes": np.where(np.arange(n) == 12_345, 64 * MIB, 2 * MIB), "src": "device", "dst": "host", "prefetch": False,
+            "moment_row": -1, "module": "", "stage": "", "iteration": -1,
+        }
+    )  # fmt: skip
+    rows, dropped = activation_series(am, "host", max_points=1000)
+    assert dropped and len(rows) <= 1000 and rows["nbytes"].max() == 64 * MIB
+    assert rows["module"].iloc[0] == OUTSIDE_MOMENTS
+    assert activation_series(am, "device")[0].empty
+    inside, dropped = activation_series(am, "host", window=(0.5, 0.6))
+    assert not dropped and inside["t_start_s"].between(0.5, 0.6).all() and len(inside) == 1001

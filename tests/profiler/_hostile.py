@@ -31,6 +31,7 @@ _VALUES: dict[str, Callable[[int], Any]] = {
     "src": lambda i: ("host", "device")[i % 2], "dst": lambda i: ("device", "host")[i % 2],
     "tier": lambda i: ("device", "host")[i % 2], "reason": lambda i: ("access", "eviction")[i % 2],
     "chunk_bytes": lambda i: 4096 * (i + 1), "non_model_bytes": lambda i: 100, "budget_bytes": lambda i: 2**20,
+    "block": lambda i: f"h.{i % 2}", "prefetch": lambda i: i % 2,
 }  # fmt: skip
 SMALL_META = {
     "model_name": "tiny", "n_params": 2048, "precision": "fp32", "device": "cpu", "budget_bytes": 2**20,

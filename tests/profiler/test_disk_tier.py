@@ -53,7 +53,7 @@ def test_stage_moves_add_up_to_the_engines_counters(recorded_disk: dict[str, Any
 
 def test_disk_memory_samples_are_the_chunk_files(recorded_disk: dict[str, Any]) -> None:
     p = chunkstar_profiler.load(recorded_disk["path"])
-    assert p.meta["version"] == chunkstar_profiler.FORMAT_VERSION == 2
+    assert p.meta["version"] == chunkstar_profiler.FORMAT_VERSION == 3
     assert p.meta["tiers"] == ["device", "host", "disk"]
     assert set(p.memory["tier"]) == {"device", "host", "disk"}
     disk = p.memory[p.memory["tier"] == "disk"]

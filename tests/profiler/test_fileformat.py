@@ -130,13 +130,15 @@ def test_flipped_bytes_inside_a_member_are_caught(recorded: dict[str, Any], tmp_
 
 
 def test_version_1_files_still_load(tmp_path: Path) -> None:
-    """Version 2 added values (the disk tier), not layout: a version 1 file reads as one without a disk tier."""
+    """Version 2 added values (the disk tier), not layout: a version 1 file reads as one without a disk tier
+    (and, version 3's table unknown to it, without activation moves: tests/profiler/test_activation_moves.py)."""
     from tests.profiler._hostile import small_profile, with_manifest
 
-    assert FORMAT_VERSION == 2
+    assert FORMAT_VERSION == 3
     v1 = with_manifest(small_profile(tmp_path / "now.csprof"), tmp_path / "v1.csprof", lambda m: m.update(version=1))
     p = chunkstar_profiler.load(str(v1))
     assert p.meta["version"] == 1 and len(p.moves) == 4 and set(p.memory["tier"]) == {"device", "host"}
+    assert p.activation_moves.empty
     assert "disk tier" not in chunkstar_profiler.summarize(p)
     chunkstar_profiler.export_chrome_trace(p, tmp_path / "v1.json")
     for bad in (0, -1):

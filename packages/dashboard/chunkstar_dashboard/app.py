@@ -23,7 +23,9 @@ import streamlit as st
 from chunkstar_profiler import Profile
 
 from chunkstar_dashboard import loading
-from chunkstar_dashboard.data import display_name, duration_s, format_bytes, format_duration, has_disk_tier, peak_bytes
+from chunkstar_dashboard.data import (
+    activation_totals, display_name, duration_s, format_bytes, format_duration, has_activation_moves, has_disk_tier, peak_bytes,
+)  # fmt: skip
 from chunkstar_dashboard.text import escape_markdown
 
 __all__ = ["PAGES", "main", "script_args"]
@@ -73,6 +75,9 @@ def _sidebar_summary(p: Profile) -> None:
         lines.insert(1, "**predicted** by a dry run, not measured")
     if has_disk_tier(p):
         lines.insert(4, f"disk tier: {format_bytes(peak_bytes(p.memory, 'disk'))} of chunk files")
+    if has_activation_moves(p):
+        act = activation_totals(p.activation_moves)
+        lines.insert(-1, f"activations offloaded: {format_bytes(act['bytes_to_host'])} to the host, {act['moves']:,} moves")
     created = m.get("created_unix")
     if isinstance(created, (int, float)) and created > 0:
         try:

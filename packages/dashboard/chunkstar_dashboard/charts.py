@@ -15,9 +15,15 @@ from plotly.subplots import make_subplots
 
 from chunkstar_profiler import Profile
 
-from .data import MAX_POINTS_PER_TRACE, TIERS, PlacementGrid, clock_label, duration_s, memory_series, tiers_present, time_axis
+from .data import (
+    MAX_POINTS_PER_TRACE, TIERS, PlacementGrid, activation_series, clock_label, duration_s, format_duration, memory_series,
+    tiers_present, time_axis,
+)  # fmt: skip
 
-__all__ = ["STAGE_COLOURS", "STAGE_NAMES", "TIER_COLOURS", "chunk_map", "memory_timeline", "operator_bytes", "step_times_chart"]
+__all__ = [
+    "ACTIVATION_TRACES", "STAGE_COLOURS", "STAGE_NAMES", "TIER_COLOURS", "chunk_map", "memory_timeline", "operator_bytes",
+    "step_times_chart",
+]  # fmt: skip
 
 MIB = 2.0**20
 BUDGET_OFF_SCALE = 2.0
@@ -31,6 +37,15 @@ TIER_COLOURS = {"device": "#e4572e", "host": "#2e86ab", "disk": "#8c564b"}
 """One colour per tier, on every page: the chunk map, the operator bars, the memory panels' titles."""
 TIER_TITLES = {"device": "device memory", "host": "host memory", "disk": "disk: chunk files"}
 """Panel (y-axis) titles of the memory timeline: the disk tier's bytes are its chunk files."""
+ACTIVATION_TRACES = {
+    # direction (the tier the copy went to) -> legend name, marker colour (that tier's), marker symbol
+    "host": ("activations to host", TIER_COLOURS["host"], "triangle-down"),
+    "device": ("activations to device", TIER_COLOURS["device"], "triangle-up"),
+}
+"""The memory timeline's activation-move traces: markers, never lines, so they read apart from the memory
+lines; the symbol points the way the bytes went (down off the device, up onto it)."""
+ACTIVATION_PANEL_PX = 170
+"""Height of the timeline's activation-moves panel (under the tiers'), when the profile has activation moves."""
 _SERIES = (
     # column, legend name, line style
     ("total_bytes", "total", dict(color="#222222", width=1.6)),
@@ -69,8 +84,14 @@ def memory_timeline(
     y_max_mib: dict[str, float] | None = None,
     height_per_tier: int = 320,
     iterations: tuple[int, int] | None = None,
+    activations: bool = True,
 ) -> tuple[go.Figure, bool]:
     """Memory per tier over time: total, chunks, non-model, budget, over forward/backward/optimizer bands.
+
+    With ``activations`` and a profile that has activation moves (saved activations across the host
+    link), a panel under the tiers' shows each copy as a marker at its start, its size in MiB, one trace
+    per direction (``ACTIVATION_TRACES``): their own legend entries, apart from the memory lines; chunk
+    moves are not drawn here (they are the chunk map's and the operator page's).
 
     Returns the figure and whether any trace was downsampled. Hovering a
     sample names the module (operator) whose moment boundary it was taken at.
@@ -91,8 +112,15 @@ def memory_timeline(
             window = (float(stages["t_start_s"].min()), float(stages["t_end_s"].max()))
     span = window[1] - window[0] if window else duration_s(p)
     unit, scale = time_axis(span)
+    moved = {dst: activation_series(p.activation_moves, dst, max_points, window) for dst in ACTIVATION_TRACES} if activations else {}
+    moved = {dst: rows for dst, rows in moved.items() if len(rows[0])}
+    panels_px = height_per_tier * len(tiers) + (ACTIVATION_PANEL_PX if moved else 0)
     # each panel is named by its y-axis title, in the tier's colour; the strip above the top panel numbers the iterations
-    fig = make_subplots(rows=len(tiers), cols=1, shared_xaxes=True, vertical_spacing=0.06)
+    fig = make_subplots(
+        rows=len(tiers) + bool(moved), cols=1, shared_xaxes=True,
+        vertical_spacing=0.06 * height_per_tier * max(len(tiers), 1) / panels_px,  # the gap the tiers' panels always had
+        row_heights=[height_per_tier] * len(tiers) + ([ACTIVATION_PANEL_PX] if moved else []),
+    )  # fmt: skip
     downsampled = False
     for row, tier in enumerate(tiers, start=1):
         rows, dropped = memory_series(p.memory, tier, max_points, window)
@@ -136,6 +164,29 @@ def memory_timeline(
             title_text=f"{TIER_TITLES.get(tier, tier)} (MiB)", title_font=dict(color=TIER_COLOURS.get(tier, "#222222")),
             range=[0, top], row=row, col=1,
         )  # fmt: skip
+    if moved:
+        row = len(tiers) + 1
+        top = max(float(rows["nbytes"].max()) for rows, _ in moved.values()) / MIB * 1.15
+        for trace in _stage_band_traces(stages, top, scale, show_legend=False):
+            fig.add_trace(trace, row=row, col=1)
+        for dst, (rows, dropped) in moved.items():
+            downsampled |= dropped
+            name, colour, symbol = ACTIVATION_TRACES[dst]
+            custom = np.column_stack([
+                rows["block"].astype(str), rows["module"].astype(str), rows["stage"].astype(str), rows["iteration"].astype(str),
+                np.where(rows["prefetch"].astype(bool), ", prefetched", ""), [format_duration(d) for d in rows["duration_s"]],
+            ])  # fmt: skip
+            fig.add_trace(
+                go.Scatter(
+                    x=rows["t_start_s"] / scale, y=rows["nbytes"] / MIB, name=name, legendgroup=name, mode="markers",
+                    marker=dict(color=colour, symbol=symbol, size=8, line=dict(width=0.5, color="#222222")), customdata=custom,
+                    hovertemplate=f"block %{{customdata[0]}}: %{{y:,.2f}} MiB to {dst}%{{customdata[4]}}<br>t %{{x:,.4~g}} {unit}, "
+                    "found done after %{customdata[5]}<br>issued in %{customdata[1]}<br>%{customdata[2]}, "
+                    f"iteration %{{customdata[3]}}<extra>{name}</extra>",
+                ),
+                row=row, col=1,
+            )  # fmt: skip
+        fig.update_yaxes(title_text="activation moves (MiB)", range=[0, top], row=row, col=1)
     starts = stages.groupby("iteration")["t_start_s"].min() if len(stages) else pd.Series(dtype=float)
     if 0 < len(starts) <= MAX_ITERATION_LABELS:
         for iteration, t in starts.items():  # numbered just above the top panel's bands
@@ -145,10 +196,10 @@ def memory_timeline(
             )  # fmt: skip
     if window is not None:
         fig.update_xaxes(range=[window[0] / scale, window[1] / scale])
-    fig.update_xaxes(title_text=f"{clock_label(p)} ({unit})", row=len(tiers), col=1)
+    fig.update_xaxes(title_text=f"{clock_label(p)} ({unit})", row=len(tiers) + bool(moved), col=1)
     fig.update_layout(
-        height=height_per_tier * len(tiers) + 100, margin=dict(l=10, r=10, t=80, b=10),
-        legend=dict(orientation="h", yanchor="bottom", y=1.0 + 45 / (height_per_tier * len(tiers)), x=0),
+        height=panels_px + 100, margin=dict(l=10, r=10, t=80, b=10),
+        legend=dict(orientation="h", yanchor="bottom", y=1.0 + 45 / panels_px, x=0),
         hovermode="closest",
     )  # fmt: skip
     return fig, downsampled

@@ -24,6 +24,7 @@ from chunkstar_profiler import MOVE_REASONS, TIERS, Profile
 from .text import escape_markdown
 
 __all__ = [
+    "ACTIVATION_DIRECTIONS",
     "DIRECTIONS",
     "MAX_CHUNK_ROWS",
     "MAX_POINTS_PER_TRACE",
@@ -33,6 +34,9 @@ __all__ = [
     "TIERS",
     "MoveFilter",
     "PlacementGrid",
+    "activation_moves_by_block",
+    "activation_series",
+    "activation_totals",
     "compare_table",
     "clock_label",
     "display_name",
@@ -43,6 +47,7 @@ __all__ = [
     "format_duration",
     "iteration_span",
     "memory_series",
+    "has_activation_moves",
     "has_disk_tier",
     "move_totals",
     "moves_by_operator",
@@ -111,9 +116,11 @@ def duration_s(p: Profile) -> float:
     """Seconds from the profile start to the last recorded event."""
     ends = [
         frame[col].max()
-        for frame, col in ((p.memory, "t_s"), (p.moves, "t_end_s"), (p.stages, "t_end_s"), (p.placements, "t_end_s"))
+        for frame, col in (
+            (p.memory, "t_s"), (p.moves, "t_end_s"), (p.stages, "t_end_s"), (p.placements, "t_end_s"), (p.activation_moves, "t_end_s"),
+        )
         if len(frame)
-    ]
+    ]  # fmt: skip
     return float(max(ends)) if ends else 0.0
 
 
@@ -189,6 +196,12 @@ def has_disk_tier(p: Profile) -> bool:
     )
 
 
+def has_activation_moves(p: Profile) -> bool:
+    """Whether the run moved saved activations across the host link (an offload policy); a profile older
+    than format version 3 has none."""
+    return len(p.activation_moves) > 0
+
+
 # ---------------------------------------------------------------------------
 # memory timeline
 
@@ -244,6 +257,20 @@ def memory_series(
         before = rows[rows["t_s"] < t0].tail(1)
         rows = pd.concat([before, rows[rows["t_s"].between(t0, t1)]])
     out = downsample_minmax(rows, "t_s", _MEMORY_SERIES, max_points)
+    out = out.assign(module=_module_labels(out["module"]))
+    return out, len(out) < len(rows)
+
+
+def activation_series(
+    activation_moves: pd.DataFrame, dst: str, max_points: int = MAX_POINTS_PER_TRACE, window: tuple[float, float] | None = None
+) -> tuple[pd.DataFrame, bool]:
+    """The activation moves to ``dst`` ("host" or "device") that began inside ``window`` (seconds; all without one),
+    by start time, for plotting; second item: whether rows were dropped to stay within ``max_points`` (the
+    smallest and largest copy of every bucket are kept, as :func:`downsample_minmax` does)."""
+    rows = activation_moves[activation_moves["dst"] == dst].sort_values("t_start_s", kind="stable")
+    if window is not None:
+        rows = rows[rows["t_start_s"].between(*window)]
+    out = downsample_minmax(rows, "t_start_s", ("nbytes",), max_points)
     out = out.assign(module=_module_labels(out["module"]))
     return out, len(out) < len(rows)
 
@@ -498,6 +525,49 @@ def move_totals(moves: pd.DataFrame) -> dict[str, float]:
     return out
 
 
+ACTIVATION_DIRECTIONS = ("to_host", "to_device")
+"""Directions of an activation move: a block's saved activations to the host (its forward), back to the device (its backward)."""
+
+
+def _activation_frame(am: pd.DataFrame) -> pd.DataFrame:
+    """One row per activation move: 1 in its direction's column, its bytes in that direction's bytes column."""
+    ways = {"to_host": am["dst"] == "host", "to_device": am["dst"] == "device"}
+    return pd.DataFrame(
+        {
+            "block": am["block"].astype(object).astype(str),
+            "moves": 1,
+            **{d: ways[d].astype("int64") for d in ACTIVATION_DIRECTIONS},
+            **{f"bytes_{d}": am["nbytes"].where(ways[d], 0).astype("int64") for d in ACTIVATION_DIRECTIONS},
+            "prefetched": (am["prefetch"].astype(bool) & ways["to_device"]).astype("int64"),
+            "copy_s": am["duration_s"].astype(float),
+        },
+        index=am.index,
+    )
+
+
+def activation_moves_by_block(activation_moves: pd.DataFrame) -> pd.DataFrame:
+    """One row per block whose saved activations crossed the host link, in the order they first did.
+
+    Columns: ``block``, ``moves``, counts by direction (``ACTIVATION_DIRECTIONS``), the bytes of each
+    (``bytes_to_host``, ``bytes_to_device``), ``prefetched`` (copies back issued ahead of the backward)
+    and ``copy_s`` (the copies' time from issue to found done). Activation moves only: chunk moves are
+    :func:`moves_by_operator`'s.
+    """
+    frame = _activation_frame(activation_moves)
+    if frame.empty:
+        return frame.reset_index(drop=True)
+    return frame.groupby("block", sort=False).sum().reset_index()
+
+
+def activation_totals(activation_moves: pd.DataFrame) -> dict[str, float]:
+    """Totals over the activation moves: count, count and bytes by direction, prefetched copies, copy seconds."""
+    frame = _activation_frame(activation_moves)
+    out: dict[str, float] = {"moves": int(len(frame))}
+    out.update({c: int(frame[c].sum()) for c in (*ACTIVATION_DIRECTIONS, *(f"bytes_{d}" for d in ACTIVATION_DIRECTIONS), "prefetched")})
+    out["copy_s"] = float(frame["copy_s"].sum())
+    return out
+
+
 # ---------------------------------------------------------------------------
 # comparison of two profiles
 
@@ -517,7 +587,9 @@ def summary_figures(p: Profile) -> dict[str, float]:
 
     Peaks and settings are as recorded; traffic (moves, bytes, move time) is per iteration, the
     total over the recording divided by its iterations (those with a recorded stage), so two runs
-    of different lengths compare. NaN where the profile recorded no iteration.
+    of different lengths compare. NaN where the profile recorded no iteration. Chunk moves and
+    activation moves are counted apart ("moves ..." are chunk moves; "activation ..." rows only
+    for a profile that has activation moves).
     """
     mib = 2.0**20
     totals = move_totals(p.moves)
@@ -547,6 +619,11 @@ def summary_figures(p: Profile) -> dict[str, float]:
         for key, seconds, label in (("disk_bytes_read", "disk_read_s", "read"), ("disk_bytes_written", "disk_write_s", "write")):
             secs = stats.get(seconds, 0)
             figures[f"disk {label} bandwidth (MiB/s)"] = stats.get(key, 0) / secs / mib if secs else np.nan
+    if has_activation_moves(p):  # only then, as for the disk tier: n/a beside a run that offloaded none
+        act = activation_totals(p.activation_moves)
+        figures["activation moves per iteration"] = act["moves"] / n
+        figures["activations to host per iteration (MiB)"] = act["bytes_to_host"] / mib / n
+        figures["activations to device per iteration (MiB)"] = act["bytes_to_device"] / mib / n
     counts = p.moves["reason"].value_counts()
     known = [r for r in MOVE_REASONS if has_disk_tier(p) or r not in _DISK_REASONS]  # no stage rows without the tier
     for reason in known + sorted(set(counts.index) - set(MOVE_REASONS)):

@@ -4,6 +4,7 @@
         ...train...
     prof.save("run.csprof")
     p = chunkstar_profiler.load("run.csprof")   # p.moments, p.moves, p.memory, p.stages, p.placements, p.meta
+    p.activation_moves                           # saved activations across the host link: not chunk moves
 
 The recorder subscribes to the engine's typed events (the core never imports
 this package). Files are a versioned ZIP of NPY columns plus a JSON manifest

@@ -2,7 +2,7 @@
 
 Layout: a ZIP archive (DEFLATE) holding
 
-* ``manifest.json`` — ``{"format": "chunkstar-profile", "version": 2, "writer": ...,
+* ``manifest.json`` — ``{"format": "chunkstar-profile", "version": 3, "writer": ...,
   "meta": {...}, "tables": {table: {"rows": n, "columns": {col: {"kind", "dtype",
   "unit", "member"}}}}}``; it names every member, its dtype and unit, so the
   file can be read without this package (any ZIP + NPY reader will do);
@@ -27,12 +27,18 @@ so an old reader never misreads values it does not know):
   ``"stage_out"``, and ``meta["disk_stats"]`` (an object of numbers). The
   layout is version 1's, so a version 1 file reads as a version 2 file without
   a disk tier.
+* 3 — the table ``activation_moves``: saved activations across the host link
+  (``chunkstar.events.ActivationMoved``), a kind of move of their own, not chunk
+  moves (``profile.TABLES_SINCE`` names the version that added a table). A
+  version 1 or 2 file has no such table and reads as one without activation
+  moves; a version 3 file must have it (one without is damaged). An older
+  reader refuses a version 3 file rather than show its runs without them.
 
 A meta key that puts no new value into any column needs no new version: a
 reader keeps the keys it does not know as they are. So ``meta["predicted"]``
 (an object: the predicted s/step, the resource that binds it, ...) marks a
 *predicted* profile (:mod:`chunkstar_profiler.predicted`: a dry run's step,
-its times the time model's, not measured) in a version 2 file; a reader that
+its times the time model's, not measured) in a version 2 (or later) file; a reader that
 predates the key shows it as a run whose ``device`` says "predicted on ...".
 Readers that know it check that it is an object (``profile.META``) and read
 its fields through ``Profile.prediction``.
@@ -56,12 +62,12 @@ import numpy as np
 from numpy.lib import format as npy_format
 
 from chunkstar_profiler._version import __version__
-from chunkstar_profiler.profile import META, TABLES, Profile, build_profile
+from chunkstar_profiler.profile import META, TABLES, TABLES_SINCE, Profile, build_profile
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "ProfileFormatError", "ProfileNotFoundError", "write_profile", "read_profile"]
 
 FORMAT_NAME = "chunkstar-profile"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The version written; see the module docstring for what each one added."""
 _MANIFEST = "manifest.json"
 _DTYPES: dict[str, np.dtype[Any]] = {"i4": np.dtype("<i4"), "i8": np.dtype("<i8"), "time": np.dtype("<i8"), "str": np.dtype("<i4")}
@@ -320,6 +326,8 @@ def _check_columns(zf: zipfile.ZipFile, manifest: Mapping[str, Any]) -> list[_Co
     """Every column the reader needs, its description type-checked and its member's size checked."""
     columns: list[_Column] = []
     for table, schema in TABLES.items():
+        if manifest["version"] < TABLES_SINCE.get(table, 1):
+            continue  # written before the table existed: it reads empty (a member of that name is not ours to read)
         if table not in manifest["tables"]:
             raise ProfileFormatError(f"table '{table}' is missing")
         tdesc = _json_type(manifest["tables"][table], "dict", f"table '{table}'")

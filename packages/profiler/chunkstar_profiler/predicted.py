@@ -10,7 +10,8 @@ the summary and the Perfetto export show a run no machine here could hold.
 
 Times: a move takes its predicted start and end; a moment begins at its predicted
 compute start; every other event (samples, allocations, stage changes, the
-moment's end) sits at the same fraction of its moment on the predicted clock as
+moment's end, an activation move's start and end: the time model has no copies
+of activations) sits at the same fraction of its moment on the predicted clock as
 on the dry run's own (the moments' recorded and predicted starts, and the step's
 ends, are matched and everything between is placed linearly).
 """
@@ -25,7 +26,7 @@ from typing import Any
 from chunkstar.dryrun import DryRunReport, predict
 from chunkstar.dryrun.record import StepRecord
 from chunkstar.dryrun.timing import Prediction
-from chunkstar.events import ChunkMoved, Event, MomentBegin
+from chunkstar.events import ActivationMoved, ChunkMoved, Event, MomentBegin
 
 from chunkstar_profiler.profile import Profile, build_profile
 from chunkstar_profiler.recorder import Profiler, _jsonable, _versions
@@ -100,7 +101,7 @@ def _clock(events: list[Event], prediction: Prediction) -> Any:
 
 
 def _t(e: Event) -> int:
-    return e.t_start_ns if isinstance(e, ChunkMoved) else e.t_ns
+    return e.t_start_ns if isinstance(e, (ChunkMoved, ActivationMoved)) else e.t_ns
 
 
 def _replayed(report: DryRunReport, rank: int) -> tuple[_Replay, int]:
@@ -124,9 +125,11 @@ def _replayed(report: DryRunReport, rank: int) -> tuple[_Replay, int]:
             mv = next(moves)
             start, end = prediction.move_spans.get(mv.seq, (at(e.t_start_ns) / _NS, at(e.t_end_ns) / _NS))
             replay._on_event(dataclasses.replace(e, t_start_ns=int(start * _NS), t_end_ns=int(end * _NS)))
+        elif isinstance(e, ActivationMoved):
+            replay._on_event(dataclasses.replace(e, t_start_ns=at(e.t_start_ns), t_end_ns=at(e.t_end_ns)))
         else:
             replay._on_event(dataclasses.replace(e, t_ns=at(e.t_ns)))
-    end = max(int(prediction.seconds * _NS), *(t for t in replay.moves["t_end"]), 0)
+    end = max(int(prediction.seconds * _NS), *replay.moves["t_end"], *replay.activation_moves["t_end"], 0)
     replay.stop_at(end)
     return replay, end
 

@@ -9,6 +9,18 @@ Tables (times are seconds since the profiler started):
                 moment_row, module, stage, iteration
 ``stages``      stage, iteration, t_start_s, t_end_s
 ``placements``  chunk_id, chunk_list, tier, t_start_s, t_end_s  (a chunk payload's stay in a tier)
+``activation_moves``  t_start_s, t_end_s, duration_s, block, nbytes, src, dst, prefetch,
+                moment_row, module, stage, iteration
+
+``activation_moves`` holds the saved activations that crossed the host link
+(``chunkstar.events.ActivationMoved``, Note [activation offload] in
+``chunkstar.activations.offload``): one row per storage of a block's saved
+tensors, to the host in the block's forward, back to the device for its
+backward. They are not chunk moves (no chunk, list or reason; ``block`` is the
+block's module name and ``prefetch`` whether a copy back was issued ahead of the
+backward), so they are a table of their own and never counted in ``moves``.
+``t_end_s`` is when the copy was found done, which may be later than it ended.
+A profile of format version 1 or 2 (before the table) has it empty.
 
 Tiers are ``TIERS`` (device, host, disk: the values of ``chunkstar.events.Tier``);
 move reasons are ``MOVE_REASONS`` (``chunkstar.events.MoveReason``). With the
@@ -40,7 +52,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-__all__ = ["META", "MOVE_REASONS", "PREDICTION_FIELDS", "Profile", "TIERS", "build_profile", "TABLES"]
+__all__ = ["META", "MOVE_REASONS", "PREDICTION_FIELDS", "Profile", "TIERS", "build_profile", "TABLES", "TABLES_SINCE"]
 
 TIERS = ("device", "host", "disk")
 """The tiers a profile knows, fastest first (the values of ``chunkstar.events.Tier``)."""
@@ -59,7 +71,13 @@ TABLES: dict[str, dict[str, str]] = {
     },
     "stages": {"stage": "str", "iteration": "i4", "t_start": "time", "t_end": "time"},
     "placements": {"chunk_id": "i4", "chunk_list": "str", "tier": "str", "t_start": "time", "t_end": "time"},
+    "activation_moves": {
+        "t_start": "time", "t_end": "time", "block": "str", "nbytes": "i8", "src": "str", "dst": "str",
+        "prefetch": "i4", "moment_row": "i4",
+    },
 }  # fmt: skip
+TABLES_SINCE: dict[str, int] = {"activation_moves": 3}
+"""The format version that added a table (those not named: version 1); an older file has it empty."""
 
 # meta key -> the JSON type its value must have ("int" excludes booleans; "list[str]" a list of strings).
 # The keys the recorder writes; a file may omit any of them, but one it has must have this type, since
@@ -105,6 +123,9 @@ class Profile:
     stages: pd.DataFrame
     placements: pd.DataFrame
     source: str | None = field(default=None)
+    activation_moves: pd.DataFrame = field(default_factory=lambda: _activation_moves({}, pd.DataFrame()))
+    """Saved activations across the host link (see the module docstring); after ``source``, with a default,
+    so a profile built from the five chunk tables (an older caller's) still builds, with none."""
 
     @property
     def prediction(self) -> dict[str, Any] | None:
@@ -116,7 +137,8 @@ class Profile:
     def __repr__(self) -> str:
         return (
             f"Profile({self.meta.get('model_name')!r}, {len(self.moments)} moments, {len(self.moves)} moves, "
-            f"{len(self.memory)} memory samples, {self.meta.get('iterations')} iterations)"
+            f"{len(self.activation_moves)} activation moves, {len(self.memory)} memory samples, "
+            f"{self.meta.get('iterations')} iterations)"
         )
 
 
@@ -141,19 +163,6 @@ def build_profile(columns: Mapping[str, Mapping[str, Any]], meta: dict[str, Any]
     )
     moments["duration_s"] = moments["t_end_s"] - moments["t_start_s"]
 
-    def by_moment(rows: Any) -> dict[str, np.ndarray]:
-        rows = np.asarray(rows, dtype=np.int64)
-        ok = (rows >= 0) & (rows < n_mo)
-        safe = np.where(ok, rows, 0)
-        if n_mo == 0:
-            return {"module": np.full(len(rows), "", dtype=object), "stage": np.full(len(rows), "", dtype=object),
-                    "iteration": np.full(len(rows), -1, dtype=np.int64)}  # fmt: skip
-        return {
-            "module": np.where(ok, moments["module"].to_numpy()[safe], ""),
-            "stage": np.where(ok, moments["stage"].to_numpy()[safe], ""),
-            "iteration": np.where(ok, moments["iteration"].to_numpy()[safe], -1),
-        }
-
     mv = columns["moves"]
     moves = pd.DataFrame(
         {
@@ -169,7 +178,7 @@ def build_profile(columns: Mapping[str, Mapping[str, Any]], meta: dict[str, Any]
         }
     )
     moves.insert(2, "duration_s", moves["t_end_s"] - moves["t_start_s"])
-    for k, v in by_moment(moves["moment_row"]).items():
+    for k, v in _attributed(moments, moves["moment_row"]).items():
         moves[k] = pd.Series(v, dtype=object) if k != "iteration" else v
 
     me = columns["memory"]
@@ -184,7 +193,7 @@ def build_profile(columns: Mapping[str, Mapping[str, Any]], meta: dict[str, Any]
         }
     )
     memory.insert(2, "total_bytes", memory["chunk_bytes"] + memory["non_model_bytes"])
-    for k, v in by_moment(memory["moment_row"]).items():
+    for k, v in _attributed(moments, memory["moment_row"]).items():
         memory[k] = pd.Series(v, dtype=object) if k != "iteration" else v
 
     st = columns["stages"]
@@ -206,4 +215,44 @@ def build_profile(columns: Mapping[str, Mapping[str, Any]], meta: dict[str, Any]
             "t_end_s": _seconds(pl["t_end"]),
         }
     )
-    return Profile(dict(meta), moments, moves, memory, stages, placements, source)
+    activation_moves = _activation_moves(columns.get("activation_moves") or {}, moments)
+    return Profile(dict(meta), moments, moves, memory, stages, placements, source, activation_moves)
+
+
+def _attributed(moments: pd.DataFrame, rows: Any) -> dict[str, np.ndarray]:
+    """The module, stage and iteration of the moment at each of ``rows`` ("", "", -1 for none)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    n_mo = len(moments)
+    if n_mo == 0:
+        return {"module": np.full(len(rows), "", dtype=object), "stage": np.full(len(rows), "", dtype=object),
+                "iteration": np.full(len(rows), -1, dtype=np.int64)}  # fmt: skip
+    ok = (rows >= 0) & (rows < n_mo)
+    safe = np.where(ok, rows, 0)
+    return {
+        "module": np.where(ok, moments["module"].to_numpy()[safe], ""),
+        "stage": np.where(ok, moments["stage"].to_numpy()[safe], ""),
+        "iteration": np.where(ok, moments["iteration"].to_numpy()[safe], -1),
+    }
+
+
+def _activation_moves(am: Mapping[str, Any], moments: pd.DataFrame) -> pd.DataFrame:
+    """The ``activation_moves`` table from its stored columns; empty where there are none (a file
+    older than the table: ``am`` is ``{}``)."""
+    if not am:
+        am = {col: [] for col in TABLES["activation_moves"]}
+    out = pd.DataFrame(
+        {
+            "t_start_s": _seconds(am["t_start"]),
+            "t_end_s": _seconds(am["t_end"]),
+            "block": pd.Series(am["block"], dtype=object),
+            "nbytes": np.asarray(am["nbytes"], dtype=np.int64),
+            "src": pd.Series(am["src"], dtype=object),
+            "dst": pd.Series(am["dst"], dtype=object),
+            "prefetch": np.asarray(am["prefetch"], dtype=np.int64) != 0,
+            "moment_row": np.asarray(am["moment_row"], dtype=np.int64),
+        }
+    )
+    out.insert(2, "duration_s", out["t_end_s"] - out["t_start_s"])
+    for k, v in _attributed(moments, out["moment_row"]).items():
+        out[k] = pd.Series(v, dtype=object) if k != "iteration" else v
+    return out

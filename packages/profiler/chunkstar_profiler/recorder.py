@@ -10,8 +10,9 @@ nothing.
 
 What it keeps (see :mod:`chunkstar_profiler.profile` for the tables):
 moments (one per module pre-hook, plus one per optimizer step), chunk moves
-with the moment that caused them, stage bands, memory samples per tier, and
-placement intervals (which tier held each chunk payload, from when to when).
+with the moment that caused them, activation moves, stage bands, memory
+samples per tier, and placement intervals (which tier held each chunk payload,
+from when to when).
 With the disk tier, also its stage-in/stage-out moves, its memory samples
 (the chunk files' bytes), disk stays in the placements (a chunk's bytes only in
 its file) and ``meta["disk_stats"]``: the engine's ``disk_*`` stats over the
@@ -19,6 +20,14 @@ recording, the counters (bytes and seconds of reads and writes, staging waits)
 as their growth from start to stop, the sizes (chunk files, staging budget and
 peak) as at the stop. Reads and writes still in flight at the stop count when
 they finish, so not here.
+
+Activation moves (``ActivationMoved``: a block's saved activations offloaded to
+the host and brought back, Note [activation offload]) are kept in a table of
+their own, never among the chunk moves. The core emits one once its copy is
+known to be done, which may be after the moment that issued it has ended, so
+it is attributed to the moment its event names (this micro-step's moment of that
+index), not to the one open when it arrives. A copy the engine has not yet
+found done when the recording stops is not in it.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from typing import Any
 from chunkstar import ChunkEngine
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.events import (
+    ActivationMoved,
     ChunkAllocated,
     ChunkFreed,
     ChunkMoved,
@@ -95,6 +105,9 @@ class Profiler:
         self.moments: dict[str, list[Any]] = {k: [] for k in ("iteration", "index", "module", "stage", "t_start", "t_end")}
         self.moves: dict[str, list[Any]] = {
             k: [] for k in ("t_start", "t_end", "chunk_id", "chunk_list", "nbytes", "src", "dst", "reason", "moment_row")
+        }
+        self.activation_moves: dict[str, list[Any]] = {
+            k: [] for k in ("t_start", "t_end", "block", "nbytes", "src", "dst", "prefetch", "moment_row")
         }
         self.memory: dict[str, list[Any]] = {
             k: [] for k in ("t", "tier", "chunk_bytes", "non_model_bytes", "budget_bytes", "moment_row")
@@ -168,6 +181,16 @@ class Profiler:
                 self._close_placement(e.chunk_list, e.chunk_id, Tier.DISK.value, e.t_start_ns)
             elif e.dst is Tier.DISK:
                 self._placement_open[(e.chunk_list, e.chunk_id, Tier.DISK.value)] = e.t_start_ns
+        elif isinstance(e, ActivationMoved):
+            a = self.activation_moves
+            a["t_start"].append(e.t_start_ns)
+            a["t_end"].append(e.t_end_ns)
+            a["block"].append(e.block)
+            a["nbytes"].append(e.nbytes)
+            a["src"].append(e.src.value)
+            a["dst"].append(e.dst.value)
+            a["prefetch"].append(int(e.prefetch))
+            a["moment_row"].append(self._moment_row(e.moment, e.t_start_ns))
         elif isinstance(e, MomentBegin):
             self._begin_moment(e.index, e.module, e.stage.value, e.t_ns)
         elif isinstance(e, MomentEnd):
@@ -210,6 +233,12 @@ class Profiler:
         mo["t_end"].append(None)
         self._open_moment = len(mo["t_start"]) - 1
         self._open_by_index[index] = self._open_moment
+
+    def _moment_row(self, index: int, t: int) -> int:
+        """The row of this micro-step's moment ``index`` if it had begun by ``t`` (-1 otherwise: outside
+        moments, or a moment of that index that began later, in a micro-step after the one meant)."""
+        row = self._open_by_index.get(index, -1) if index >= 0 else -1
+        return row if row >= 0 and self.moments["t_start"][row] <= t else -1
 
     def _end_open_moment(self, t: int) -> None:
         """A backward moment has no end hook: it ends where the next moment begins."""
@@ -286,7 +315,10 @@ class Profiler:
             placements["t_start"].append(max(t_start, self._t0))
             placements["t_end"].append(end)
         shift = self._t0
-        tables = {"moments": moments, "moves": self.moves, "memory": self.memory, "stages": self.stages, "placements": placements}
+        tables = {
+            "moments": moments, "moves": self.moves, "memory": self.memory, "stages": self.stages, "placements": placements,
+            "activation_moves": self.activation_moves,
+        }  # fmt: skip
         out: dict[str, dict[str, list[Any]]] = {}
         for name, cols in tables.items():
             out[name] = {k: ([t - shift for t in v] if k in _TIME_COLUMNS else list(v)) for k, v in cols.items()}

@@ -1,15 +1,16 @@
-"""A text summary of a profile: where bytes moved, where time stalled, peaks per tier, the disk tier's I/O
-(and, for a predicted profile, a line saying that its times are a time model's)."""
+"""A text summary of a profile: where bytes moved, where time stalled, peaks per tier, the disk tier's I/O,
+the activation moves (and, for a predicted profile, a line saying that its times are a time model's)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from chunkstar_profiler.profile import MOVE_REASONS, TIERS, Profile
 
-__all__ = ["summarize", "operator_table"]
+__all__ = ["activation_table", "summarize", "operator_table"]
 
 
 def _mib(n: float) -> str:
@@ -47,6 +48,56 @@ def operator_table(profile: Profile) -> pd.DataFrame:
     reasons = mv.pivot_table(index="module", columns="reason", values="nbytes", aggfunc="size", fill_value=0)
     table = table.join(reasons.add_prefix("n_"), how="left").fillna(0)
     return table.reset_index()
+
+
+def activation_table(profile: Profile) -> pd.DataFrame:
+    """Per iteration: the activation moves each way (count and bytes), the copies back issued ahead
+    of the backward, and the time from issue to found done. One row per iteration with a stage or an
+    activation move (-1: moves outside any moment), so an iteration that moved none shows zeros."""
+    am = profile.activation_moves
+    cols = ["iteration", "to_host", "bytes_to_host", "to_device", "bytes_to_device", "prefetched", "copy_s"]
+    iterations = sorted({int(i) for i in profile.stages["iteration"]} | {int(i) for i in am["iteration"]})
+    if am.empty:
+        out = pd.DataFrame({c: np.zeros(len(iterations), dtype=np.int64) for c in cols}).astype({"copy_s": float})
+        out["iteration"] = iterations
+        return out
+    to_host, to_device = am["dst"] == "host", am["dst"] == "device"
+    g = am.assign(
+        to_host=to_host.astype("int64"), bytes_to_host=am["nbytes"].where(to_host, 0),
+        to_device=to_device.astype("int64"), bytes_to_device=am["nbytes"].where(to_device, 0),
+        prefetched=(am["prefetch"] & to_device).astype("int64"), copy_s=am["duration_s"],
+    ).groupby("iteration")[cols[1:]].sum()  # fmt: skip
+    return g.reindex(iterations, fill_value=0).rename_axis("iteration").reset_index()
+
+
+def _activation_lines(profile: Profile, top: int) -> list[str]:
+    """The activation moves' section: count, bytes and time each way, their mean per iteration, and
+    each iteration while there are at most ``top``."""
+    am = profile.activation_moves
+    if am.empty:
+        return []
+    n_blocks = am["block"].nunique()
+    lines = ["", f"activation moves (saved activations across the host link, not chunk moves; {n_blocks} block(s))"]
+    for dst, label in (("host", "to host"), ("device", "to device")):
+        sel = am[am["dst"] == dst]
+        prefetched = int(sel["prefetch"].sum())
+        extra = f"  ({prefetched} prefetched ahead of the backward)" if prefetched else ""
+        lines.append(f"  {label:<24} {len(sel):>8}  {_mib(sel['nbytes'].sum()):>14}  {sel['duration_s'].sum():8.3f} s{extra}")
+    table = activation_table(profile)
+    per = table[table["iteration"] >= 0]
+    for way in ("host", "device") if len(per) else ():
+        label = f"to {way} per iteration"
+        extra = f"  (mean of {len(per)} iterations)" if way == "host" else ""
+        lines.append(f"  {label:<24} {per['to_' + way].mean():>8,.1f}  {_mib(per['bytes_to_' + way].mean()):>14}{extra}")
+    if 1 < len(table) <= top:  # each iteration, while they are few enough to read
+        for r in table.itertuples(index=False):
+            name = f"iteration {r.iteration}" if r.iteration >= 0 else "outside moments"
+            lines.append(
+                f"    {name:<22} to host {int(r.to_host):>6}  {_mib(r.bytes_to_host):>12},  "
+                f"to device {int(r.to_device):>6}  {_mib(r.bytes_to_device):>12}"
+            )
+    lines.append("  (time: each copy's from its issue to when it was found done, summed; copies overlap, so it is no stall time)")
+    return lines
 
 
 def _ordered(values: Any, known: tuple[str, ...]) -> list[str]:
@@ -135,6 +186,7 @@ def summarize(profile: Profile, top: int = 10) -> str:
             f"non-model {_mib(grp['non_model_bytes'].max()):>12}  budget {_mib(budget) if budget > 0 else 'unbounded':>12}"
         )
     lines += _disk_lines(profile)
+    lines += _activation_lines(profile, top)
     ops = operator_table(profile)
     if not ops.empty:
         lines.append("")

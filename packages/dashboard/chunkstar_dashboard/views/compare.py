@@ -49,7 +49,8 @@ top = max([peak] + [bud for bud in budgets if bud <= charts.BUDGET_OFF_SCALE * p
 y_max = {"device": top / MIB * 1.05}
 left, right = st.columns(2)
 for col, p, label, key in ((left, a, "A", "compare_mem_a"), (right, b, "B", "compare_mem_b")):
-    fig, downsampled = charts.memory_timeline(p, ("device",), y_max_mib=y_max, height_per_tier=360)
+    # device memory only, no activation panel: the two figures keep one layout, so heights compare
+    fig, downsampled = charts.memory_timeline(p, ("device",), y_max_mib=y_max, height_per_tier=360, activations=False)
     col.markdown(f"**{label}: {escape_markdown(display_name(p))}**")
     col.plotly_chart(fig, key=key)
     if downsampled:

@@ -1,11 +1,15 @@
-"""Memory per tier over time: total, chunks, non-model and the budget, over forward/backward/optimizer bands."""
+"""Memory per tier over time: total, chunks, non-model and the budget, over forward/backward/optimizer bands;
+the activation moves (saved activations across the host link) in a panel of their own."""
 
 from __future__ import annotations
 
 import streamlit as st
 
 from chunkstar_dashboard import charts, loading
-from chunkstar_dashboard.data import MAX_POINTS_PER_TRACE, format_bytes, format_duration, iteration_span, peak_bytes, tiers_present
+from chunkstar_dashboard.data import (
+    MAX_POINTS_PER_TRACE, activation_totals, format_bytes, format_duration, has_activation_moves, iteration_span, peak_bytes,
+    tiers_present,
+)  # fmt: skip
 
 st.title("Memory timeline")
 p = loading.current_profile()
@@ -50,6 +54,7 @@ if downsampled:
     st.caption(
         f"Long run: {len(shown):,} samples in {where}; each trace is downsampled to at most {MAX_POINTS_PER_TRACE:,} "
         "points (minimum and maximum of every bucket kept), so every peak is exact but short dips between them may merge."
+        + (" The activation moves likewise keep the smallest and largest copy of every bucket." if has_activation_moves(p) else "")
     )
 else:
     st.caption(f"All {len(shown):,} samples shown: {where}, one per moment boundary and tier.")
@@ -64,3 +69,14 @@ st.caption(
         else ""
     )
 )
+if any(t.name in {name for name, _, _ in charts.ACTIVATION_TRACES.values()} for t in fig.data):  # none in view: no panel
+    act = activation_totals(p.activation_moves)
+    st.caption(
+        "Bottom panel: activation moves, a block's saved activations copied to the host in its forward (down triangles, "
+        "blue) and back to the device for its backward (up triangles, red); one marker per copy, at its start, its size "
+        "in MiB; hover one for its block. They are not chunk moves (those are on the Chunk locations and Operator "
+        f"movements pages). Over the recording: {act['to_host']:,} copies to the host "
+        f"({format_bytes(act['bytes_to_host'])}), {act['to_device']:,} back ({format_bytes(act['bytes_to_device'])}"
+        + (f", {act['prefetched']:,} prefetched ahead of the backward" if act["prefetched"] else "")
+        + ")."
+    )

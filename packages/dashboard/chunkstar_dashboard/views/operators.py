@@ -1,4 +1,4 @@
-"""Chunk movements attributed to the module (operator) whose moment caused them."""
+"""Chunk movements attributed to the module (operator) whose moment caused them; activation moves per block, apart."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ from chunkstar_dashboard.data import (
     MOVE_REASONS,
     STAGES,
     MoveFilter,
+    activation_moves_by_block,
+    activation_totals,
     filter_moves,
     format_bytes,
     format_duration,
+    has_activation_moves,
     has_disk_tier,
     move_totals,
     moves_by_operator,
@@ -23,8 +26,44 @@ st.title("Operator movements")
 p = loading.current_profile()
 moves = p.moves
 
+
+def _activation_section() -> None:
+    """The activation moves, per block: a kind of move of their own, never in the chunk moves' figures above."""
+    act = activation_totals(p.activation_moves)
+    st.subheader("Activation moves by block")
+    a = st.columns(4)
+    a[0].metric("Activation moves", f"{act['moves']:,}")
+    a[1].metric("Activations to host", format_bytes(act["bytes_to_host"]),
+                help=f"{act['to_host']:,} copies of saved activations, in the forward")  # fmt: skip
+    a[2].metric("Activations to device", format_bytes(act["bytes_to_device"]),
+                help=f"{act['to_device']:,} copies back for the backward, {act['prefetched']:,} of them prefetched")  # fmt: skip
+    a[3].metric("Prefetched", f"{act['prefetched']:,}", help="Copies back to the device issued ahead of the block's backward.")
+    table = activation_moves_by_block(p.activation_moves)
+    names = {
+        "to_host": "copies to host", "to_device": "copies to device", "bytes_to_host": "MiB to host",
+        "bytes_to_device": "MiB to device", "copy_s": "issue to done (ms)",
+    }  # fmt: skip
+    shown = table.assign(bytes_to_host=table["bytes_to_host"] / MIB, bytes_to_device=table["bytes_to_device"] / MIB,
+                         copy_s=table["copy_s"] * 1e3).rename(columns=names)  # fmt: skip
+    st.dataframe(
+        shown, hide_index=True, key="ops_activation_table",
+        column_config={
+            "MiB to host": st.column_config.NumberColumn(format="%.2f"), "MiB to device": st.column_config.NumberColumn(format="%.2f"),
+            "issue to done (ms)": st.column_config.NumberColumn(format="%.3f"),
+        },
+    )  # fmt: skip
+    st.caption(
+        "A block's saved activations copied to the host in its forward and back to the device for its backward "
+        "(the activation offload policy), over the whole recording: the filters above are the chunk moves'. "
+        "Prefetched: copies back issued ahead of the block's backward. Issue to done: each copy's time from its issue "
+        "to when it was found done, summed; copies overlap one another and the compute, so it is no stall time."
+    )
+
+
 if moves.empty:
     st.info("This profile recorded no chunk movements (everything fit on the device).")
+    if has_activation_moves(p):
+        _activation_section()
     st.stop()
 
 
@@ -84,3 +123,5 @@ st.caption(
 if not table.empty:
     st.subheader("Bytes moved by operator (top 20)")
     st.plotly_chart(charts.operator_bytes(table), key="ops_bytes")
+if has_activation_moves(p):
+    _activation_section()
