@@ -448,3 +448,28 @@ def test_a_warm_up_that_does_not_fit_names_the_blocks_activations_and_what_auto_
     # a model without blocks under keep: nothing to count, nothing refused
     mlp, _ = chunkstar.initialize_engine(CASES["mlp"].build, config=engine_config("fp32", budget="64MB"))
     mlp.close()
+
+
+def test_auto_measures_and_plans_again_when_the_run_changes_shape(small_offloads: None) -> None:
+    """Longer sequences after the plan: the trace is outgrown, the blocks are measured again
+    (every block offloaded) and planned anew for the new shape, and training stays exact."""
+    from tests.core._models import gpt2_batch
+
+    case = CASES["gpt2"]
+    long_case = type(case)("gpt2-long", case.build, lambda s: gpt2_batch(s, seq=8 if s < 5 else 32), case.loss)
+    want = train_reference(long_case, 10)
+    base = engine_config("fp32", budget="256MB")
+    budget = _mid_budget(case.build, base, gpt2_batch(0, seq=32))  # sized for the long sequences
+    engine, opt = chunkstar.initialize_engine(case.build, config={**base, "device_memory_budget": budget, "activations": {"policy": "auto"}})
+    try:
+        got = train_engine(engine, opt, long_case, 5)
+        short = engine.stats()["activation_plan"]
+        got += train_engine(engine, opt, long_case, range(5, 10))
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert_losses_close(got, want, RTOL["fp32"], "auto across a change of shape")
+    long = stats["activation_plan"]
+    assert not stats["activation_measuring"] and long["fits"]
+    assert max(long["saved_bytes"].values()) > 3 * max(short["saved_bytes"].values())  # measured again, at 4x the tokens
+    assert set(short["blocks"].values()) == {"keep"} and set(long["blocks"].values()) != {"keep"}
