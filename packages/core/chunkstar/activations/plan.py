@@ -43,10 +43,11 @@ Device memory the activations do not take is not free of value: hybrid Adam
 keeps as much optimizer state on the device as the room beside the chunks and
 the activations allows, and each parameter it cannot keep there costs a host
 update. So the cost of a plan is its predicted step time plus ``room_value``
-seconds per byte of the most it adds at any moment beyond the ``spare_room``
-the state would leave unused (the runtime measures the host update's time per
-parameter in the warm-up's first optimizer step; 0 on the CPU device, whose
-host and device updates run on the same cores).
+seconds per byte of state that no longer fits beside the chunks and what the
+plan holds at its worst moment, counted as hybrid Adam counts it (the
+runtime measures the host update's time per parameter in the warm-up's first
+optimizer step; 0 on the CPU device, whose host and device updates run on the
+same cores).
 
 The search is greedy by price: from every block kept, while some moment does
 not fit, the worst such moment is relieved by the change that costs the least
@@ -72,7 +73,7 @@ from typing import Sequence
 
 from chunkstar.config import ActivationPolicy
 
-__all__ = ["ActivationPlan", "BlockCost", "LinkLoad", "plan_activations", "predict_step"]
+__all__ = ["ActivationPlan", "BlockCost", "LinkLoad", "StateRoom", "plan_activations", "predict_step"]
 
 KEEP, CHECKPOINT, OFFLOAD = ActivationPolicy.KEEP, ActivationPolicy.CHECKPOINT, ActivationPolicy.OFFLOAD
 
@@ -118,6 +119,33 @@ class LinkLoad:
     forward_to_host: int = 0
     backward_to_device: int = 0
     backward_to_host: int = 0
+
+
+@dataclass(frozen=True)
+class StateRoom:
+    """Where hybrid Adam places optimizer state beside the forward and backward, as it counts it
+    (:func:`chunkstar.placement.optimizer.resident_footprint`): per moment what the moment holds
+    beside this rank's chunks (``base``), this rank's chunks less the capacity (``over``: negative),
+    and the state chunks' bytes in the order they are placed, each whole or not at all."""
+
+    base: Sequence[int]
+    over: int
+    state_chunks: Sequence[int]
+
+    def left_out(self, added: Sequence[int]) -> int:
+        """State bytes left on the host when the activations hold ``added`` more at each moment
+        (with the plan's margin)."""
+        worst = max((b + a for b, a in zip(self.base, added)), default=0)
+        margin = MARGIN_BYTES + int(MARGIN_FRACTION * max(added, default=0))
+        room = -(self.over + worst + margin)
+        left = 0
+        for b in self.state_chunks:
+            if b <= room:
+                room -= b
+            else:
+                left += b
+                room = -1  # hybrid Adam takes them in order and stops at the first that does not fit
+        return left
 
 
 @dataclass(frozen=True)
@@ -210,24 +238,23 @@ def _room(
 
 def plan_activations(
     blocks: Sequence[BlockCost], headroom: Sequence[int], link: float, chunks: LinkLoad = LinkLoad(),
-    room_value: float = 0.0, spare_room: int = 0,
+    room_value: float = 0.0, state_room: StateRoom | None = None,
 ) -> ActivationPlan:
     """The plan of least cost predicted to fit every moment's ``headroom`` (Note [activation plan]).
     ``link``: the host link's bytes per second each way (0: no link to speak of, offloading free);
-    ``room_value``: the seconds a step saves per byte of device memory the activations leave to
-    the optimizer's state, beyond the first ``spare_room`` bytes, which the state would not use
-    (0: the model data has all the room it can use). Offloaded blocks' copies overlap the compute
-    where that fits; else they are waited for."""
-    plan = _search(blocks, headroom, link, chunks, room_value, spare_room, overlap=True)
+    ``room_value``: the seconds a step saves per byte of optimizer state hybrid Adam keeps on
+    the device; ``state_room``: where that state has to fit (:class:`StateRoom`). Offloaded
+    blocks' copies overlap the compute where that fits; else they are waited for."""
+    plan = _search(blocks, headroom, link, chunks, room_value, state_room, overlap=True)
     if plan.fits:
         return plan
-    waited = _search(blocks, headroom, link, chunks, room_value, spare_room, overlap=False)
+    waited = _search(blocks, headroom, link, chunks, room_value, state_room, overlap=False)
     return waited if waited.fits else plan
 
 
 def _search(
     blocks: Sequence[BlockCost], headroom: Sequence[int], link: float, chunks: LinkLoad, room_value: float,
-    spare_room: int, overlap: bool,
+    state_room: StateRoom | None, overlap: bool,
 ) -> ActivationPlan:
     n = len(blocks)
     policies = [KEEP] * n
@@ -236,10 +263,9 @@ def _search(
         return predict_step(blocks, p, link, chunks, overlap)
 
     def cost(p: Sequence[ActivationPolicy]) -> float:
-        if not room_value:
+        if not room_value or state_room is None:
             return step(p)
-        taken = max(_added(blocks, p, len(headroom), overlap), default=0)
-        return step(p) + room_value * max(0, taken - spare_room)
+        return step(p) + room_value * state_room.left_out(_added(blocks, p, len(headroom), overlap))
 
     def room(p: Sequence[ActivationPolicy]) -> tuple[int, int]:
         return _room(blocks, p, headroom, overlap)

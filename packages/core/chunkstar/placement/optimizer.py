@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["plan_device_adam", "resident_footprint"]
+__all__ = ["moment_footprints", "plan_device_adam", "resident_footprint"]
 
 
 def resident_footprint(
@@ -44,16 +44,29 @@ def resident_footprint(
     the groups (``group(c)``: the chunk ids of ``c``'s group) that moment ``m`` and moment
     ``m + 1`` use (``moments[m]``: its chunk ids), and a collective's ``scratch`` beside them."""
     owned = sum(b for c, b in enumerate(param_bytes) if own(c))
+    return owned + max(moment_footprints(param_bytes, own, group, moments, non_model, scratch), default=0)
+
+
+def moment_footprints(
+    param_bytes: Sequence[int],
+    own: Callable[[int], bool],
+    group: Callable[[int], Sequence[int]],
+    moments: Sequence[tuple[int, ...]],
+    non_model: Sequence[int],
+    scratch: int = 0,
+) -> list[int]:
+    """Per moment, what it holds beside this rank's own chunks with nothing evicted: its
+    non-model peak, and the other ranks' chunks it and the next moment gather with a
+    collective's scratch (:func:`resident_footprint` is the worst of them)."""
 
     def remote(chunk_ids: tuple[int, ...]) -> set[int]:
         return {k for c in chunk_ids for k in group(c) if not own(k)}
 
-    worst = max(non_model, default=0)
+    out = []
     for m, chunk_ids in enumerate(moments):
         gathered = remote(chunk_ids) | (remote(moments[m + 1]) if m + 1 < len(moments) else set())
-        if gathered:
-            worst = max(worst, non_model[m] + sum(param_bytes[k] for k in gathered) + scratch)
-    return owned + worst
+        out.append(non_model[m] + (sum(param_bytes[k] for k in gathered) + scratch if gathered else 0))
+    return out
 
 
 def plan_device_adam(state_bytes: Mapping[int, int], capacity: int, footprint: int) -> set[int]:

@@ -15,6 +15,7 @@ same blocks and their collectives stay in step.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -22,7 +23,8 @@ from typing import Callable, Sequence
 import torch
 
 from chunkstar.activations import BlockActivations
-from chunkstar.activations.plan import ActivationPlan, BlockCost, LinkLoad, plan_activations
+from chunkstar.activations.plan import ActivationPlan, BlockCost, LinkLoad, StateRoom, plan_activations
+from chunkstar.config import ActivationPolicy
 from chunkstar.device.copy_engine import CopyEngine
 from chunkstar.device.tiers import host_device
 from chunkstar.distributed.comm import Comm
@@ -147,7 +149,7 @@ def plan_blocks(
     link: float,
     comm: Comm,
     device: torch.device,
-    room: tuple[float, int] = (0.0, 0),
+    room: tuple[float, StateRoom | None] = (0.0, None),
 ) -> PlanReport:
     """The plan for ``act``'s blocks on the frozen ``trace`` (module docstring)."""
     spans = block_spans(trace, act.names)
@@ -156,8 +158,10 @@ def plan_blocks(
     figures = (
         [float(x.saved) for x in act.measures] + [float(x.inputs) for x in act.measures]
         + [float(x.forward_s or 0.0) for x in act.measures] + [-float(h) for h in headroom]
-        + [-link, room[0], -float(room[1]), float(chunk_traffic.forward_to_device), float(chunk_traffic.forward_to_host),
+        + [-link, room[0], float(room[1].over if room[1] is not None else 0), float(chunk_traffic.forward_to_device), float(chunk_traffic.forward_to_host),
            float(chunk_traffic.backward_to_device), float(chunk_traffic.backward_to_host)]
+        # per moment what hybrid Adam counts beside this rank's chunks (zeros where room has no price)
+        + [float(x) for x in (list(room[1].base) if room[1] is not None else [0] * m)]
     )  # fmt: skip
     if comm.distributed:
         t = torch.tensor(figures, dtype=torch.float64)
@@ -165,9 +169,22 @@ def plan_blocks(
     saved, inputs, fwd = figures[:n], figures[n : 2 * n], figures[2 * n : 3 * n]
     headroom = [int(-h) for h in figures[3 * n : 3 * n + m]]
     tail = figures[3 * n + m :]
-    link, room_value, spare = -tail[0], tail[1], int(-tail[2])
+    link, room_value, over = -tail[0], tail[1], int(tail[2])
     traffic = LinkLoad(*(int(x) for x in tail[3:7]))
+    # (each rank places its own state chunks; their sizes are alike, so rank 0's stand for all)
+    state = StateRoom([int(x) for x in tail[7 : 7 + m]], over, list(room[1].state_chunks)) if room[1] is not None else None
     backward_begins = next((i for i, r in enumerate(trace.records) if r.stage == Stage.BWD.value), m)
     blocks = costs(spans, act.names, saved, inputs, fwd, backward_begins)
-    plan = plan_activations(blocks, headroom, link, traffic, room_value, spare)
+    plan = plan_activations(blocks, headroom, link, traffic, room_value, state)
+    if comm.distributed:
+        # the figures are agreed, but each rank prices its own state chunks: should the plans still
+        # differ, every rank takes, block by block, the one that holds least (and copies waited for
+        # if any rank waits), so the ranks' collectives stay in step
+        rank_of = {ActivationPolicy.KEEP: 0.0, ActivationPolicy.OFFLOAD: 1.0, ActivationPolicy.CHECKPOINT: 2.0}
+        mine = torch.tensor([rank_of[p] for p in plan.policies] + [0.0 if plan.overlap else 1.0], dtype=torch.float64)
+        agreed = comm.all_reduce_max(mine, what="the activation plan", device=device).tolist()
+        back = {v: k for k, v in rank_of.items()}
+        policies = tuple(back[x] for x in agreed[:n])
+        if policies != plan.policies or (agreed[n] > 0) == plan.overlap:
+            plan = dataclasses.replace(plan, policies=policies, overlap=agreed[n] == 0)
     return PlanReport(plan, blocks, link, min(headroom, default=0))

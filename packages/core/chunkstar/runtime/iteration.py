@@ -26,7 +26,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from chunkstar.activations import MIN_OFFLOAD_BYTES, BlockActivations
 from chunkstar.activations.measure import SavedCounter
-from chunkstar.activations.plan import LinkLoad
+from chunkstar.activations.plan import LinkLoad, StateRoom
 from chunkstar.chunk.lists import STATE_LISTS, ChunkList
 from chunkstar.chunk.state import TensorState
 from chunkstar.config import ActivationPolicy, ScheduleConfig
@@ -41,7 +41,7 @@ from chunkstar.memory.host_heap import (
 from chunkstar.memory.budget import Overrun, minimum_budget
 from chunkstar.memory.cursor import Cursor
 from chunkstar.memory.tracer import TracePhase
-from chunkstar.placement.optimizer import plan_device_adam, resident_footprint
+from chunkstar.placement.optimizer import moment_footprints, plan_device_adam, resident_footprint
 from chunkstar.runtime.activation_planning import PlanReport, block_spans, measure_link, plan_blocks
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.gradients import GradientConsumer, Gradients
@@ -390,25 +390,30 @@ class Iteration:
             room=self._room_value(),
         )  # fmt: skip
 
-    def _room_value(self) -> tuple[float, int]:
-        """(seconds a step saves per byte of device room left to the optimizer's state, the bytes
-        the state would leave spare) for "auto"'s plan (Note [activation plan]): a host update's
-        time per parameter over the state's bytes per parameter, where hybrid Adam places state;
-        the spare room is the capacity less the measured non-model peak, this rank's param chunks
-        and all its state. (0, 0) on the CPU device, where a host update and a device one run on
-        the same cores."""
+    def _room_value(self) -> tuple[float, StateRoom | None]:
+        """What device room is worth to the optimizer's state, for "auto"'s plan (Note [activation
+        plan]): a host update's seconds per parameter over the state's bytes per parameter, and
+        where hybrid Adam would place the state. Nothing on the CPU device, where a host update
+        and a device one run on the same cores, or without hybrid Adam."""
         mgr = self.mgr
         if not self.hybrid_adam or not self.host_update_seconds or mgr.device.type == "cpu":
-            return 0.0, 0
+            return 0.0, None
         chunks = mgr.chunks
-        own = [i for i in range(mgr.layout.n_chunks) if chunks.own(i) and not chunks.frozen(i)]
+        n = mgr.layout.n_chunks
+        own = [i for i in range(n) if chunks.own(i) and not chunks.frozen(i)]
         params = sum(chunks.chunk(ChunkList.PARAM, i).numel for i in own)
-        state = sum(chunks.chunk(name, i).nbytes for name in STATE_LISTS for i in own)
+        state_chunks = [sum(chunks.chunk(name, i).nbytes for name in STATE_LISTS) for i in own]
+        state = sum(state_chunks)
         if not params or not state:
-            return 0.0, 0
-        held = sum(chunks.chunk(ChunkList.PARAM, i).nbytes for i in range(mgr.layout.n_chunks) if chunks.own(i))
-        spare = mgr.capacity - self.schedule.warmup_non_model_peak - held - state
-        return self.host_update_seconds / (state / params), max(spare, 0)
+            return 0.0, None
+        trace = self.cursor.trace
+        param_bytes = [c.nbytes for c in chunks.chunks_of(ChunkList.PARAM)]
+        base = moment_footprints(
+            param_bytes, chunks.own, mgr.layout.group, [trace.chunks_at(m) for m in range(trace.n_moments)],
+            [trace.non_model_at(m) for m in range(trace.n_moments)], self._collective_scratch(),
+        )  # fmt: skip
+        owned = sum(b for c, b in enumerate(param_bytes) if chunks.own(c))
+        return self.host_update_seconds / (state / params), StateRoom(base, owned - mgr.capacity, state_chunks)
 
     def _measure_activations(self) -> None:
         """The run changed shape and is traced again: "auto" measures its blocks again and plans anew."""
