@@ -100,3 +100,20 @@ def test_where_each_block_holds_its_bytes_in_the_trace() -> None:
     assert (h1.held_from, h1.held_until, h1.let_go_at, h1.prefetch_from) == (5, 9, 6, 8)
     assert (h10.held_from, h10.held_until, h10.let_go_at, h10.prefetch_from) == (6, 8, 7, -1)
     assert (h2.held_from, h2.held_until) == (0, 0)
+
+
+def test_device_room_is_priced_as_hybrid_adam_places_state() -> None:
+    """Where keeping blocks would push optimizer state off the device, and a host update costs
+    more than a recomputation, the plan recomputes even though keeping fits."""
+    from chunkstar.activations.plan import StateRoom
+
+    blocks = _blocks(4, saved=100 * MB, forward_s=0.001)
+    room = _room(4, 1000 * MB)  # everything fits
+    assert plan_activations(blocks, room, link=8e9).policies == (KEEP,) * 4
+    # 4 state chunks of 100 MB in 700 MB of room: keeping all four blocks leaves room for two of them
+    state = StateRoom(base=[0] * len(room), over=-(700 * MB), state_chunks=[100 * MB] * 4)
+    assert state.left_out([0] * len(room)) == 0 and state.left_out([400 * MB] * len(room)) == 200 * MB
+    # a host update of 1 us per parameter at 12 bytes a parameter: far dearer than 1 ms of forward per block
+    priced = plan_activations(blocks, room, link=8e9, room_value=1e-6 / 12, state_room=state)
+    assert priced.fits and priced.count(KEEP) < 4
+    assert state.left_out([sum(b.saved for b, p in zip(blocks, priced.policies) if p is KEEP)] * len(room)) == 0
