@@ -49,6 +49,20 @@ def _is_oom(exc: BaseException) -> bool:
     return any(marker in text for marker in _OOM_MARKERS)
 
 
+def _device_memory_error(exc: BaseException) -> dict[str, Any] | None:
+    """A chunkstar ``DeviceMemoryError``'s figures (its message is cut at 500 characters in the
+    record, before the smallest budget it names); None for any other exception."""
+    if "DeviceMemoryError" not in {cls.__name__ for cls in type(exc).__mro__}:
+        return None
+    return {
+        "minimum_budget_bytes": getattr(exc, "minimum", None),
+        "needed_bytes": getattr(exc, "needed", None),
+        "free_bytes": getattr(exc, "free", None),
+        "budget_bytes": getattr(exc, "budget", None),
+        "where": str(getattr(exc, "where", ""))[:300],
+    }
+
+
 def run_in_this_process(spec: RunSpec) -> dict[str, Any]:
     """Run ``spec`` here; the per-rank result dict (never raises for a failing system)."""
     ctx = Context(spec)
@@ -71,6 +85,9 @@ def run_in_this_process(spec: RunSpec) -> dict[str, Any]:
         result["status"] = "oom" if _is_oom(exc) else "error"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         result["message"] = f"{type(exc).__name__}: {first}"[:500]
+        figures = _device_memory_error(exc)
+        if figures is not None:
+            result["device_memory_error"] = figures
     result["peak_host_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result
 

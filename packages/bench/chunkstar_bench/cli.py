@@ -2,7 +2,7 @@
 
 Entry point only: parses arguments and calls the library. Subcommands register
 themselves through :data:`COMMANDS` (``name -> register(subparsers)``), so
-another module can add one (``plan``, ``step-time``) without editing ``main``.
+another module can add one (``plan``, ``step-time``, ``activations``) without editing ``main``.
 """
 
 from __future__ import annotations
@@ -222,10 +222,17 @@ def _register_overlap(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     add_overlap_command(sub)
 
 
+def _register_activations(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from chunkstar_bench.comparisons.command import add_activations_command
+
+    add_activations_command(sub)
+
+
 COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {  # type: ignore[type-arg]
     "run": _register_run,
     "step-time": _register_step_time,
     "overlap": _register_overlap,
+    "activations": _register_activations,
     "report": _register_report,
     "max-scale": _register_maxscale,
     "plan": _register_plan,

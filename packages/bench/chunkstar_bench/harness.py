@@ -42,8 +42,8 @@ from chunkstar_bench.runner import RunSpec
 from chunkstar_bench.zoo import ModelSpec, build_hf, get
 
 __all__ = [
-    "ADAMW", "Context", "cuda_peak", "ensure_dist_env", "free_port", "init_process_group", "progress", "time_steps",
-    "timed_record", "torch_optim_step",
+    "ADAMW", "Context", "cuda_peak", "ensure_dist_env", "free_port", "hf_checkpointing", "init_process_group", "progress",
+    "time_steps", "timed_record", "torch_optim_step",
 ]  # fmt: skip
 
 ADAMW: dict[str, Any] = {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
@@ -68,11 +68,15 @@ class Context:
         return torch.device(f"cuda:{self.local_rank}") if self.device == "cuda" else torch.device("cpu")
 
     def build(self) -> Any:
-        """The zoo model in fp32 on the current default device; the same seed gives every system the same weights."""
+        """The zoo model in fp32 on the current default device; the same seed gives every system the same weights.
+        With the spec's ``hf_checkpointing`` the model checkpoints its own blocks (:func:`hf_checkpointing`)."""
         import torch
 
         torch.manual_seed(self.spec.seed)
-        return build_hf(self.model)
+        model = build_hf(self.model)
+        if self.spec.hf_checkpointing:
+            hf_checkpointing(model)
+        return model
 
     def batches(self) -> Iterator[Any]:
         """``warmup + steps`` random token batches [batch, seq] (int64, CPU), different per rank."""
@@ -87,6 +91,15 @@ class Context:
             import torch
 
             torch.cuda.synchronize()
+
+
+def hf_checkpointing(model: Any) -> None:
+    """Hugging Face's own activation checkpointing on every block of ``model``:
+    ``gradient_checkpointing_enable()``, which transformers 5 renamed
+    ``activation_checkpointing_enable()`` (the old name still works there, with a FutureWarning);
+    non-reentrant by default in both."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
 
 
 def progress(ctx: Context, message: str) -> None:

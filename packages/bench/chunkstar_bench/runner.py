@@ -56,13 +56,17 @@ from chunkstar_bench.watch import watch
 from chunkstar_bench.zoo import get, n_params
 
 __all__ = [
-    "CHUNKSTAR_SYSTEMS", "DEVICES", "DISK_DIR_ENV", "RESULT_PREFIX", "STATUSES", "RunRecord", "RunSpec", "git_commit",
-    "run", "versions",
+    "ACTIVATION_POLICIES", "CHUNKSTAR_SYSTEMS", "DEVICES", "DISK_DIR_ENV", "PRECISIONS", "RESULT_PREFIX", "STATUSES",
+    "RunRecord", "RunSpec", "git_commit", "run", "versions",
 ]  # fmt: skip
 
 CHUNKSTAR_SYSTEMS: tuple[str, ...] = tuple(s for s in RUN_SYSTEMS if s.startswith("chunkstar"))
 """The systems whose spec may set the ``chunkstar_*`` engine options."""
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
+ACTIVATION_POLICIES: tuple[str, ...] = ("keep", "checkpoint", "offload", "auto")
+"""The engine's ``activations.policy`` values (:attr:`RunSpec.chunkstar_activations`)."""
+PRECISIONS: tuple[str, ...] = ("bf16", "fp32")
+"""What :attr:`RunSpec.chunkstar_precision` may say."""
 STATUSES: tuple[str, ...] = ("ok", "oom", "error")
 
 RESULT_PREFIX = "CHUNKSTAR_BENCH_RESULT "
@@ -133,6 +137,18 @@ class RunSpec:
     clip: float = 1.0
     """Global-norm gradient clipping in every system's step (Note [what one step is] in
     :mod:`chunkstar_bench.harness`); 0: none."""
+    chunkstar_activations: str | None = None
+    """Only for the chunkstar systems: the engine's ``activations.policy`` (``"keep"``,
+    ``"checkpoint"``, ``"offload"`` or ``"auto"``, Note [activation policies] in
+    :mod:`chunkstar.activations`); None: the engine's default (keep)."""
+    chunkstar_precision: str | None = None
+    """Only for the chunkstar systems: ``"bf16"`` (None, the default: bf16 chunks and compute,
+    fp32 masters) or ``"fp32"`` (no ``bf16`` section: fp32 chunks and compute), for a CPU
+    without fast bf16 matmuls."""
+    hf_checkpointing: bool = False
+    """The model checkpoints its own blocks: the builder calls Hugging Face's
+    ``gradient_checkpointing_enable()`` (every block recomputed in the backward; chunkstar's
+    block wrapper then steps aside)."""
 
     def __post_init__(self) -> None:
         if self.system not in RUN_SYSTEMS:
@@ -160,6 +176,15 @@ class RunSpec:
                 raise ValueError(f"{name} is only used by {', '.join(CHUNKSTAR_SYSTEMS)}, not by {self.system}")
         if self.chunkstar_link is not None and self.device != "cpu":
             raise ValueError("chunkstar_link emulates a link on the CPU virtual device; a GPU has its own")
+        for name in ("chunkstar_activations", "chunkstar_precision"):
+            if getattr(self, name) is not None and self.system not in CHUNKSTAR_SYSTEMS:
+                raise ValueError(f"{name} is only used by {', '.join(CHUNKSTAR_SYSTEMS)}, not by {self.system}")
+        if self.chunkstar_activations not in (None, *ACTIVATION_POLICIES):
+            raise ValueError(
+                f"chunkstar_activations {self.chunkstar_activations!r} is not one of {', '.join(ACTIVATION_POLICIES)}"
+            )
+        if self.chunkstar_precision not in (None, *PRECISIONS):
+            raise ValueError(f"chunkstar_precision {self.chunkstar_precision!r} is not one of {', '.join(PRECISIONS)}")
 
     @property
     def seq(self) -> int:
@@ -363,6 +388,8 @@ def _finish(
     if failed:
         worst = next((r for r in failed if r["status"] == "oom"), failed[0])
         record.status, record.message = worst["status"], f"rank {worst.get('rank', 0)}: {worst.get('message', '')}"
+        if worst.get("device_memory_error") is not None:  # the figures of a DeviceMemoryError (chunkstar_bench.child)
+            record.details["device_memory_error"] = worst["device_memory_error"]
         return record
     if len(results) < spec.nprocs:
         return record

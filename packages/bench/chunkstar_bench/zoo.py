@@ -10,12 +10,13 @@ Three families live here:
   max-scale search under a host-memory cap of a few GiB separates a system
   needing ~14 bytes per parameter (chunkstar) from one needing ~18+ (DeepSpeed
   ZeRO-3 offload);
-* the models of the comparison tables (``chunkstar-bench step-time`` and
-  ``overlap``, :mod:`chunkstar_bench.comparisons`): ``gpt2-51m`` (``cpu-base``
+* the models of the comparison tables (``chunkstar-bench step-time``,
+  ``overlap`` and ``activations``, :mod:`chunkstar_bench.comparisons`): ``gpt2-51m`` (``cpu-base``
   with GPT-2's 1024 positions), ``gpt2-30m-v8k`` (the same blocks, an 8192-token
   vocabulary, 256 positions) and ``gpt2-49m-v8k`` (hidden 768, 6 layers, the same
-  vocabulary, 128 positions: the step-time table's overhead case). They are not on
-  the CPU ladder.
+  vocabulary, 128 positions: the step-time table's overhead case) and
+  ``gpt2-30m-v8k-1k`` (``gpt2-30m-v8k`` with 1024 positions: the activations table,
+  whose sequence search goes to 4x its batch's 256). They are not on the CPU ladder.
 
 Every model is a Hugging Face ``GPT2LMHeadModel`` built from its config (no
 downloads), with dropout off and no KV cache. This module imports torch and
@@ -167,6 +168,10 @@ _TABLE_MODELS: tuple[ModelSpec, ...] = (
     ModelSpec(
         "gpt2-49m-v8k", hidden=768, layers=6, heads=12, seq_len=128, vocab=8192,
         note="the step-time table's overhead case (48.9M): batch 4 x 128, everything resident, no clipping",
+    ),
+    ModelSpec(
+        "gpt2-30m-v8k-1k", hidden=512, layers=8, heads=8, seq_len=1024, vocab=8192,
+        note="the model of the activations table (29.9M): gpt2-30m-v8k with 1024 positions, for its sequence search",
     ),
 )  # fmt: skip
 

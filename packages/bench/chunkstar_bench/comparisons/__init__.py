@@ -6,6 +6,9 @@
   PyTorch, chunkstar with and without pressure, DeepSpeed;
 * :mod:`~chunkstar_bench.comparisons.overlap` -- ``chunkstar-bench overlap``:
   overlapped vs serial copies under an emulated device link;
+* :mod:`~chunkstar_bench.comparisons.activations` -- ``chunkstar-bench activations``:
+  keep, HF checkpointing, offload and auto activation policies under a pressured
+  budget, and the longest sequence each trains (issue 27);
 * :mod:`~chunkstar_bench.comparisons.command` -- their subcommands.
 
 A suite (:mod:`chunkstar_bench.suites`) is a fixed list of runs for the results

@@ -1,6 +1,6 @@
 """Side-by-side comparisons: labelled runs interleaved over rounds, pooled, checked against ratio targets.
 
-A comparison (``chunkstar-bench step-time``, ``chunkstar-bench overlap``) is a
+A comparison (``chunkstar-bench step-time``, ``overlap``, ``activations``) is a
 list of :class:`Row` -- a name, a label and the :class:`~chunkstar_bench.runner.RunSpec`
 it runs, each run its own process through :func:`chunkstar_bench.runner.run`
 -- and a list of :class:`Target` ratios between rows. :func:`run_rows` runs
@@ -13,7 +13,10 @@ This module runs and pools, and prints what every comparison prints alike (the
 verdicts, the frame of the notes: :func:`notes`); which rows and targets a
 comparison has, and what its notes say of a row, is its own module's
 (:mod:`~chunkstar_bench.comparisons.step_time`,
-:mod:`~chunkstar_bench.comparisons.overlap`).
+:mod:`~chunkstar_bench.comparisons.overlap`,
+:mod:`~chunkstar_bench.comparisons.activations`). A row whose spec is made from
+another's record may find none to make it from (:class:`Unrunnable`): it is not
+run, and its record says why.
 """
 
 from __future__ import annotations
@@ -29,11 +32,17 @@ from chunkstar_bench.runner import RunRecord, RunSpec, run
 from chunkstar_bench.tables import text_table
 
 __all__ = [
-    "BUSY_CORES", "Pooled", "Row", "Target", "Verdict", "judge", "notes", "run_rows", "text_table", "verdict_table",
+    "BUSY_CORES", "Pooled", "Row", "Target", "Unrunnable", "Verdict", "judge", "judge_value", "notes", "run_rows",
+    "text_table", "verdict_table",
 ]  # fmt: skip
 
 BUSY_CORES = 0.25
 """Foreign CPU load (cores, the most over a row's rounds) above which a comparison warns."""
+
+
+class Unrunnable(Exception):
+    """Raised by a :attr:`Row.refine` that cannot make the row's spec (the run it is sized on
+    failed): the row is not run, and its record for the round is an ``error`` with the reason."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,8 @@ class Row:
     spec: RunSpec
     refine: Callable[[RunSpec, Mapping[str, RunRecord]], RunSpec] | None = None
     """Called before each run with the latest record of every row run so far; the spec to run
-    (how ``chunkstar-pressure`` sizes its budget on the non-model peak chunkstar measured)."""
+    (how ``chunkstar-pressure`` sizes its budget on the non-model peak chunkstar measured),
+    or :class:`Unrunnable` when there is none."""
 
 
 @dataclass
@@ -108,7 +118,15 @@ def run_rows(
         for row in rows:
             n += 1
             tag = f"[{n}/{total}]" + (f" round {round_no}" if rounds > 1 else "")
-            spec = row.refine(row.spec, latest) if row.refine is not None else row.spec
+            try:
+                spec = row.refine(row.spec, latest) if row.refine is not None else row.spec
+            except Unrunnable as why:  # nothing to run: the row's failure says why
+                print(f"{tag} {row.name}: not run: {why}", file=sys.stderr, flush=True)
+                record = RunRecord(spec=row.spec, status="error", message=f"not run: {why}")
+                record.details["row"] = row.name
+                latest[row.name] = record
+                pooled[row.name].records.append(record)
+                continue
             print(f"{tag} {row.name} ...", file=sys.stderr, flush=True)
             record = run(spec, timeout_s)
             record.details["row"] = row.name
@@ -127,8 +145,9 @@ class Target:
 
     numerator: str
     denominator: str
-    metric: Literal["step", "rss"]
-    """``step``: median step time; ``rss``: peak host RSS."""
+    metric: Literal["step", "rss", "seq"]
+    """``step``: median step time; ``rss``: peak host RSS; ``seq``: the longest sequence that
+    trained (a search the comparison runs itself and judges with :func:`judge_value`, not :func:`judge`)."""
     op: Literal["<=", ">=", "<"] | None
     """How the ratio must compare with ``limit``; None: shown for context, no target."""
     limit: float = 0.0
@@ -137,7 +156,7 @@ class Target:
 
     @property
     def name(self) -> str:
-        what = "step time" if self.metric == "step" else "peak RSS"
+        what = {"step": "step time", "rss": "peak RSS", "seq": "longest sequence"}[self.metric]
         return self.text or f"{what} {self.numerator} / {self.denominator}"
 
     @property
@@ -158,18 +177,24 @@ def judge(targets: Sequence[Target], pooled: Mapping[str, Pooled]) -> list[Verdi
     out: list[Verdict] = []
     for t in targets:
         num, den = pooled.get(t.numerator), pooled.get(t.denominator)
-        if num is None or den is None:
+        if num is None or den is None or t.metric == "seq":  # not a pooled figure: judge_value's
             continue
         if not (num.ok and den.ok):
             out.append(Verdict(t, None, "n/a"))
             continue
-        value = num.metric(t.metric) / den.metric(t.metric)
-        if t.op is None:
-            out.append(Verdict(t, value, "-"))
-            continue
-        met = value <= t.limit if t.op == "<=" else value >= t.limit if t.op == ">=" else value < t.limit
-        out.append(Verdict(t, value, "PASS" if met else "MISS"))
+        out.append(judge_value(t, num.metric(t.metric) / den.metric(t.metric)))
     return out
+
+
+def judge_value(target: Target, value: float | None) -> Verdict:
+    """The verdict of ``target`` on a ratio a comparison measured itself; None: a side did not run (``n/a``)."""
+    if value is None:
+        return Verdict(target, None, "n/a")
+    if target.op is None:
+        return Verdict(target, value, "-")
+    t = target
+    met = value <= t.limit if t.op == "<=" else value >= t.limit if t.op == ">=" else value < t.limit
+    return Verdict(target, value, "PASS" if met else "MISS")
 
 
 def notes(pooled: Mapping[str, Pooled], details: Callable[[str, Pooled], Iterable[str]]) -> list[str]:
@@ -191,5 +216,13 @@ def verdict_table(verdicts: Sequence[Verdict]) -> str:
         return "(no comparisons among the rows run)"
     return text_table(
         ["comparison", "measured", "target", "verdict"],
-        [[v.target.name, "-" if v.value is None else f"{v.value:.2f}x", v.target.bound, v.verdict] for v in verdicts],
+        [[v.target.name, _measured(v), v.target.bound, v.verdict] for v in verdicts],
     )
+
+
+def _measured(v: Verdict) -> str:
+    """The ratio to two places; to three where two would print the limit itself (0.853 against <= 0.85)."""
+    if v.value is None:
+        return "-"
+    shown = f"{v.value:.2f}"
+    return f"{v.value:.3f}x" if v.target.op is not None and shown == f"{v.target.limit:.2f}" and v.value != v.target.limit else f"{shown}x"

@@ -7,7 +7,9 @@ On the CPU virtual device the budget comes from :func:`chunkstar_budget_bytes`
 size is the budget unless the spec names one. Several processes (torchrun)
 shard the chunks' master and Adam state over ranks. The spec's
 ``chunkstar_overlap`` and ``chunkstar_link`` set the engine's ``overlap`` and
-``device_link_bandwidth`` (an emulated link on the CPU virtual device).
+``device_link_bandwidth`` (an emulated link on the CPU virtual device), its
+``chunkstar_activations`` the blocks' ``activations.policy``, and its
+``chunkstar_precision`` ``"fp32"`` leaves ``bf16`` off.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import statistics
 import tempfile
 from typing import Any
 
-from chunkstar_bench.harness import ADAMW, Context, init_process_group, progress, timed_record
+from chunkstar_bench.harness import ADAMW, Context, hf_checkpointing, init_process_group, progress, timed_record
 from chunkstar_bench.runner import DISK_DIR_ENV
 from chunkstar_bench.zoo import ModelSpec, build_hf, n_params
 
@@ -65,7 +67,8 @@ def chunkstar_budget_bytes(model: ModelSpec, batch: int, seq: int, budget: str |
 def engine_config(ctx: Context, budget: int | None) -> dict[str, Any]:
     """The engine config of a run: AdamW (:data:`~chunkstar_bench.harness.ADAMW`), bf16, the spec's clipping,
     chunk size searched, ``budget`` bytes of device tier (None: the device's own size), and the
-    spec's overlap and link settings. The disk tier is :func:`run`'s to add."""
+    spec's overlap, link, activation policy and precision (fp32: no ``bf16`` section). The disk
+    tier is :func:`run`'s to add."""
     config: dict[str, Any] = {
         "optimizer": {"type": "AdamW", "params": ADAMW},
         "bf16": {"enabled": True},
@@ -73,12 +76,16 @@ def engine_config(ctx: Context, budget: int | None) -> dict[str, Any]:
         "device": "cpu" if ctx.device == "cpu" else f"cuda:{ctx.local_rank}",
         "default_chunk_size": "auto",
     }
+    if ctx.spec.chunkstar_precision == "fp32":
+        del config["bf16"]  # the engine's default: fp32 chunks and compute
     if budget is not None:
         config["device_memory_budget"] = budget
     if ctx.spec.chunkstar_overlap is not None:
         config["overlap"] = ctx.spec.chunkstar_overlap
     if ctx.spec.chunkstar_link is not None:
         config["device_link_bandwidth"] = ctx.spec.chunkstar_link
+    if ctx.spec.chunkstar_activations is not None:
+        config["activations"] = {"policy": ctx.spec.chunkstar_activations}
     return config
 
 
@@ -108,7 +115,10 @@ def run(ctx: Context) -> dict[str, Any]:
 
             torch.manual_seed(ctx.spec.seed)
             with torch.device("meta"):
-                return build_hf(ctx.model)
+                model = build_hf(ctx.model)
+            if ctx.spec.hf_checkpointing:
+                hf_checkpointing(model)
+            return model
 
     engine, optimizer = chunkstar.initialize_engine(model_func=build, local_rank=ctx.local_rank, config=config)
     progress(ctx, f"engine built: {engine.construction.meta_params} parameters from the meta device, {engine.stats()['n_chunks']} chunks")

@@ -54,7 +54,10 @@ not fit, the worst such moment is relieved by the change that costs the least
 per byte it frees there (offloading a block, or recomputing it); then, while
 some change lowers the cost and still fits, the best of them is made (a
 recomputed block offloaded where the link has time, a kept block given up
-where its room is worth more than its recomputation). Offloading costs nothing until the link is
+where its room is worth more than its recomputation). State goes to the
+device in whole chunks, so where room has a price the search also tries
+giving up the k largest kept blocks at once, for every k, and descends again
+from the best: no single change shows the gain of several. Offloading costs nothing until the link is
 busy and then a fixed price per byte, and recomputing a block costs its
 forward: both prices only grow as more is taken, so the greedy order is the
 knapsack's fractional order, and the blocks of one model are alike, so little
@@ -296,20 +299,39 @@ def _search(
     # then the change that lowers the cost most while it still fits, for as long as one does: a
     # recomputed block offloaded where the link has time, a kept block given up where its room
     # is worth more to the optimizer's state than its recomputation costs
-    for _ in range(3 * n + 3):
-        now = cost(policies)
-        best_trial: tuple[float, list[ActivationPolicy]] | None = None
-        for i in range(n):
-            for choice in (KEEP, CHECKPOINT, OFFLOAD):
-                if choice is policies[i]:
-                    continue
-                trial = list(policies)
-                trial[i] = choice
-                gain = now - cost(trial)
-                if gain > 1e-12 and (best_trial is None or gain > best_trial[0]) and room(trial)[0] >= 0:
-                    best_trial = (gain, trial)
-        if best_trial is None:
-            break
-        policies = best_trial[1]
+    def descend(start: list[ActivationPolicy]) -> list[ActivationPolicy]:
+        current = start
+        for _ in range(3 * n + 3):
+            now = cost(current)
+            best_trial: tuple[float, list[ActivationPolicy]] | None = None
+            for i in range(n):
+                for choice in (KEEP, CHECKPOINT, OFFLOAD):
+                    if choice is current[i]:
+                        continue
+                    trial = list(current)
+                    trial[i] = choice
+                    gain = now - cost(trial)
+                    if gain > 1e-12 and (best_trial is None or gain > best_trial[0]) and room(trial)[0] >= 0:
+                        best_trial = (gain, trial)
+            if best_trial is None:
+                break
+            current = best_trial[1]
+        return current
+
+    policies = descend(policies)
+    if room_value and state_room is not None:
+        # state goes to the device in whole chunks, so giving up one kept block may place none of it
+        # and no single change shows the gain of several: try giving up the k largest kept blocks
+        # (recomputed) for every k, and descend again from the best
+        kept = sorted((i for i in range(n) if policies[i] is KEEP), key=lambda i: (-blocks[i].saved, -i))
+        cheapest: tuple[float, list[ActivationPolicy]] = (cost(policies), policies)
+        for k in range(1, len(kept) + 1):
+            trial = list(policies)
+            for i in kept[:k]:
+                trial[i] = CHECKPOINT
+            if room(trial)[0] >= 0 and cost(trial) < cheapest[0] - 1e-12:
+                cheapest = (cost(trial), trial)
+        if cheapest[1] is not policies:
+            policies = descend(cheapest[1])
     least, _ = room(policies)
     return ActivationPlan(tuple(policies), step(policies), True, least, overlap=overlap)

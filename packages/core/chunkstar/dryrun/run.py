@@ -207,7 +207,8 @@ def _run_rank(
     if hardware is not None:
         engine._target_costs(
             flop_seconds(hardware.peak_flops * hardware.efficiency), min(hardware.h2d_bandwidth, hardware.d2h_bandwidth),
-            1.0 / hardware.host_adam_params_per_s,
+            # the node's host Adam is shared by its ranks, as the time model shares it
+            min(hardware.gpus_per_node, world_size) / hardware.host_adam_params_per_s,
         )
     report = RankReport(rank=rank, fits=True, minimum_budget=0)
     try:
