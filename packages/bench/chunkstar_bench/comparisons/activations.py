@@ -85,7 +85,7 @@ from typing import Any
 
 from chunkstar.config import host_memory_bytes
 from chunkstar_bench.comparisons.rounds import (
-    BUSY_CORES, Pooled, Row, Target, Unrunnable, Verdict, judge_value, notes, text_table, verdict_table,
+    BUSY_CORES, Pooled, Row, Target, Unrunnable, Verdict, judge_value, notes, other_load, text_table, verdict_table,
 )  # fmt: skip
 from chunkstar_bench.runner import RunRecord, RunSpec, run
 from chunkstar_bench.units import GIB, MIB
@@ -492,7 +492,7 @@ def report(
     return "\n".join(
         [*head, "", body, *([agree] if agree else []), *([warning] if warning else []), "", verdict_table(verdicts), "",
          *_search_table(settings, found or {}, chosen.budget if chosen is not None else None),
-         *notes(pooled, _details), *_other_load(pooled)]
+         *notes(pooled, _details), *other_load(pooled)]
     )  # fmt: skip
 
 
@@ -517,14 +517,3 @@ def _details(name: str, p: Pooled) -> list[str]:
     if len(p.records) > 1:
         out.append(f"{name}: median per round (s): " + ", ".join(f"{r.step_time_s or 0:.3f}" for r in p.records))
     return out
-
-
-def _other_load(pooled: Mapping[str, Pooled]) -> list[str]:
-    """One line of the foreign CPU load every row saw (the table has no column for it)."""
-    load = {name: p.other_load for name, p in pooled.items() if p.other_load is not None}
-    if not load:
-        return []
-    return [
-        "other load (cores busy elsewhere during the timed steps, max over rounds): "
-        + ", ".join(f"{name} {v:.2f}" for name, v in load.items())
-    ]

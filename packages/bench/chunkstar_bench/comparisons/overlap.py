@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chunkstar.config import host_memory_bytes
-from chunkstar_bench.comparisons.rounds import Pooled, Row, Target, Verdict, notes, text_table, verdict_table
+from chunkstar_bench.comparisons.rounds import Pooled, Row, Target, Verdict, notes, other_load, text_table, verdict_table
 from chunkstar_bench.runner import RunSpec
 from chunkstar_bench.units import GIB, MIB
 from chunkstar_bench.zoo import build_hf, get, n_params
@@ -241,7 +241,7 @@ def report(
     body = text_table(["system", "median s/step", "vs PyTorch", "peak RSS MiB", "last loss"], lines)
     return "\n".join(
         [head, "", body, "", verdict_table(verdicts), "", *_model_table(pooled, predicted or {}), *notes(pooled, _details),
-         *_other_load(pooled)]
+         *other_load(pooled)]
     )  # fmt: skip
 
 
@@ -263,14 +263,3 @@ def _details(name: str, p: Pooled) -> list[str]:
             f"(the pressured budgets leave {NON_MODEL_BYTES / 1e6:.0f} MB)"
         )
     return out
-
-
-def _other_load(pooled: Mapping[str, Pooled]) -> list[str]:
-    """One line of the foreign CPU load every row saw (the table has no column for it)."""
-    load = {name: p.other_load for name, p in pooled.items() if p.other_load is not None}
-    if not load:
-        return []
-    return [
-        "other load (cores busy elsewhere during the timed steps, max over rounds): "
-        + ", ".join(f"{name} {v:.2f}" for name, v in load.items())
-    ]

@@ -32,7 +32,7 @@ from chunkstar_bench.runner import RunRecord, RunSpec, run
 from chunkstar_bench.tables import text_table
 
 __all__ = [
-    "BUSY_CORES", "Pooled", "Row", "Target", "Unrunnable", "Verdict", "judge", "judge_value", "notes", "run_rows",
+    "BUSY_CORES", "Pooled", "Row", "Target", "Unrunnable", "Verdict", "judge", "judge_value", "notes", "other_load", "run_rows",
     "text_table", "verdict_table",
 ]  # fmt: skip
 
@@ -195,6 +195,17 @@ def judge_value(target: Target, value: float | None) -> Verdict:
     t = target
     met = value <= t.limit if t.op == "<=" else value >= t.limit if t.op == ">=" else value < t.limit
     return Verdict(target, value, "PASS" if met else "MISS")
+
+
+def other_load(pooled: Mapping[str, Pooled]) -> list[str]:
+    """One line of the foreign CPU load every row saw (the tables have no column for it)."""
+    load = {name: p.other_load for name, p in pooled.items() if p.other_load is not None}
+    if not load:
+        return []
+    return [
+        "other load (cores busy elsewhere during the timed steps, max over rounds): "
+        + ", ".join(f"{name} {v:.2f}" for name, v in load.items())
+    ]
 
 
 def notes(pooled: Mapping[str, Pooled], details: Callable[[str, Pooled], Iterable[str]]) -> list[str]:
