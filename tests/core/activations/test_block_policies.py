@@ -14,7 +14,7 @@ from torch import nn
 
 import chunkstar
 import chunkstar.activations.offload as offload_mod
-from chunkstar.activations import find_blocks, repeated_classes
+from chunkstar.activations import BlockActivations, find_blocks, repeated_classes
 from chunkstar.errors import ConfigError
 
 from tests.core._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, train_engine, train_reference
@@ -400,6 +400,38 @@ def test_auto_with_the_habits_of_real_loops(monkeypatch: pytest.MonkeyPatch, sma
     assert_losses_close(got, want, RTOL["fp32"], "auto with accumulation, plain backward and evaluations")
     assert stats["activation_plan"]["fits"] and not stats["activation_measuring"]
     assert set(stats["activation_plan"]["blocks"].values()) != {"keep"}
+    assert stats["activation_plan"]["timed_on_frozen_step"]  # planned on a frozen micro-step's forward times
+
+
+def test_a_frozen_steps_forward_times_plan_again(monkeypatch: pytest.MonkeyPatch, small_offloads: None) -> None:
+    """The plan's first frozen step times the blocks' forward; times far from the measured ones
+    plan again and, where the plan changes, trace it afresh, training exactly throughout. Here
+    the frozen step reports forwards too short to hide any copy: an offloaded block is then
+    dearer than recomputing it, and no block stays offloaded."""
+    case = CASES["gpt2"]
+    steps = 8
+    want = train_reference(case, steps)
+    base = engine_config("fp32", budget="256MB")
+    budget = _mid_budget(case.build, base, case.batch(0))
+    monkeypatch.setattr(BlockActivations, "frozen_forward_s", lambda self: [1e-9] * len(self.blocks))
+    engine, opt = chunkstar.initialize_engine(
+        case.build, config={**base, "device_memory_budget": budget, "device_link_bandwidth": "1GB/s", "activations": {"policy": "auto"}}
+    )  # fmt: skip
+    try:
+        got = train_engine(engine, opt, case, 4)  # 2 measured, 2 traced under the plan
+        planned = dict(engine.stats()["activation_plan"])
+        got += train_engine(engine, opt, case, range(4, 5))  # the first frozen step, timed
+        first = dict(engine.stats()["activation_plan"])
+        got += train_engine(engine, opt, case, range(5, steps))
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert_losses_close(got, want, RTOL["fp32"], "auto planned again on a frozen step's times")
+    plan = stats["activation_plan"]
+    assert not planned["timed_on_frozen_step"] and "offload" in planned["blocks"].values()
+    assert first["timed_on_frozen_step"] and set(first["forward_seconds"].values()) == {1e-9}
+    assert "offload" not in plan["blocks"].values() and plan["fits"] and not stats["activation_measuring"]
+    assert stats["activation_blocks"] == {p: list(plan["blocks"].values()).count(p) for p in ("keep", "checkpoint", "offload")}
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

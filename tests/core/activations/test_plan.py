@@ -6,6 +6,7 @@ from chunkstar.activations.plan import (
     MARGIN_BYTES, ActivationPlan, BlockCost, LinkLoad, plan_activations, predict_step,
 )  # fmt: skip
 from chunkstar.config import ActivationPolicy
+from chunkstar.placement.chunk_traffic import CacheModel
 
 KEEP, CKPT, OFF = ActivationPolicy.KEEP, ActivationPolicy.CHECKPOINT, ActivationPolicy.OFFLOAD
 MB = 1 << 20
@@ -50,6 +51,22 @@ def test_chunk_traffic_shares_the_link() -> None:
     free_link = plan_activations(blocks, room, link=8e9)
     busy = plan_activations(blocks, room, link=8e9, chunks=LinkLoad(backward_to_device=int(8e9 * 1.0)))
     assert free_link.count(OFF) > busy.count(OFF) and busy.count(CKPT) > 0
+
+
+def test_kept_activations_that_push_chunks_out_pay_for_their_reloads() -> None:
+    """Note [chunk traffic under a plan]: a 180 MB chunk used at the first and last moments stays
+    on the device between them while the room allows; keeping both blocks (200 MB) pushes it out
+    and the backward loads it again over a slow link, where recomputing one block costs 10 ms."""
+    blocks = _blocks(2, saved=100 * MB, inputs=MB, forward_s=0.01)
+    headroom = _room(2, 300 * MB)
+    uses = [(0,)] + [()] * 8 + [(0,)]
+    cache = CacheModel(uses, [180 * MB], [h + (180 * MB if u else 0) for h, u in zip(headroom, uses)], backward_from=6)
+    measured = LinkLoad(backward_to_device=180 * MB)  # the warm-up's: only each moment's chunks kept
+    blind = plan_activations(blocks, headroom, link=1e9, chunks=measured)
+    assert blind.policies == (KEEP, KEEP)  # the measured traffic is the same whatever the plan
+    seeing = plan_activations(blocks, headroom, link=1e9, chunks=measured, cache=cache)
+    assert seeing.count(KEEP) == 1 and seeing.count(CKPT) == 1 and seeing.chunk_bytes_to_device == 0
+    assert seeing.step_s < predict_step(blocks, [KEEP, KEEP], 1e9, measured)
 
 
 def test_the_plan_fits_every_moment_with_its_margin() -> None:

@@ -140,12 +140,13 @@ class ActivationsSettings:
     seq: int = 256
     precision: str = "fp32"
     """``"fp32"`` or ``"bf16"`` (:attr:`~chunkstar_bench.runner.RunSpec.chunkstar_precision`)."""
-    steps: int = 3
+    steps: int = 4
     """Timed steps per row and round."""
     warmup: int = 3
     """Untimed steps of the fixed policies: the engine's two traced iterations and the first frozen one."""
-    auto_warmup: int = 5
-    """Untimed steps of the auto rows: two measuring, two traced under the plan, the first frozen."""
+    auto_warmup: int = 7
+    """Untimed steps of the auto rows: two measuring, two traced under the plan, the first frozen
+    (timed per block, Note [activation plan]) and, should its times change the plan, two traced again."""
     seed: int = 0
     threads: int | None = None
     """torch threads in every run; None: the cores."""

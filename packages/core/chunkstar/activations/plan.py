@@ -10,7 +10,11 @@ block saves), then plans from what it measured, per block:
   start of its backward;
 * ``inputs``: the bytes of its tensor inputs, which recomputation keeps instead;
 * ``forward_s``: its forward's compute time (copy waits excluded), what a
-  recomputation costs in the backward;
+  recomputation costs in the backward. The measuring run's times include the
+  chunk loads a warm-up waits for and a frozen step prefetches, so the plan's
+  first frozen step times the blocks again, and where its times differ from the
+  measured ones by more than 10% the plan is searched again on them (and traced
+  afresh if it changes: once per shape of the run);
 
 and, per moment of the traced iteration, the ``headroom``: the capacity less the
 moment's chunks and the non-model bytes measured with every block offloaded.
@@ -34,10 +38,13 @@ compute cannot hide:
 * the link: offloaded bytes travel to the host during the forward beside the
   chunks' own traffic that way, and back during the backward beside the
   chunks' prefetch; each direction of each pass is hidden up to the compute
-  time of that pass, and what exceeds it is on the step's path. The chunk
-  traffic is the warm-up's (it keeps only each moment's chunks on the device:
-  an upper bound of the frozen schedule's), so offloading is, if anything,
-  predicted dearer than it is.
+  time of that pass, and what exceeds it is on the step's path. The chunks'
+  loads are predicted per plan (Note [chunk traffic under a plan] in
+  :mod:`chunkstar.placement.chunk_traffic`): the frozen schedule keeps chunks on
+  the device while the room allows, so what a plan holds beside them costs
+  their reloads. The search weighs them once a plan fits (before, the warm-up's
+  traffic, which kept only each moment's chunks, stands in for every plan);
+  the traffic to the host stays the warm-up's, an upper bound.
 
 Device memory the activations do not take is not free of value: hybrid Adam
 keeps as much optimizer state on the device as the room beside the chunks and
@@ -71,10 +78,12 @@ when the backward reads it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
 from chunkstar.config import ActivationPolicy
+from chunkstar.placement.chunk_traffic import CacheModel
 
 __all__ = ["ActivationPlan", "BlockCost", "LinkLoad", "StateRoom", "plan_activations", "predict_step"]
 
@@ -163,6 +172,9 @@ class ActivationPlan:
     overlap: bool = True
     """Offloaded blocks' copies overlap the compute: to the host let go a block later, back one
     block ahead (False: each waited for at once, as measured: the plans for the least room)."""
+    chunk_bytes_to_device: int = -1
+    """The chunk bytes one iteration is predicted to bring to the device under the plan (-1:
+    not predicted, the measuring run's own)."""
 
     @property
     def as_measured(self) -> bool:
@@ -241,29 +253,47 @@ def _room(
 
 def plan_activations(
     blocks: Sequence[BlockCost], headroom: Sequence[int], link: float, chunks: LinkLoad = LinkLoad(),
-    room_value: float = 0.0, state_room: StateRoom | None = None,
+    room_value: float = 0.0, state_room: StateRoom | None = None, cache: CacheModel | None = None,
 ) -> ActivationPlan:
     """The plan of least cost predicted to fit every moment's ``headroom`` (Note [activation plan]).
     ``link``: the host link's bytes per second each way (0: no link to speak of, offloading free);
-    ``room_value``: the seconds a step saves per byte of optimizer state hybrid Adam keeps on
-    the device; ``state_room``: where that state has to fit (:class:`StateRoom`). Offloaded
-    blocks' copies overlap the compute where that fits; else they are waited for."""
-    plan = _search(blocks, headroom, link, chunks, room_value, state_room, overlap=True)
+    ``chunks``: the chunk traffic measured with every block offloaded; ``cache``: the chunks'
+    uses and room, to predict each plan's chunk loads instead (Note [chunk traffic under a
+    plan]); ``room_value``: the seconds a step saves per byte of optimizer state hybrid Adam
+    keeps on the device; ``state_room``: where that state has to fit (:class:`StateRoom`).
+    Offloaded blocks' copies overlap the compute where that fits; else they are waited for."""
+    plan = _search(blocks, headroom, link, chunks, room_value, state_room, cache, overlap=True)
     if plan.fits:
         return plan
-    waited = _search(blocks, headroom, link, chunks, room_value, state_room, overlap=False)
+    waited = _search(blocks, headroom, link, chunks, room_value, state_room, cache, overlap=False)
     return waited if waited.fits else plan
 
 
 def _search(
-    blocks: Sequence[BlockCost], headroom: Sequence[int], link: float, chunks: LinkLoad, room_value: float,
-    state_room: StateRoom | None, overlap: bool,
+    blocks: Sequence[BlockCost], headroom: Sequence[int], link: float, measured: LinkLoad, room_value: float,
+    state_room: StateRoom | None, cache: CacheModel | None, overlap: bool,
 ) -> ActivationPlan:
     n = len(blocks)
     policies = [KEEP] * n
+    traffic: dict[tuple[ActivationPolicy, ...], LinkLoad] = {}
+    fitting = True  # while no plan fits yet, the measured traffic (the model's loads are for plans that fit)
+
+    def chunks(p: Sequence[ActivationPolicy]) -> LinkLoad:
+        """The chunk traffic under ``p``: the cache model's loads where there is one (at most the
+        measured ones, which kept only each moment's chunks), the measured traffic else."""
+        if cache is None or link <= 0 or fitting:
+            return measured
+        key = tuple(p)
+        if key not in traffic:
+            fwd, bwd = cache.loads(_added(blocks, p, len(headroom), overlap))
+            traffic[key] = dataclasses.replace(
+                measured, forward_to_device=min(fwd, measured.forward_to_device),
+                backward_to_device=min(bwd, measured.backward_to_device),
+            )  # fmt: skip
+        return traffic[key]
 
     def step(p: Sequence[ActivationPolicy]) -> float:
-        return predict_step(blocks, p, link, chunks, overlap)
+        return predict_step(blocks, p, link, chunks(p), overlap)
 
     def cost(p: Sequence[ActivationPolicy]) -> float:
         if not room_value or state_room is None:
@@ -294,8 +324,9 @@ def _search(
         least, where = room(policies)
     if least < 0:
         every = [OFFLOAD] * n
-        return ActivationPlan(tuple(every), predict_step(blocks, every, link, chunks, False), False,
+        return ActivationPlan(tuple(every), predict_step(blocks, every, link, measured, False), False,
                               _room(blocks, every, headroom, False)[0], overlap=False)  # fmt: skip
+    fitting = False
     # then the change that lowers the cost most while it still fits, for as long as one does: a
     # recomputed block offloaded where the link has time, a kept block given up where its room
     # is worth more to the optimizer's state than its recomputation costs
@@ -310,8 +341,10 @@ def _search(
                         continue
                     trial = list(current)
                     trial[i] = choice
+                    if room(trial)[0] < 0:
+                        continue
                     gain = now - cost(trial)
-                    if gain > 1e-12 and (best_trial is None or gain > best_trial[0]) and room(trial)[0] >= 0:
+                    if gain > 1e-12 and (best_trial is None or gain > best_trial[0]):
                         best_trial = (gain, trial)
             if best_trial is None:
                 break
@@ -334,4 +367,8 @@ def _search(
         if cheapest[1] is not policies:
             policies = descend(cheapest[1])
     least, _ = room(policies)
-    return ActivationPlan(tuple(policies), step(policies), True, least, overlap=overlap)
+    load = chunks(policies)
+    return ActivationPlan(
+        tuple(policies), step(policies), True, least, overlap=overlap,
+        chunk_bytes_to_device=load.forward_to_device + load.backward_to_device,
+    )  # fmt: skip

@@ -103,7 +103,11 @@ class BlockActivations:
             self._measuring_copies()
         self.recomputed_calls = 0
         self.offloaded_calls = 0
-        self._timed = offload.device.type == "cuda"
+        self.timing = False
+        """Time each block's forward in the next training iteration (a frozen step under the plan:
+        the warm-up's times include its chunk loads, which the frozen schedule prefetches)."""
+        self.frozen_measures = [_Measure() for _ in self.blocks]
+        self._timed_by_events = offload.device.type == "cuda"
         self.cost: Callable[[Callable[[], Any]], tuple[Any, float]] | None = None
         """How a measured call's forward seconds are known: None, timed as it runs; a dry run
         sets its FLOPs at the target's rate (``cost(run) -> (output, seconds)``)."""
@@ -117,23 +121,46 @@ class BlockActivations:
         block = self.blocks[index]
         name = self.names[index]
 
-        @functools.wraps(forward)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            policy = self.policies[index]
-            # a block the model checkpoints itself (Hugging Face's GradientCheckpointingLayer, once
-            # gradient_checkpointing_enable() ran) is recomputed already: read at each call
-            if policy is ActivationPolicy.KEEP or not torch.is_grad_enabled() or getattr(block, "gradient_checkpointing", False):
+        def call(policy: ActivationPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], saved: SavedBytes | None) -> Any:
+            if policy is ActivationPolicy.KEEP:
                 return forward(*args, **kwargs)
             if policy is ActivationPolicy.CHECKPOINT:
                 self.recomputed_calls += 1
                 return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **_without_cache(block, kwargs))
             self.offloaded_calls += 1
-            if not self.measuring:
-                with self.offload.block_call(name):
-                    return forward(*args, **kwargs)
-            return self._measured(index, forward, args, kwargs)
+            with self.offload.block_call(name, saved):
+                return forward(*args, **kwargs)
+
+        @functools.wraps(forward)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            policy = self.policies[index]
+            # a block the model checkpoints itself (Hugging Face's GradientCheckpointingLayer, once
+            # gradient_checkpointing_enable() ran) is recomputed already: read at each call
+            if not torch.is_grad_enabled() or getattr(block, "gradient_checkpointing", False):
+                return forward(*args, **kwargs)
+            if self.measuring and policy is ActivationPolicy.OFFLOAD:
+                self.offloaded_calls += 1
+                return self._measured(index, forward, args, kwargs)
+            if self.timing:
+                return self._timed(index, lambda saved: call(policy, args, kwargs, saved))
+            return call(policy, args, kwargs, None)
 
         return run
+
+    def _timed(self, index: int, call: Callable[[SavedBytes], Any]) -> Any:
+        """One call timed on a frozen step: its forward's seconds, waits for copies excluded."""
+        saved = SavedBytes()
+        timer = None
+        if self._timed_by_events:
+            timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timer[0].record()
+        t0 = time.perf_counter()
+        out = call(saved)
+        seconds = time.perf_counter() - t0
+        if timer is not None:
+            timer[1].record()
+        self.frozen_measures[index].add(saved, 0, seconds, timer)
+        return out
 
     def _measured(self, index: int, forward: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         saved = SavedBytes()
@@ -146,7 +173,7 @@ class BlockActivations:
             self.measures[index].add(saved, inputs, seconds + saved.waited_s, None)
             return out
         timer = None
-        if self._timed:
+        if self._timed_by_events:
             timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             timer[0].record()
         t0 = time.perf_counter()
@@ -163,6 +190,21 @@ class BlockActivations:
         if self.measuring:
             for m in self.measures:
                 m.close_iteration()
+        if self.timing:
+            for m in self.frozen_measures:
+                m.close_iteration()
+            self.timing = False
+
+    def time_frozen_step(self) -> None:
+        """Time the blocks' forward in the next training iteration (:attr:`timing`); a dry run's
+        times are its stand-ins already, and stay."""
+        if self.cost is None:
+            self.frozen_measures = [_Measure() for _ in self.blocks]
+            self.timing = True
+
+    def frozen_forward_s(self) -> list[float | None]:
+        """Per block, its forward's seconds on the last timed step (None: not called with gradients)."""
+        return [m.forward_s for m in self.frozen_measures]
 
     def _measuring_copies(self) -> None:
         # the measuring run holds no more than recomputing every block would (Note [activation
@@ -174,6 +216,7 @@ class BlockActivations:
         """Measure again (the run changed shape): every block offloaded, fresh measurements."""
         if self.auto:
             self.measuring = True
+            self.timing = False
             self.measures = [_Measure() for _ in self.blocks]
             self.policies = [ActivationPolicy.OFFLOAD] * len(self.blocks)
             self._measuring_copies()

@@ -30,11 +30,27 @@ from chunkstar.device.tiers import host_device
 from chunkstar.distributed.comm import Comm
 from chunkstar.events import Stage
 from chunkstar.memory.tracer import MemoryTrace
+from chunkstar.placement.chunk_traffic import CacheModel
 
-__all__ = ["LINK_PROBE_BYTES", "PlanReport", "Span", "block_spans", "costs", "measure_link", "plan_blocks"]
+__all__ = [
+    "LINK_PROBE_BYTES", "REFINE_TOLERANCE", "PlanInputs", "PlanReport", "Span", "block_spans", "costs", "measure_link",
+    "plan_blocks", "refine",
+]
 
 LINK_PROBE_BYTES = 32 << 20
 """Bytes timed each way to measure the host link (large enough that a copy's fixed cost is noise)."""
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan is searched on beside the blocks (agreed over the ranks): kept so a plan can be
+    searched again with the blocks' forward times of a frozen step (:func:`refine`)."""
+
+    headroom: Sequence[int]
+    traffic: LinkLoad
+    room_value: float
+    state: StateRoom | None
+    cache: CacheModel | None
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,9 @@ class PlanReport:
     blocks: tuple[BlockCost, ...]
     link: float
     least_headroom: int
+    inputs: PlanInputs | None = None
+    timed_on_frozen_step: bool = False
+    """The blocks' forward times are a frozen step's (:func:`refine`), not the measuring run's."""
 
 
 def measure_link(device: torch.device, copies: CopyEngine) -> float:
@@ -150,8 +169,11 @@ def plan_blocks(
     comm: Comm,
     device: torch.device,
     room: tuple[float, StateRoom | None] = (0.0, None),
+    chunks: tuple[Sequence[int], Callable[[int], bool]] | None = None,
 ) -> PlanReport:
-    """The plan for ``act``'s blocks on the frozen ``trace`` (module docstring)."""
+    """The plan for ``act``'s blocks on the frozen ``trace`` (module docstring). ``chunks``: the
+    param chunks' bytes and which are this rank's, for the plan to predict each plan's chunk
+    loads (:class:`~chunkstar.placement.chunk_traffic.CacheModel`)."""
     spans = block_spans(trace, act.names)
     n, m = len(act.blocks), trace.n_moments
     headroom = [capacity - moment_chunk_bytes(i) - scratch - trace.records[i].non_model_peak for i in range(m)]
@@ -175,11 +197,25 @@ def plan_blocks(
     state = StateRoom([int(x) for x in tail[7 : 7 + m]], over, list(room[1].state_chunks)) if room[1] is not None else None
     backward_begins = next((i for i, r in enumerate(trace.records) if r.stage == Stage.BWD.value), m)
     blocks = costs(spans, act.names, saved, inputs, fwd, backward_begins)
-    plan = plan_activations(blocks, headroom, link, traffic, room_value, state)
+    cache = None
+    if chunks is not None:
+        sizes, own = chunks
+        uses = [tuple(c for c in trace.records[i].chunks if own(c)) for i in range(m)]
+        # a moment's headroom is what its chunks leave: this rank's own chunks may stay in it
+        cache = CacheModel(uses, sizes, [h + sum(sizes[c] for c in u) for h, u in zip(headroom, uses)], backward_begins)
+    agreed = PlanInputs(headroom, traffic, room_value, state, cache)
+    return PlanReport(_decide(blocks, link, agreed, comm, device), blocks, link, min(headroom, default=0), agreed)
+
+
+def _decide(blocks: Sequence[BlockCost], link: float, inputs: PlanInputs, comm: Comm, device: torch.device) -> ActivationPlan:
+    """The plan for ``blocks`` on agreed figures, agreed block by block over the ranks."""
+    plan = plan_activations(blocks, inputs.headroom, link, inputs.traffic, inputs.room_value, inputs.state, inputs.cache)
     if comm.distributed:
-        # the figures are agreed, but each rank prices its own state chunks: should the plans still
-        # differ, every rank takes, block by block, the one that holds least (and copies waited for
-        # if any rank waits), so the ranks' collectives stay in step
+        # the figures are agreed, but each rank prices its own state chunks and predicts its own
+        # chunk loads: should the plans still differ, every rank takes, block by block, the one
+        # that holds least (and copies waited for if any rank waits), so the ranks' collectives
+        # stay in step
+        n = len(blocks)
         rank_of = {ActivationPolicy.KEEP: 0.0, ActivationPolicy.OFFLOAD: 1.0, ActivationPolicy.CHECKPOINT: 2.0}
         mine = torch.tensor([rank_of[p] for p in plan.policies] + [0.0 if plan.overlap else 1.0], dtype=torch.float64)
         agreed = comm.all_reduce_max(mine, what="the activation plan", device=device).tolist()
@@ -187,4 +223,26 @@ def plan_blocks(
         policies = tuple(back[x] for x in agreed[:n])
         if policies != plan.policies or (agreed[n] > 0) == plan.overlap:
             plan = dataclasses.replace(plan, policies=policies, overlap=agreed[n] == 0)
-    return PlanReport(plan, blocks, link, min(headroom, default=0))
+    return plan
+
+
+REFINE_TOLERANCE = 0.10
+"""How far (relative) a frozen step's forward times may stray from the measured ones before the
+plan is searched again on them: closer, the plan stands (a new plan is traced afresh, which costs
+two warm-up iterations)."""
+
+
+def refine(report: PlanReport, forward_s: Sequence[float | None], comm: Comm, device: torch.device) -> PlanReport:
+    """``report`` with the blocks' forward times of a frozen step under its plan (None: a block
+    not called; it keeps its measured time), its plan searched again on them where they differ
+    from the measured ones by more than :data:`REFINE_TOLERANCE` (Note [activation plan])."""
+    old = [b.forward_s for b in report.blocks]
+    times = [float(t) if t is not None else o for t, o in zip(forward_s, old)]
+    if comm.distributed:  # every rank plans on the slowest rank's times, as the measured ones were agreed
+        t = torch.tensor(times, dtype=torch.float64)
+        times = comm.all_reduce_max(t, what="the blocks' forward times", device=device).tolist()
+    blocks = tuple(dataclasses.replace(b, forward_s=t) for b, t in zip(report.blocks, times))
+    report = dataclasses.replace(report, blocks=blocks, timed_on_frozen_step=True)
+    if report.inputs is None or all(abs(t - o) <= REFINE_TOLERANCE * max(o, 1e-9) for t, o in zip(times, old)):
+        return report
+    return dataclasses.replace(report, plan=_decide(blocks, report.link, report.inputs, comm, device))

@@ -749,10 +749,15 @@ class ChunkEngine:
                     "blocks": {b.name: p.value for b, p in zip(report.blocks, report.plan.policies)},
                     "saved_bytes": {b.name: b.saved for b in report.blocks},
                     "forward_seconds": {b.name: b.forward_s for b in report.blocks},
+                    # the forward times planned on: the plan's first frozen step's, once it ran
+                    # (the measuring run's include chunk loads a frozen step prefetches)
+                    "timed_on_frozen_step": report.timed_on_frozen_step,
                     "predicted_step_seconds": report.plan.step_s,
                     "fits": report.plan.fits,
                     "least_room_bytes": report.plan.least_room,
                     "link_bytes_per_second": report.link,
+                    # -1: the measuring run's own plan (every block offloaded, each copy waited for)
+                    "predicted_chunk_bytes_to_device": report.plan.chunk_bytes_to_device,
                 }
         return out
 

@@ -26,7 +26,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from chunkstar.activations import MIN_OFFLOAD_BYTES, BlockActivations
 from chunkstar.activations.measure import SavedCounter
-from chunkstar.activations.plan import LinkLoad, StateRoom
+from chunkstar.activations.plan import ActivationPlan, LinkLoad, StateRoom
 from chunkstar.chunk.lists import STATE_LISTS, ChunkList
 from chunkstar.chunk.state import TensorState
 from chunkstar.config import ActivationPolicy, ScheduleConfig
@@ -42,7 +42,7 @@ from chunkstar.memory.budget import Overrun, minimum_budget
 from chunkstar.memory.cursor import Cursor
 from chunkstar.memory.tracer import TracePhase
 from chunkstar.placement.optimizer import moment_footprints, plan_device_adam, resident_footprint
-from chunkstar.runtime.activation_planning import PlanReport, block_spans, measure_link, plan_blocks
+from chunkstar.runtime.activation_planning import PlanReport, block_spans, measure_link, plan_blocks, refine
 from chunkstar.runtime.chunk_manager import ChunkManager
 from chunkstar.runtime.gradients import GradientConsumer, Gradients
 from chunkstar.runtime.reads import ReadState
@@ -94,6 +94,7 @@ class Iteration:
         self.saved_counter: SavedCounter | None = None  # "keep": the blocks' saved bytes, counted in warm-up
         self.activation_plan: PlanReport | None = None
         self.activation_fallbacks = 0
+        self._frozen_times_due = False  # the plan's first frozen step is timed, then planned on again
         self.host_update_seconds: float | None = None
         """Seconds a host Adam update takes per parameter: measured in the warm-up's first optimizer
         step (a dry run sets its target's); what a byte of device room is worth to "auto"'s plan."""
@@ -335,6 +336,8 @@ class Iteration:
             # trace, so the engine can go on with a smaller batch (or be rebuilt with a bigger budget)
             self.abort()
             raise
+        if self.schedule.frozen:
+            self._refine_activations()
 
     def abort(self) -> None:
         """Leave the engine usable after an exception inside forward or backward
@@ -371,13 +374,35 @@ class Iteration:
             self.activation_plan = report
             act.apply(report.plan.policies, overlap=report.plan.overlap)
             if not report.plan.as_measured:
-                self.schedule.trace_again(
-                    f"the activation plan keeps {report.plan.count(ActivationPolicy.KEEP)}, recomputes "
-                    f"{report.plan.count(ActivationPolicy.CHECKPOINT)} and offloads "
-                    f"{report.plan.count(ActivationPolicy.OFFLOAD)} blocks"
-                )
+                self._trace_plan(report.plan, "")
                 return
+        planned = self.activation_plan
+        if act is not None and act.auto and act.cost is None and planned is not None and not planned.timed_on_frozen_step:
+            act.time_frozen_step()  # the next iteration is the plan's first frozen one (Note [activation plan])
+            self._frozen_times_due = True
         self._plan_adam()
+
+    def _trace_plan(self, plan: ActivationPlan, why: str) -> None:
+        self.schedule.trace_again(
+            f"the activation plan{why} keeps {plan.count(ActivationPolicy.KEEP)}, recomputes "
+            f"{plan.count(ActivationPolicy.CHECKPOINT)} and offloads {plan.count(ActivationPolicy.OFFLOAD)} blocks"
+        )
+
+    def _refine_activations(self) -> None:
+        """The plan's first frozen step ended: plan again on its blocks' forward times (the
+        measuring run's include chunk loads the frozen schedule prefetches) and, if that changes
+        the plan, trace it afresh (once per shape of the run)."""
+        act, report = self.activations, self.activation_plan
+        if not self._frozen_times_due or act is None or report is None or act.timing:
+            return
+        self._frozen_times_due = False
+        if act.measuring:
+            return  # the run changed shape meanwhile: measured and planned afresh
+        refined = refine(report, act.frozen_forward_s(), self.comm, self.mgr.device)
+        self.activation_plan = refined
+        if refined.plan.policies != report.plan.policies or refined.plan.overlap != report.plan.overlap:
+            act.apply(refined.plan.policies, overlap=refined.plan.overlap)
+            self._trace_plan(refined.plan, " on a frozen step's forward times")
 
     def _plan_activations(self, act: BlockActivations) -> PlanReport:
         mgr = self.mgr
@@ -387,7 +412,7 @@ class Iteration:
         return plan_blocks(
             act, trace, mgr.capacity, lambda m: self.schedule.moment_chunk_bytes(trace.records[m].chunks),
             self._collective_scratch(), self.chunk_traffic, self.link_bandwidth, self.comm, mgr.device,
-            room=self._room_value(),
+            room=self._room_value(), chunks=([c.nbytes for c in mgr.chunks.chunks_of(ChunkList.PARAM)], mgr.chunks.own),
         )  # fmt: skip
 
     def _room_value(self) -> tuple[float, StateRoom | None]:
