@@ -20,7 +20,7 @@ STEPS = 3
 COMPILED_STEPS = 4
 ACCUM = 2
 ACCUM_STEPS = 3
-AUTO_STEPS = 6  # two measured, two traced under the plan, two on it
+AUTO_STEPS = 8  # two measured, two traced under the plan, one frozen and timed, then (re-planned or not) on it
 
 
 def _checkpointed_gpt2() -> torch.nn.Module:
@@ -172,6 +172,7 @@ def habits(rank: int, world: int, port: int, out: str) -> None:
         stats = engine.stats()
         result["auto_plan"] = stats["activation_plan"]["blocks"]
         result["auto_measuring"] = stats["activation_measuring"]
+        result["auto_timed"] = stats["activation_plan"]["timed_on_frozen_step"]
 
         # 5. a parameter that gets gradients in an earlier micro-batch only: refused on every rank alike
         torch.manual_seed(0)

@@ -6,6 +6,7 @@ on the device than keep; nothing changes in the model's code or class.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from torch import nn
 import chunkstar
 import chunkstar.activations.offload as offload_mod
 from chunkstar.activations import BlockActivations, find_blocks, repeated_classes
+from chunkstar.config import ActivationPolicy
 from chunkstar.errors import ConfigError
 
 from tests.core._models import CASES, DTYPES, assert_losses_close, engine_config, eviction_budget, train_engine, train_reference
@@ -401,6 +403,54 @@ def test_auto_with_the_habits_of_real_loops(monkeypatch: pytest.MonkeyPatch, sma
     assert stats["activation_plan"]["fits"] and not stats["activation_measuring"]
     assert set(stats["activation_plan"]["blocks"].values()) != {"keep"}
     assert stats["activation_plan"]["timed_on_frozen_step"]  # planned on a frozen micro-step's forward times
+
+
+_POLICY_OF = {"K": ActivationPolicy.KEEP, "C": ActivationPolicy.CHECKPOINT, "O": ActivationPolicy.OFFLOAD}
+
+
+@pytest.mark.parametrize("pattern", ["OKKK", "KOKO", "OOKK", "OCKO", "COOK"])
+def test_a_plan_holds_no_more_than_its_model_says(pattern: str, monkeypatch: pytest.MonkeyPatch, small_offloads: None) -> None:
+    """The plan's model of what each policy holds (Note [activation plan]) and the mechanism
+    agree, for any mix of policies: every moment of the trace under a plan holds at most the
+    measuring run's non-model bytes plus what the model adds there, so a budget the plan fits
+    holds by design. (A kept block after an offloaded one once held the offloaded block's bytes
+    until the backward, where the model let them go after the kept block's forward.)"""
+    import chunkstar.runtime.activation_planning as planning
+    from chunkstar.activations.plan import MARGIN_BYTES, MARGIN_FRACTION, _added
+    from chunkstar.runtime import iteration
+
+    forced = tuple(_POLICY_OF[c] for c in pattern)
+    seen: dict[str, Any] = {}
+    real_plan = planning.plan_activations
+
+    def forced_plan(blocks: Any, headroom: Any, *args: Any, **kwargs: Any) -> Any:
+        seen["blocks"] = blocks
+        return dataclasses.replace(real_plan(blocks, headroom, *args, **kwargs), policies=forced, overlap=True)
+
+    real_measure = iteration.Iteration._plan_activations
+
+    def capture(self: Any, act: Any) -> Any:
+        seen["measured"] = [(r.module, r.stage, r.non_model_peak) for r in self.cursor.trace.records]
+        return real_measure(self, act)
+
+    monkeypatch.setattr(planning, "plan_activations", forced_plan)
+    monkeypatch.setattr(iteration.Iteration, "_plan_activations", capture)
+    case = CASES["gpt2"]
+    engine, opt = chunkstar.initialize_engine(case.build, config=engine_config("fp32", budget="256MB", activations={"policy": "auto"}))
+    try:
+        train_engine(engine, opt, case, 4)  # 2 measured, 2 traced under the plan
+        planned = [(r.module, r.stage, r.non_model_peak) for r in engine._iteration.cursor.trace.records]
+        assert engine.stats()["activation_blocks"] == {p.value: forced.count(p) for p in _POLICY_OF.values()}
+    finally:
+        engine.close()
+    measured = seen["measured"]
+    added = _added(seen["blocks"], forced, len(measured))
+    margin = MARGIN_BYTES + int(MARGIN_FRACTION * max(added))
+    # recomputation adds backward moments: compare the forward's, and the backward's where the moments agree
+    n = len(measured) if "C" not in pattern else next(m for m, r in enumerate(measured) if r[1] == "bwd")
+    assert [r[:2] for r in planned[:n]] == [r[:2] for r in measured[:n]]
+    over = [(m, measured[m][0], measured[m][1], planned[m][2] - measured[m][2] - added[m]) for m in range(n)]
+    assert all(x[3] <= margin for x in over), [x for x in over if x[3] > margin]
 
 
 def test_a_frozen_steps_forward_times_plan_again(monkeypatch: pytest.MonkeyPatch, small_offloads: None) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from chunkstar.activations.plan import (
-    MARGIN_BYTES, ActivationPlan, BlockCost, LinkLoad, plan_activations, predict_step,
+    MARGIN_BYTES, ActivationPlan, BlockCost, LinkLoad, _added, plan_activations, predict_step,
 )  # fmt: skip
 from chunkstar.config import ActivationPolicy
 from chunkstar.placement.chunk_traffic import CacheModel
@@ -18,8 +18,7 @@ def _blocks(n: int, saved: int = 100 * MB, inputs: int = 4 * MB, forward_s: floa
     for i in range(n):
         held_from = 2 + 2 * i  # after its forward moments (1+2i, 2+2i)
         held_until = 2 * n + 2 + 2 * (n - 1 - i)  # its backward's first moment
-        prefetch_from = held_until - 2 if i < n - 1 else -1
-        out.append(BlockCost(f"h.{i}", saved, inputs, forward_s, held_from, held_until, prefetch_from))
+        out.append(BlockCost(f"h.{i}", saved, inputs, forward_s, held_from, held_until))
     return out
 
 
@@ -108,15 +107,29 @@ def test_where_each_block_holds_its_bytes_in_the_trace() -> None:
     trace = MemoryTrace(records=[MomentRecord(m, s, ()) for m, s in labels])
     names = ["h.0", "h.1", "h.10", "h.2"]  # h.1 is no prefix of h.10's moments; h.2 has none
     spans = block_spans(trace, names)
-    assert spans == [Span(1, 3, 11), Span(3, 5, 9), Span(5, 6, 8), Span(-1, -1, -1)]
+    assert spans == [Span(1, 3, 11, 13), Span(3, 5, 9, 11), Span(5, 6, 8, 9), Span(-1, -1, -1)]
     blocks = costs(spans, names, [10.0] * 4, [1.0] * 4, [0.1] * 4, backward_begins=7)
     h0, h1, h10, h2 = blocks
-    # kept: from the end of its forward to its backward; offloaded: let go after the next block's
-    # forward (the last block: when the backward begins), back one block ahead of its backward
-    assert (h0.held_from, h0.held_until, h0.let_go_at, h0.prefetch_from) == (3, 11, 5, 9)
-    assert (h1.held_from, h1.held_until, h1.let_go_at, h1.prefetch_from) == (5, 9, 6, 8)
-    assert (h10.held_from, h10.held_until, h10.let_go_at, h10.prefetch_from) == (6, 8, 7, -1)
+    # kept: from the end of its forward through its backward; offloaded: let go after the next
+    # block's forward (the last block: when the backward begins)
+    assert (h0.held_from, h0.held_until, h0.let_go_at, h0.backward_end) == (3, 11, 5, 13)
+    assert (h1.held_from, h1.held_until, h1.let_go_at, h1.backward_end) == (5, 9, 6, 11)
+    assert (h10.held_from, h10.held_until, h10.let_go_at, h10.backward_end) == (6, 8, 7, 9)
     assert (h2.held_from, h2.held_until) == (0, 0)
+    # offloaded ones come back when the backward reaches the next offloaded block: h.0 when h.10's
+    # begins if h.1 is kept, when h.1's begins if h.1 is offloaded too; h.10, the first reached, as read
+    n = 14
+    kept_between = _added(blocks[:3], [OFF, KEEP, OFF], n)
+    assert kept_between[8] == 10 + 10 and kept_between[7] == 10  # h.1 kept from 5; h.0 back from 8
+    chained = _added(blocks[:3], [OFF, OFF, OFF], n)
+    assert chained[8] == 10 and chained[7] == 0 and chained[9] == 10 + 10  # h.1 back from 8, h.0 from 9
+    # within its own backward a block holds beyond the measuring run only what that run had not yet
+    # read back: h.0's backward (moments 11, 12) read 4 bytes at 11 and 6 at 12
+    from chunkstar.runtime.activation_planning import unread_bytes
+
+    assert unread_bytes(spans[0], 10, {11: 4, 12: 6}) == [6, 0] and unread_bytes(spans[3], 10, {}) == []
+    read = costs(spans, names, [10.0] * 4, [1.0] * 4, [0.1] * 4, 7, [[6, 0], [10, 10], [10], []])
+    assert _added(read[:1], [KEEP], n)[10:13] == [10, 6, 0]  # kept: all before its backward, then the unread
 
 
 def test_device_room_is_priced_as_hybrid_adam_places_state() -> None:

@@ -47,11 +47,13 @@ Why this workload, not the issue's 51.5M GPT-2 in bf16 at 2 x 1024
     1024`` (gpt2-51m has 1024 positions), on a machine with fast bf16.
 
 How long it takes
-    Default: 3 warm-up steps (auto: 5, the measuring warm-up, two traced steps
-    under its plan and the first frozen one) + 3 timed steps per row, 1 round,
-    44 steps for the rows; then the search's runs of 2-3 steps each. Measured:
-    17.5 minutes on this machine while other jobs kept 1.4-1.5 of its 2 cores
-    busy (steps of 5-20 s).
+    Default: 3 warm-up steps (auto: 7, the measuring warm-up, two traced steps
+    under its plan, the first frozen one, timed per block, and two more traced
+    should those times change the plan) + 4 timed steps per row and round;
+    then the search's runs of 2-3 steps each. Measured on this machine with
+    nothing else running: 10.1 minutes with ``--rounds 3`` (steps of 1.6-2.1
+    s), the rounds interleaved row by row; under foreign load steps ran 2-10x
+    slower.
 
 How to read it
     ``s/step`` is the median of the timed steps (pooled over ``--rounds``).

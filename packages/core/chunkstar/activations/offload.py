@@ -16,19 +16,22 @@ prefetch and evictions and overlap the compute as those do:
 
 * to the host as the forward saves: the copy is issued and the forward goes on.
   The device bytes of one block call's copies are let go when the *next* block
-  call ends (or the backward begins), after waiting for those copies: so the
-  copies of a block overlap its own forward and the next block's, and what the
+  call ends, whether that block is offloaded, kept or recomputed
+  (:meth:`HostOffload.block_ended`), or the backward begins, after waiting for
+  those copies: so the copies of a block overlap its own forward and the next
+  block's, and what the
   device holds does not depend on how fast the copies ran. That matters: the
   warm-up trace measures it, the chunk budget of every later moment is planned
   on it, and bytes let go as soon as a copy happened to finish would make each
   budget hold by luck, more on the run where the copies ran slower (Note
   [activation plan] counts a block's bytes until the next one's forward ends);
 * back to the device ahead of the backward: when the backward first reads a
-  storage of block call k, every storage of call k-1 (the next block the backward
-  reaches) is sent for on the prefetch path, and the backward reaches it to
-  find the copy done or in flight. So the copies back run one block ahead, in
-  reverse order, bounded by one block's bytes. The first block the backward
-  reaches (the last offloaded) is brought back when it is read.
+  storage of offloaded call k, every storage of the offloaded call before it
+  (the next offloaded block the backward reaches, past any kept or recomputed
+  ones) is sent for on the prefetch path, and the backward reaches it to find
+  the copy done or in flight. So the copies back run one offloaded block
+  ahead, in reverse order, bounded by one block's bytes. The first block the
+  backward reaches (the last offloaded) is brought back when it is read.
 
 What is not offloaded, and why:
 
@@ -179,6 +182,9 @@ class HostOffload:
         """Bytes copied back to the device so far."""
         self.prefetched_bytes = 0
         """Of :attr:`bytes_to_device`, those sent for ahead of the backward's read."""
+        self.back_log: list[tuple[str, int, int]] | None = None
+        """Where set, every copy back is logged here as (block, moment, bytes): the measuring run
+        learns when its backward read each block's storages (Note [activation plan])."""
 
     @contextlib.contextmanager
     def block_call(self, block: str = "", saved: SavedBytes | None = None) -> Iterator[None]:
@@ -259,6 +265,14 @@ class HostOffload:
         jobs.clear()
         return time.perf_counter() - t0
 
+    def block_ended(self) -> None:
+        """A block that is not offloaded finished its forward: the offloaded call before it lets
+        its device bytes go now, as the end of an offloaded call would (the plan counts them
+        until the *next block's* forward is over, whatever that block's policy)."""
+        with self._lock:
+            behind, self._behind = self._behind, []
+        self._let_go(behind)
+
     def drain(self) -> None:
         """Wait for every copy to the host and let their device bytes go (the backward begins,
         or the engine closes): at the same point of every iteration."""
@@ -283,6 +297,8 @@ class HostOffload:
         rec.device = back
         with self._lock:
             self.bytes_to_device += rec.nbytes
+            if self.back_log is not None:
+                self.back_log.append((rec.call.block, rec.moment, rec.nbytes))
             if prefetch:
                 self.prefetched_bytes += rec.nbytes
 
@@ -302,7 +318,7 @@ class HostOffload:
         rec = packed.storage
         if rec.device is None:
             self._send_for(rec, prefetch=False)
-        # the next block the backward reaches: sent for now, one block ahead
+        # the next offloaded block the backward reaches: sent for now, one offloaded block ahead
         prev = rec.call.prev() if self.prefetch and rec.call.prev is not None else None
         if prev is not None:
             self._fetch_call(prev)

@@ -27,8 +27,12 @@ that stay within the headroom less a margin: a kept block's saved bytes and a
 recomputed block's inputs, over the moments between the block's forward and its
 backward; an offloaded block's saved bytes until the next block's forward is
 over (its copies to the host overlap that forward, Note [activation offload])
-and again from the moment its copy back is sent for (one block ahead) to its
-backward.
+and again from the moment its copy back is sent for (when the backward reaches
+the next offloaded block: one offloaded block ahead) to its backward. Within a
+block's own backward a kept, recomputed or prefetched block holds everything it
+saved from the first moment, where the measuring run brings each storage back
+only as the backward reads it: what that run had not read by a moment (it logs
+each copy back) counts there too.
 
 The step time the plan changes is predicted as compute plus the link time the
 compute cannot hide:
@@ -115,12 +119,21 @@ class BlockCost:
     """The first moment at which keeping holds its saved bytes (after its last forward moment)."""
     held_until: int
     """The moment its backward begins (its saved bytes are held before it)."""
-    prefetch_from: int = -1
-    """Offloaded, the moment its copy back is sent for: the backward of the block the backward
-    reaches just before it begins (-1: none, the first block the backward reaches)."""
     let_go_at: int = -1
     """Offloaded, the moment its device bytes go once its copies are done: after the next block's
     forward (-1: at once, as the measuring run waits for each copy)."""
+    released_at: int = -1
+    """The moment after its backward's last (-1: ``held_until``). Within its backward a kept,
+    recomputed or prefetched block holds all it saved from the first moment on, where the
+    measuring run brings each storage back only as the backward reads it."""
+    unread: tuple[int, ...] | None = None
+    """Per moment of its backward (from ``held_until``), the saved bytes the measuring run had not
+    brought back by then: what the other policies hold there beyond it (None: not measured, all
+    of ``saved`` at every moment, an upper bound)."""
+
+    @property
+    def backward_end(self) -> int:
+        return max(self.released_at, self.held_until)
 
 
 @dataclass(frozen=True)
@@ -220,16 +233,36 @@ def _added(blocks: Sequence[BlockCost], policies: Sequence[ActivationPolicy], n_
             diff[lo] += extra
             diff[hi] -= extra
 
-    for b, p in zip(blocks, policies):
+    # an offloaded block is sent for when the backward first reads the next offloaded block, in the
+    # forward's order (the mechanism chains the offloaded calls, Note [activation offload]): one
+    # offloaded block ahead, however many kept or recomputed blocks lie between; the first the
+    # backward reaches is brought back as it is read, as measured
+    sent_for: dict[int, int] = {}
+    if overlap:
+        chain = sorted((b.held_from, i) for i, (b, p) in enumerate(zip(blocks, policies)) if p is OFFLOAD and b.held_from < b.held_until)
+        for (_, j), (_, k) in zip(chain, chain[1:]):
+            sent_for[j] = blocks[k].held_until
+    def own_backward(b: BlockCost) -> None:
+        # all it saved is there from its backward's first moment; the measuring run has what it read
+        if b.unread is None:
+            add(b.saved, b.held_until, b.backward_end)
+            return
+        for k, extra in enumerate(b.unread[: b.backward_end - b.held_until]):
+            add(extra, b.held_until + k, b.held_until + k + 1)
+
+    for i, (b, p) in enumerate(zip(blocks, policies)):
         if p is KEEP:
             add(b.saved, b.held_from, b.held_until)
-        elif p is CHECKPOINT:
+            own_backward(b)
+        elif p is CHECKPOINT:  # its inputs until the backward, then the recomputed forward's tensors
             add(b.inputs, b.held_from, b.held_until)
-        elif overlap:  # offloaded: held until the next block's forward is over, back one block ahead of its backward
+            own_backward(b)
+        elif overlap:  # offloaded: held until the next block's forward is over, and from its copy back on
             if b.let_go_at >= 0:
                 add(b.saved, b.held_from, b.let_go_at)
-            if b.prefetch_from >= 0:
-                add(b.saved, b.prefetch_from, b.held_until)
+            if i in sent_for:
+                add(b.saved, sent_for[i], b.held_until)
+                own_backward(b)
     out, run = [], 0
     for m in range(n_moments):
         run += diff[m]

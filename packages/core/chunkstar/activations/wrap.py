@@ -44,7 +44,10 @@ class _Measure:
     """One block's measurements while the plan is measured (Note [activation plan] in
     :mod:`chunkstar.activations.plan`): per iteration, summed over its calls."""
 
-    __slots__ = ("saved", "small", "inputs", "forward_s", "calls", "_it_saved", "_it_small", "_it_s", "_it_calls", "_timers")
+    __slots__ = (
+        "saved", "small", "inputs", "forward_s", "calls", "back", "_it_saved", "_it_small", "_it_s", "_it_calls", "_timers",
+        "_it_back",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.saved = 0  # bytes offloaded in one iteration (the largest iteration's)
@@ -52,6 +55,8 @@ class _Measure:
         self.inputs = 0  # bytes of its tensor inputs (the largest iteration's)
         self.forward_s: float | None = None  # forward seconds in one iteration (the fastest iteration's)
         self.calls = 0  # calls in one iteration
+        self.back: dict[int, int] = {}  # moment -> bytes the backward brought back then (the last iteration's)
+        self._it_back: dict[int, int] = {}
         self._it_saved = self._it_small = self._it_calls = 0
         self._it_s = 0.0
         self._timers: list[tuple[Any, Any, float]] = []  # CUDA: (start, end, seconds waited) per call
@@ -66,9 +71,13 @@ class _Measure:
         elif seconds is not None:
             self._it_s += max(seconds - saved.waited_s, 0.0)
 
+    def brought_back(self, moment: int, nbytes: int) -> None:
+        self._it_back[moment] = self._it_back.get(moment, 0) + nbytes
+
     def close_iteration(self) -> None:
         if not self._it_calls:
             return
+        self.back, self._it_back = self._it_back, {}
         if self._timers:
             torch.cuda.synchronize()
             self._it_s += sum(max(a.elapsed_time(b) / 1e3 - w, 0.0) for a, b, w in self._timers)
@@ -122,14 +131,22 @@ class BlockActivations:
         name = self.names[index]
 
         def call(policy: ActivationPolicy, args: tuple[Any, ...], kwargs: dict[str, Any], saved: SavedBytes | None) -> Any:
+            if policy is ActivationPolicy.OFFLOAD:
+                self.offloaded_calls += 1
+                with self.offload.block_call(name, saved):
+                    return forward(*args, **kwargs)
             if policy is ActivationPolicy.KEEP:
-                return forward(*args, **kwargs)
-            if policy is ActivationPolicy.CHECKPOINT:
+                out = forward(*args, **kwargs)
+            else:
                 self.recomputed_calls += 1
-                return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **_without_cache(block, kwargs))
-            self.offloaded_calls += 1
-            with self.offload.block_call(name, saved):
-                return forward(*args, **kwargs)
+                out = checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **_without_cache(block, kwargs))
+            # the offloaded block before this one lets its device bytes go at this block's end, as the
+            # plan counts them (Note [activation offload])
+            t0 = time.perf_counter()
+            self.offload.block_ended()
+            if saved is not None:
+                saved.waited_s += time.perf_counter() - t0
+            return out
 
         @functools.wraps(forward)
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -187,7 +204,13 @@ class BlockActivations:
 
     def close_iteration(self) -> None:
         """A training iteration ended: its calls' measurements are one iteration's."""
+        log = self.offload.back_log or []
+        self.offload.back_log = [] if self.measuring else None
         if self.measuring:
+            index = {name: i for i, name in enumerate(self.names)}
+            for block, moment, nbytes in log:
+                if block in index:
+                    self.measures[index[block]].brought_back(moment, nbytes)
             for m in self.measures:
                 m.close_iteration()
         if self.timing:
@@ -211,6 +234,7 @@ class BlockActivations:
         # plan]): each copy to the host waited for, each storage sent for when it is read
         self.offload.pipelined = False
         self.offload.prefetch = False
+        self.offload.back_log = []
 
     def measure(self) -> None:
         """Measure again (the run changed shape): every block offloaded, fresh measurements."""
@@ -228,6 +252,7 @@ class BlockActivations:
         assert len(policies) == len(self.blocks)
         self.policies = list(policies)
         self.measuring = False
+        self.offload.back_log = None
         self.offload.prefetch = overlap
         self.offload.pipelined = overlap
 

@@ -609,7 +609,7 @@ def predict(record: StepRecord, hw: Hardware, *, overlap: bool = True, ranks_per
             if mv.src == "host" and mv.dst == "device" and not mv.gathered:
                 seconds = mv.nbytes / hw.h2d_bandwidth
                 if mv.reason == "prefetch" and mv.chunk_list == "activation":
-                    # a block's saved tensors sent for one block ahead of its backward: they hold the
+                    # a block's saved tensors sent for one offloaded block ahead of its backward: they hold the
                     # link (chunk prefetches queue behind them), not this moment's compute
                     move(mv, "h2d", t_issue, seconds)
                 elif mv.reason == "prefetch":

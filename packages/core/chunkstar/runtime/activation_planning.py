@@ -5,7 +5,8 @@ The policy is :func:`chunkstar.activations.plan.plan_activations` (Note
 the blocks' measurements (:class:`~chunkstar.activations.BlockActivations`),
 where each block's forward and backward fall among the trace's moments, each
 moment's headroom (the capacity less its chunks, the collectives' scratch and
-its measured non-model peak), the warm-up's chunk traffic by pass and direction,
+its measured non-model peak), the warm-up's chunk traffic by pass and direction
+and the chunks' uses for predicting each plan's loads,
 and the host link's speed, timed once through the engine's own copy engines (so
 an emulated link on the CPU device is timed as it runs, and a GPU's PCIe as it
 is). With several processes every figure is agreed over the ranks (the largest
@@ -18,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -34,7 +35,7 @@ from chunkstar.placement.chunk_traffic import CacheModel
 
 __all__ = [
     "LINK_PROBE_BYTES", "REFINE_TOLERANCE", "PlanInputs", "PlanReport", "Span", "block_spans", "costs", "measure_link",
-    "plan_blocks", "refine",
+    "plan_blocks", "refine", "unread_bytes",
 ]
 
 LINK_PROBE_BYTES = 32 << 20
@@ -89,11 +90,12 @@ def measure_link(device: torch.device, copies: CopyEngine) -> float:
 @dataclass(frozen=True)
 class Span:
     """Where one block falls in the trace: the moments of its first forward call (the first, and the
-    one after its last), and its first backward moment."""
+    one after its last), its first backward moment and the one after its last."""
 
     first_fwd: int
     after_fwd: int
     first_bwd: int
+    after_bwd: int = -1
 
     @property
     def found(self) -> bool:
@@ -105,6 +107,7 @@ def block_spans(trace: MemoryTrace, names: Sequence[str]) -> list[Span]:
     first_fwd: dict[str, int] = {}
     after_fwd: dict[str, int] = {}  # the moment after the first call's last (its moments run in a row)
     first_bwd: dict[str, int] = {}
+    after_bwd: dict[str, int] = {}  # the moment after its last backward one
     owner: dict[str, str] = {}
 
     def block_of(label: str) -> str | None:
@@ -126,23 +129,38 @@ def block_spans(trace: MemoryTrace, names: Sequence[str]) -> list[Span]:
             running = b
         elif rec.stage == Stage.BWD.value:
             first_bwd.setdefault(b, m)
+            after_bwd[b] = m + 1
     return [
-        Span(first_fwd[n], after_fwd.get(n, first_bwd[n]), first_bwd[n]) if n in first_fwd and n in first_bwd else Span(-1, -1, -1)
+        Span(first_fwd[n], after_fwd.get(n, first_bwd[n]), first_bwd[n], after_bwd[n])
+        if n in first_fwd and n in first_bwd else Span(-1, -1, -1)
         for n in names
-    ]
+    ]  # fmt: skip
+
+
+def unread_bytes(span: Span, saved: int, back: Mapping[int, int]) -> list[int]:
+    """Per moment of the block's backward, the bytes of its ``saved`` the measuring run had not
+    brought back by the end of that moment (``back``: moment -> bytes it brought back then)."""
+    if not span.found:
+        return []
+    out, read = [], sum(b for m, b in back.items() if m < span.first_bwd)  # any read before (a prefetch)
+    for m in range(span.first_bwd, max(span.after_bwd, span.first_bwd)):
+        read += back.get(m, 0)
+        out.append(max(saved - read, 0))
+    return out
 
 
 def costs(spans: Sequence[Span], names: Sequence[str], saved: Sequence[float], inputs: Sequence[float],
-          forward_s: Sequence[float], backward_begins: int) -> tuple[BlockCost, ...]:  # fmt: skip
+          forward_s: Sequence[float], backward_begins: int,
+          unread: Sequence[Sequence[int]] | None = None) -> tuple[BlockCost, ...]:  # fmt: skip
     """The planner's view of each block (Note [activation plan]): beyond the measuring run, keeping
-    holds its bytes from the end of its first forward call to its first backward moment;
-    offloading, until the next block's forward call is over (or the backward begins,
-    ``backward_begins``), and again from the backward of the block the backward reaches just
-    before it (its copy back, one block ahead). Within its own forward the measuring run holds
-    them too (a call's storages live until it ends, Note [activation offload])."""
+    holds its bytes from the end of its first forward call through its backward; offloading,
+    until the next block's forward call is over (or the backward begins, ``backward_begins``),
+    and again from its copy back (one offloaded block ahead: the plan places it) through its
+    backward (beyond the measuring run there: ``unread``, per block, :func:`unread_bytes`;
+    None: all it saved). Within its own forward the measuring run holds them too (a call's
+    storages live until it ends, Note [activation offload])."""
     found = sorted((sp.first_fwd, i) for i, sp in enumerate(spans) if sp.found)
     next_in_forward = {i: found[k + 1][1] for k, (_, i) in enumerate(found[:-1])}
-    bwd_starts = sorted(sp.first_bwd for sp in spans if sp.found)
     out = []
     for i, (name, sp) in enumerate(zip(names, spans)):
         if not sp.found:
@@ -150,10 +168,10 @@ def costs(spans: Sequence[Span], names: Sequence[str], saved: Sequence[float], i
             continue
         nxt = next_in_forward.get(i)
         let_go = spans[nxt].after_fwd if nxt is not None else backward_begins
-        before = [b for b in bwd_starts if b < sp.first_bwd]
         out.append(BlockCost(
             name, int(saved[i]), int(inputs[i]), forward_s[i], sp.after_fwd, sp.first_bwd,
-            before[-1] if before else -1, min(max(let_go, sp.after_fwd), sp.first_bwd),
+            min(max(let_go, sp.after_fwd), sp.first_bwd), sp.after_bwd,
+            tuple(int(x) for x in unread[i]) if unread is not None else None,
         ))  # fmt: skip
     return tuple(out)
 
@@ -185,6 +203,10 @@ def plan_blocks(
         # per moment what hybrid Adam counts beside this rank's chunks (zeros where room has no price)
         + [float(x) for x in (list(room[1].base) if room[1] is not None else [0] * m)]
     )  # fmt: skip
+    # per block and moment of its backward, what the measuring run had not read back (the spans
+    # are the trace's, alike on every rank)
+    unread = [unread_bytes(sp, x.saved, x.back) for sp, x in zip(spans, act.measures)]
+    figures += [float(u) for us in unread for u in us]
     if comm.distributed:
         t = torch.tensor(figures, dtype=torch.float64)
         figures = comm.all_reduce_max(t, what="the activation plan's measurements", device=device).tolist()
@@ -195,8 +217,12 @@ def plan_blocks(
     traffic = LinkLoad(*(int(x) for x in tail[3:7]))
     # (each rank places its own state chunks; their sizes are alike, so rank 0's stand for all)
     state = StateRoom([int(x) for x in tail[7 : 7 + m]], over, list(room[1].state_chunks)) if room[1] is not None else None
+    flat, lengths, unread = tail[7 + m :], [len(u) for u in unread], []
+    for k in lengths:
+        unread.append([int(x) for x in flat[:k]])
+        flat = flat[k:]
     backward_begins = next((i for i, r in enumerate(trace.records) if r.stage == Stage.BWD.value), m)
-    blocks = costs(spans, act.names, saved, inputs, fwd, backward_begins)
+    blocks = costs(spans, act.names, saved, inputs, fwd, backward_begins, unread)
     cache = None
     if chunks is not None:
         sizes, own = chunks
