@@ -484,6 +484,29 @@ def test_a_frozen_steps_forward_times_plan_again(monkeypatch: pytest.MonkeyPatch
     assert stats["activation_blocks"] == {p: list(plan["blocks"].values()).count(p) for p in ("keep", "checkpoint", "offload")}
 
 
+def test_auto_with_the_disk_tier(tmp_path: Any, small_offloads: None) -> None:
+    """The optimizer state in files (the disk tier) beside a planned activation policy: the two
+    share the host memory and the copy engines, and training stays exact."""
+    case = CASES["gpt2"]
+    steps = 6
+    want = train_reference(case, steps)
+    base = engine_config("fp32", budget="256MB")
+    budget = _mid_budget(case.build, base, case.batch(0))
+    engine, opt = chunkstar.initialize_engine(case.build, config={
+        **base, "device_memory_budget": budget, "activations": {"policy": "auto"}, "disk": {"path": str(tmp_path / "disk")},
+    })  # fmt: skip
+    try:
+        got = train_engine(engine, opt, case, steps)
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert_losses_close(got, want, RTOL["fp32"], "auto with the disk tier")
+    assert stats["disk_bytes_written"] > 0 and stats["disk_bytes_read"] > 0
+    plan = stats["activation_plan"]
+    assert plan["fits"] and not stats["activation_measuring"] and set(plan["blocks"].values()) != {"keep"}
+    assert stats["device_peak_bytes"] <= budget
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_auto_with_compiled_blocks(small_offloads: None) -> None:
     """Blocks compiled as torchtitan users do (``block.compile()``): the plan changes what the
