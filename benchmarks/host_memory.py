@@ -36,6 +36,7 @@ How to read it
 
     python benchmarks/host_memory.py                 # pytorch and chunkstar, 4 steps
     python benchmarks/host_memory.py --steps 6 --live --json runs/host_memory.json
+    python benchmarks/host_memory.py --precision fp32   # a CPU without fast bf16 (this project's CI machine)
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def _state_bytes(tensors: list[Any]) -> int:
     return sum(seen.values())
 
 
-def _child(spec: RunSpec, live: bool) -> dict[str, Any]:
+def _child(spec: RunSpec, live: bool, precision: str = "bf16") -> dict[str, Any]:
     system = spec.system
     ctx = Context(spec)
     meter = PhaseMeter()
@@ -159,7 +160,7 @@ def _child(spec: RunSpec, live: bool) -> dict[str, Any]:
             optimizer = torch.optim.AdamW(params, **ADAMW, fused=True)
 
             def fwd(ids: Any) -> Any:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
                     return model(input_ids=ids, labels=ids).loss
 
             def bwd(loss: Any) -> None:
@@ -232,8 +233,8 @@ def _child(spec: RunSpec, live: bool) -> dict[str, Any]:
 # --------------------------------------------------------------------------- orchestration (parent side)
 
 
-def _run_child(spec: RunSpec, live: bool) -> dict[str, Any]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--spec", spec.to_json()]
+def _run_child(spec: RunSpec, live: bool, precision: str = "bf16") -> dict[str, Any]:
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--spec", spec.to_json(), "--precision", precision]
     if live:
         command.append("--live")
     proc = subprocess.run(command, capture_output=True, text=True)
@@ -310,13 +311,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch threads in every child (default: torch's own choice)")
     parser.add_argument("--free-budget-gib", type=float, default=16.0, help="chunkstar's device budget")
+    parser.add_argument(
+        "--precision", choices=("bf16", "fp32"), default="bf16",
+        help="bf16: PyTorch under bf16 autocast, chunkstar with bf16 chunks (fp32 masters); fp32: both in fp32, "
+        "for a CPU without fast bf16 matrix products",
+    )  # fmt: skip
     parser.add_argument("--live", action="store_true", help="one more step measuring live tensor bytes (see the docstring)")
     parser.add_argument("--json", type=Path, metavar="OUT", help="also write the results here as JSON")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        result = _child(RunSpec.from_json(args.spec), args.live)
+        result = _child(RunSpec.from_json(args.spec), args.live, args.precision)
         print(_RESULT_PREFIX + json.dumps(result), flush=True)
         return 0
     systems = [s for s in SYSTEMS if s in {x.strip() for x in args.systems.split(",")}]
@@ -327,13 +333,14 @@ def main(argv: list[str] | None = None) -> int:
             system=system, model=MODEL, batch=args.batch, seq_len=args.seq, steps=args.steps, warmup=0,
             seed=args.seed, threads=args.threads,
             chunkstar_budget=int(args.free_budget_gib * 2**30) if system == "chunkstar" else None,
+            chunkstar_precision="fp32" if system == "chunkstar" and args.precision == "fp32" else None,
         )
         for system in systems
     }  # fmt: skip
     results: dict[str, dict[str, Any]] = {}
     for system, spec in specs.items():
         print(f"running {system} ...", file=sys.stderr, flush=True)
-        results[system] = _run_child(spec, args.live)
+        results[system] = _run_child(spec, args.live, args.precision)
     print(_report(results))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
