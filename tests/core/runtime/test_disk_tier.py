@@ -85,11 +85,23 @@ def test_training_is_bit_identical_with_the_state_on_disk(
     assert s["disk_bytes_written"] >= STEPS * s["master_and_adam_bytes"]
     assert s["disk_bytes_read"] >= (STEPS - 1) * s["master_and_adam_bytes"]
     assert s["disk_staging_peak_bytes"] <= s["disk_staging_budget_bytes"]
+    # the default staging: the largest chunk's state (the tied embedding's) and the next largest
+    masters = sorted((c.nbytes for c in e1.mgr.chunks.chunks_of(ChunkList.MASTER)), reverse=True)
+    assert masters[0] == LARGEST_STATE_CHUNK and s["disk_staging_budget_bytes"] == 3 * (masters[0] + masters[1])
     assert s["chunk_moves_to_host"] > 0 and s["device_adam_chunks"] == 0
     # staging buffers are model memory: the warm-up measured the same activations
     assert s["warmup_non_model_peak_bytes"] == e0.stats()["warmup_non_model_peak_bytes"]
     e1.close()
     assert not list((tmp_path / "disk").glob("*.chunks"))  # a cache: gone at a clean end
+
+
+def test_the_default_staging_budget_is_the_two_largest_chunks_state() -> None:
+    from chunkstar.runtime.disk_tier import default_staging_budget
+
+    assert default_staging_budget({0: 400, 1: 64, 2: 64, 3: 400}, 3) == 3 * (400 + 400)
+    assert default_staging_budget({0: 400, 1: 64, 2: 32}, 3) == 3 * (400 + 64)
+    assert default_staging_budget({0: 64}, 3) == 3 * 2 * 64  # one entry: chunks all of its size
+    assert default_staging_budget({}, 3) == 0
 
 
 def test_a_staging_budget_of_one_chunk_is_enough_and_less_is_refused(tmp_path: Path) -> None:

@@ -33,8 +33,8 @@ of ``n`` GPUs with ``C`` usable bytes each and ``H`` usable host bytes:
   master, exp_avg, exp_avg_sq, 12 bytes per chunk element) live in files on the
   disk, which must hold them all; the host holds the bf16 param chunks (2 per
   element) the GPUs cannot, plus each process's staging buffers (the
-  ``staging_budget``; the engine's auto, ``default_staging_budget``, is two
-  chunks of every disk list). Device Adam is off with the disk tier, so spare
+  ``staging_budget``; the engine's auto, ``default_staging_budget``, is the
+  two largest chunks of every disk list, here two of the uniform chunk size). Device Adam is off with the disk tier, so spare
   device memory holds param chunks only. The device need is chunkstar's. A
   staging budget below one chunk's state (of every disk list) is refused by the
   engine: the model does not fit (binding ``staging``).

@@ -127,9 +127,15 @@ class RealDisk:
 
 def default_staging_budget(chunk_bytes: Mapping[int, int], n_lists: int) -> int:
     """Two chunks' worth of every disk list: one chunk read ahead while another is updated
-    and written behind (``chunk_bytes``: a state chunk's bytes by chunk id). The least that
-    works is one chunk of every list."""
-    return 2 * n_lists * max(chunk_bytes.values(), default=0)
+    and written behind (``chunk_bytes``: a state chunk's bytes by chunk id; one entry stands
+    for chunks all of its size). The two are the largest and the next largest, not twice the
+    largest: a parameter larger than the chunk size has a chunk of its own (a tied embedding,
+    often several times the others), and twice its state would be host memory no other
+    pair of chunks needs. The least that works is one chunk of every list."""
+    sizes = sorted(chunk_bytes.values(), reverse=True)
+    if not sizes:
+        return 0
+    return n_lists * (sizes[0] + (sizes[1] if len(sizes) > 1 else sizes[0]))
 
 
 def _close(lanes: TierLanes, files: TierFiles) -> None:
