@@ -63,6 +63,8 @@ def test_blocks_are_the_repeated_layers() -> None:
         find_blocks(net, ["Nothing"])
     with pytest.raises(ValueError, match="no ModuleList"):
         find_blocks(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="has no repeated layers to take as blocks .* or leave activations.policy"):
+        find_blocks(nn.Sequential(nn.Linear(2, 2)))  # "auto" found none: said as such, not as classes asked for
 
 
 def test_bad_config_is_refused() -> None:

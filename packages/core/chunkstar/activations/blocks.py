@@ -54,10 +54,13 @@ def find_blocks(model: nn.Module, names: Sequence[str] | None = None) -> list[nn
             inside.update(id(m) for m in mod.modules())
     if not blocks:
         found = repeated_classes(model)
-        asked = f"the classes {sorted(wanted)}" if wanted else "no repeated layers"
+        if wanted:
+            what = f"has no module of the classes {sorted(wanted)}"
+            what += f"; its repeated layers are {found}" if found else "; it has no ModuleList of repeated layers either"
+        else:  # "auto" found nothing to call a block
+            what = "has no repeated layers to take as blocks (no ModuleList of two or more modules of one class)"
         raise ValueError(
-            f"activations.blocks: the model ({type(model).__name__}) has no module of {asked}"
-            + (f"; its repeated layers are {found}" if found else "; it has no ModuleList of repeated layers either")
-            + ": name the block classes in activations.blocks"
+            f"activations.blocks: the model ({type(model).__name__}) {what}: name the block classes in "
+            "activations.blocks, or leave activations.policy at \"keep\""
         )
     return blocks

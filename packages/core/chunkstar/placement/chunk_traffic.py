@@ -65,10 +65,6 @@ class CacheModel:
         # nothing is ever loaded
         object.__setattr__(self, "_every", sum(self.sizes[c] for c in {c for ids in self.uses for c in ids}))
 
-    @property
-    def n_moments(self) -> int:
-        return len(self.uses)
-
     def loads(self, added: Sequence[int] | None = None) -> tuple[int, int]:
         """Bytes loaded to the device in one steady-state iteration: (forward, backward), with
         ``added[m]`` more bytes held at moment ``m`` by something other than chunks."""
