@@ -33,10 +33,15 @@ def scale(rank: int, world: int, port: int, out: str, case: str, pretrained: str
             "lora": test_frozen.build_lora_llama,
             "meta": test_construction._on_meta(test_construction._gpt2),
             "meta-disk": test_construction._on_meta(test_construction._gpt2),  # the state on disk
+            "meta-disk-params": test_construction._on_meta(test_construction._gpt2),  # the params too
         }
         build = builders[case]
         budget = eviction_budget(test_construction._gpt2() if case != "lora" else build(), torch.float32, 0.85)
-        extra = {"disk": {"path": str(Path(out) / "disk")}} if case == "meta-disk" else {}  # one directory, both ranks
+        extra: dict[str, Any] = {}
+        if case.startswith("meta-disk"):  # one directory, both ranks
+            extra["disk"] = {"path": str(Path(out) / "disk")}
+            if case == "meta-disk-params":
+                extra["disk"]["lists"] = ["param", "master", "exp_avg", "exp_avg_sq"]
         torch.manual_seed(test_construction.SEED)  # the same seed on every rank
         engine, optimizer = chunkstar.initialize_engine(
             build, rank, engine_config("fp32", budget=budget, **extra), pretrained=pretrained

@@ -138,7 +138,8 @@ def save_checkpoint(
                         with chunks.staged([(name, c.chunk_id)], write=False):
                             tensors[f"{name}.{c.chunk_id}"] = c.payload.detach().to("cpu", copy=chunks.on_disk(name))
             for c in _own_frozen(chunks):  # the values of a frozen chunk are its param chunk (Note [frozen chunks])
-                tensors[f"{ChunkList.PARAM.value}.{c.chunk_id}"] = c.payload.detach().to("cpu")
+                with chunks.staged([(ChunkList.PARAM, c.chunk_id)], write=False):
+                    tensors[f"{ChunkList.PARAM.value}.{c.chunk_id}"] = c.payload.detach().to("cpu", copy=chunks.on_disk(ChunkList.PARAM))
             for key, t in _buffers(engine).items():  # every rank keeps its buffers: a rank resumes from its own shard
                 tensors[f"buffer.{key}"] = t.detach().to("cpu").contiguous().clone()
 
@@ -414,7 +415,8 @@ def _load(engine: Checkpointable, path: Path, checked: _Checked) -> None:
                     with chunks.staged([(name, c.chunk_id)], write=True):  # host, device, or disk through a buffer
                         c.payload.copy_(h.get_tensor(f"{name}.{c.chunk_id}"))
         for c in _own_frozen(chunks):
-            c.payload.copy_(h.get_tensor(f"{ChunkList.PARAM.value}.{c.chunk_id}"))
+            with chunks.staged([(ChunkList.PARAM, c.chunk_id)], write=True):
+                c.payload.copy_(h.get_tensor(f"{ChunkList.PARAM.value}.{c.chunk_id}"))
         keys = set(h.keys())
         for key, t in _buffers(engine).items():
             if f"buffer.{key}" in keys:

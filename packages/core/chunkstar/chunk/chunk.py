@@ -114,6 +114,10 @@ class Chunk:
         self._pending: CopyEvent | None = None
         # host-side work on the host payload still running (the optimizer's update)
         self._work: CopyEvent | None = None
+        # a chunk whose home is a file (Note [param chunks on disk]): the file holds what the
+        # payload holds, as of the mover's version then (as the clean host copy's flag)
+        self._file_valid = False
+        self._file_version: int | None = None
 
     def __repr__(self) -> str:
         return f"Chunk({self.list_name}[{self.chunk_id}], {self.numel} x {self.dtype}, {self.location.name})"
@@ -131,6 +135,7 @@ class Chunk:
         self.wait_ready()
         if self.location is ChunkLocation.DEVICE:
             self._host_valid = False
+            self._file_valid = False
             return self._device_buf
         if self.location is ChunkLocation.HOST:
             assert self._host_buf is not None
@@ -202,8 +207,10 @@ class Chunk:
         return self._host_buf is not None
 
     def mark_dirty(self) -> None:
-        """The device payload was (or may have been) written: the host copy is stale."""
+        """The device payload was (or may have been) written: the host copy (and the file's,
+        for a chunk whose home is a file) is stale."""
         self._host_valid = False
+        self._file_valid = False
 
     @property
     def host_buffer(self) -> torch.Tensor:
@@ -219,7 +226,7 @@ class Chunk:
 
     def move_to(
         self, tier: Tier, copies: CopyEngine, *, prefetch: bool = False, keep_host: bool = False,
-        version: Callable[[int], int] | None = None,
+        version: Callable[[int], int] | None = None, into: torch.Tensor | None = None,
     ) -> bool:  # fmt: skip
         """Copy the payload to ``tier`` and free it in the other one, through ``copies``;
         returns whether bytes were copied (an eviction of a clean chunk copies none).
@@ -230,7 +237,9 @@ class Chunk:
         once its copy is done (a deferred free, run by the copy engine). With
         ``keep_host`` a move to the device keeps the host buffer as a clean copy;
         ``version(chunk_id)``, read when the copy is kept and again at the eviction, says
-        whether something wrote the payload in between (Note [clean host copy]).
+        whether something wrote the payload in between (Note [clean host copy]). ``into``: the
+        host buffer a move to the host copies into when the chunk has none (a staging buffer
+        of the disk tier, Note [param chunks on disk]).
         """
         if tier is Tier.DEVICE:
             check_location_transition(repr(self), self.location, ChunkLocation.DEVICE)
@@ -252,6 +261,8 @@ class Chunk:
             self._host_buf = src if keep_host or self._host_pinned else None
             self._host_valid = keep_host
             self._host_version = version(self.chunk_id) if keep_host and version is not None else None
+            if self._file_valid:
+                self._file_version = version(self.chunk_id) if version is not None else None
             self._pending = copies.to_device(self._device_buf, src, prefetch=prefetch, after=self._work)
             self._work = None  # the copy lands after it
             self.location = ChunkLocation.DEVICE
@@ -268,7 +279,14 @@ class Chunk:
             self._pending, self._host_read = self._host_read, None
             return False
         self._host_read = None
-        host = self._host_buf if self._host_buf is not None else self._new_host()
+        self._file_valid = False  # the bytes copied back are newer than the file's, if any
+        if self._host_buf is not None:
+            host = self._host_buf
+        elif into is not None:
+            assert into.numel() == self.numel and into.dtype == self.dtype, (repr(self), into.shape, into.dtype)
+            host, self._host_pinned = into, False  # lent: the lender takes it back (detach_host)
+        else:
+            host = self._new_host()
         self._pending = copies.to_host(host, self._device_buf)
         # the device bytes are freed once the copy has read them (Note [deferred free])
         self._free = self._memory.free_after(self._device_buf.untyped_storage(), self._pending)
@@ -281,17 +299,42 @@ class Chunk:
         """First placement of a chunk whose list lives on disk: its file slot (zeros) is the payload."""
         check_location_transition(repr(self), self.location, ChunkLocation.DISK)
         self.location = ChunkLocation.DISK
+        self._file_valid = True
 
-    def attach_host(self, buf: torch.Tensor, filling: CopyEvent) -> None:
+    def attach_host(self, buf: torch.Tensor, filling: CopyEvent, *, as_work: bool = False) -> None:
         """DISK -> HOST: ``buf`` (1-D host, this chunk's numel and dtype), being filled from the
-        file by ``filling``, becomes the payload; readers wait on it as on any pending copy."""
+        file by ``filling``, becomes the payload; readers wait on it as on any pending copy.
+        ``as_work``: the read counts as host-side work on the payload, which the next copy to
+        the device is handed as ``after`` (its copy waits for it, not the calling thread)."""
         check_location_transition(repr(self), self.location, ChunkLocation.HOST)
         assert buf.numel() == self.numel and buf.dtype == self.dtype, (repr(self), buf.shape, buf.dtype)
         self._host_buf = buf
         self._host_pinned = False  # a staging buffer of the disk tier, lent
         self._host_valid = True
-        self._pending = filling  # the read was ordered after this chunk's last write-behind
+        self._file_valid = True
+        # the read was ordered after this chunk's last write-behind
+        if as_work:
+            self._work = filling
+        else:
+            self._pending = filling
         self.location = ChunkLocation.HOST
+
+    def file_clean(self, version: Callable[[int], int] | None = None) -> bool:
+        """On the device, and its file holds the same bytes: nothing wrote the payload since it
+        was read from the file (Note [param chunks on disk]); ``version`` as for :meth:`move_to`."""
+        if self.location is not ChunkLocation.DEVICE or not self._file_valid:
+            return False
+        return version is None or self._file_version is None or version(self.chunk_id) == self._file_version
+
+    def drop_to_disk(self) -> None:
+        """DEVICE -> DISK for a chunk whose file holds its payload (:meth:`file_clean`): the
+        device bytes are freed, nothing is copied or written."""
+        assert self.file_clean(), repr(self)
+        check_location_transition(repr(self), self.location, ChunkLocation.DISK)
+        self.wait_ready()
+        self._memory.free(self._device_buf.untyped_storage())
+        self._host_read = None
+        self.location = ChunkLocation.DISK
 
     def detach_host(self) -> tuple[torch.Tensor, CopyEvent | None]:
         """HOST -> DISK: the host payload leaves; returns it and the event of the last work on
@@ -313,6 +356,7 @@ class Chunk:
         """The write-behind of this (DISK) chunk's bytes: the next read of its file waits for it."""
         assert self.location is ChunkLocation.DISK, repr(self)
         self._pending = event
+        self._file_valid = True
 
     def set_pending(self, event: CopyEvent) -> None:
         """Something else now writes (or reads) the device payload asynchronously (an

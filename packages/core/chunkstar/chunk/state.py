@@ -56,7 +56,8 @@ _LOCATION_EDGES: dict[ChunkLocation, frozenset[ChunkLocation]] = {
     _L.RELEASED: frozenset({_L.HOST, _L.DEVICE, _L.DISK}),
     _L.HOST: frozenset({_L.DEVICE, _L.DISK}),
     _L.DISK: frozenset({_L.HOST}),  # staged in through a host buffer
-    _L.DEVICE: frozenset({_L.HOST, _L.RELEASED}),  # RELEASED: a gathered remote copy is dropped
+    # RELEASED: a gathered remote copy is dropped; DISK: a param chunk whose file holds its bytes
+    _L.DEVICE: frozenset({_L.HOST, _L.RELEASED, _L.DISK}),
 }
 
 

@@ -24,6 +24,7 @@ from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.layout import ChunkLayout, TensorSlot
 from chunkstar.chunk.lists import CHUNK_LISTS, STATE_LISTS, ChunkList
 from chunkstar.chunk.state import ChunkLocation, TensorState
+from chunkstar.device.copy_engine import CopyEvent
 from chunkstar.device.memory import DeviceMemory
 from chunkstar.device.pinned import PinnedBuffers
 from chunkstar.errors import ChunkStateError
@@ -54,8 +55,14 @@ class DiskStaging(Protocol):
 
     def on_disk(self, name: ChunkList) -> bool: ...
     def staged(self, chunks: list[Chunk], *, write: bool) -> contextlib.AbstractContextManager[None]: ...
-    def stage_in(self, chunk: Chunk) -> None: ...
+    def stage_in(self, chunk: Chunk, *, for_device: bool = False) -> None: ...
     def stage_out(self, chunk: Chunk, *, write: bool) -> None: ...
+    def take(self, chunk: Chunk) -> torch.Tensor:
+        """A staging buffer for ``chunk``'s bytes (waits for room)."""
+
+    def give_back_after(self, buf: torch.Tensor, event: CopyEvent | None) -> None:
+        """``buf`` goes back to the pool once the copy of ``event`` no longer reads it."""
+
     def stats(self) -> dict[str, float | int]: ...
     def drain(self) -> None:
         """Return once every transfer issued so far is over."""

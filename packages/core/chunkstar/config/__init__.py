@@ -30,6 +30,7 @@ machine has (Note [sizes the machine could hold]).
 
 from chunkstar.config.parse import host_memory_bytes, parse_bytes, parse_config
 from chunkstar.config.sections import (
+    DEFAULT_DISK_LISTS,
     DISK_LISTS,
     ActivationPolicy,
     ActivationsConfig,
@@ -45,6 +46,7 @@ from chunkstar.config.sections import (
 )
 
 __all__ = [
+    "DEFAULT_DISK_LISTS",
     "DISK_LISTS",
     "ActivationPolicy",
     "ActivationsConfig",

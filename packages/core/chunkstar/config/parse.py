@@ -26,6 +26,7 @@ from chunkstar.config.hyperparams import ADAM_HYPERPARAMS, validate_param_group
 from chunkstar.config.sections import (
     ActivationPolicy,
     ActivationsConfig,
+    DEFAULT_DISK_LISTS,
     DISK_LISTS,
     DiskConfig,
     EngineConfig,
@@ -68,16 +69,10 @@ def _parse_disk(value: object) -> DiskConfig | None:
         raise ConfigError("disk.path", f"{path!r} holds a NUL byte, which no file system path can")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError("disk.path", f"{path!r} is a file; the disk tier needs a directory")
-    lists_raw = sec.get("lists", list(DISK_LISTS))
+    lists_raw = sec.get("lists", list(DEFAULT_DISK_LISTS))
     if not isinstance(lists_raw, (list, tuple)) or not lists_raw:
         raise ConfigError("disk.lists", f"expected {_DISK_KEYS['lists']}, got {lists_raw!r}")
     for name in lists_raw:
-        if name == "param":
-            raise ConfigError(
-                "disk.lists",
-                "the param list cannot live on disk yet (the forward reads it every step); choose among "
-                + ", ".join(DISK_LISTS),
-            )
         if name not in DISK_LISTS:
             raise ConfigError("disk.lists", f"unknown list {name!r}; choose among {', '.join(DISK_LISTS)}")
     lists = tuple(ChunkList(n) for n in DISK_LISTS if n in lists_raw)  # in the lists' own order, once each

@@ -17,6 +17,7 @@ import torch
 from chunkstar.chunk.lists import ChunkList
 
 __all__ = [
+    "DEFAULT_DISK_LISTS",
     "DISK_LISTS",
     "ActivationPolicy",
     "ActivationsConfig",
@@ -172,8 +173,12 @@ class ScheduleConfig:
     "auto", four times the largest param chunk."""
 
 
-DISK_LISTS = ("master", "exp_avg", "exp_avg_sq")
-"""The chunk lists that may live on disk: the optimizer's fp32 state (12 of the 14 bytes per parameter)."""
+DISK_LISTS = ("param", "master", "exp_avg", "exp_avg_sq")
+"""The chunk lists that may live on disk: all four (Note [disk tier] in :mod:`chunkstar.runtime.disk_tier`)."""
+DEFAULT_DISK_LISTS = ("master", "exp_avg", "exp_avg_sq")
+"""The lists on disk when the config names none: the optimizer's fp32 state (12 of the 14
+bytes per parameter), read and written once per step. The param list is read by every
+forward and backward, so it goes on disk only when asked for."""
 
 
 @dataclass(frozen=True)
@@ -184,9 +189,10 @@ class DiskConfig:
     path: str = _key("disk.path", "a directory for the chunk files (created if missing)")
     """Directory for this run's chunk files (a cache, not a checkpoint: deleted at a clean end)."""
     lists: tuple[ChunkList, ...] = _key(
-        "disk.lists", f"a list of {', '.join(DISK_LISTS)} (default: all three)", tuple(ChunkList(n) for n in DISK_LISTS)
+        "disk.lists", f"a list of {', '.join(DISK_LISTS)} (default: {', '.join(DEFAULT_DISK_LISTS)})",
+        tuple(ChunkList(n) for n in DEFAULT_DISK_LISTS),
     )
-    """Which of master / exp_avg / exp_avg_sq live on disk, in the lists' own order."""
+    """Which of param / master / exp_avg / exp_avg_sq live on disk, in the lists' own order."""
     staging_budget: int | None = _key(
         "disk.staging_budget", 'host bytes for chunks between disk and the optimizer: an integer, a string like "1GB", or "auto"', None
     )
@@ -231,8 +237,8 @@ class EngineConfig:
     """The dtype gradients are summed in across processes (several processes only): fp32
     by default, as FSDP2's ``reduce_dtype`` for bf16; the param dtype halves the bytes on
     the wire at the cost of rounding every partial sum. gloo always sums in fp32."""
-    disk: DiskConfig | None = _key("disk", "{path, lists, staging_budget, on_stale, direct, verify}: optimizer state chunks in files under path", None)
-    """The disk tier for optimizer state (None: master and Adam state stay in host memory)."""
+    disk: DiskConfig | None = _key("disk", "{path, lists, staging_budget, on_stale, direct, verify}: chunks (optimizer state by default, params too if listed) in files under path", None)
+    """The disk tier (None: every chunk's host home is host memory)."""
     activations: ActivationsConfig = _key("activations", "{policy, blocks}: what the model's blocks do with their saved activations", default_factory=ActivationsConfig)
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config as given (for run metadata)."""

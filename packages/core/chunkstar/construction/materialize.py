@@ -210,15 +210,17 @@ def _held_against(
         )
 
 
-def _rehome(model: nn.Module, p: nn.Parameter, place: torch.Tensor) -> nn.Parameter:
+def _rehome(model: nn.Module, p: nn.Parameter, place: torch.Tensor, *, fresh: bool = False) -> nn.Parameter:
     """Point parameter ``p`` at ``place``; returns the parameter object that now does.
 
     A real parameter takes ``place`` as its ``.data`` (its old storage is freed). A meta
     one cannot (``set_data`` refuses another device type), so the tensors are swapped
     under the same Python object (``torch.utils.swap_tensors``); a parameter something
     holds a weak reference to (an RNN's flat weights) cannot be swapped, so a new
-    object takes its place in every module that holds it (RNNs refresh their flat weights)."""
-    if not p.is_meta:
+    object takes its place in every module that holds it (RNNs refresh their flat weights).
+    ``fresh``: swapped even when real, so that ``p`` no longer shares its version counter
+    with what it viewed before (Note [a parameter's version counter])."""
+    if not p.is_meta and not fresh:
         p.data = place
         return p
     new = nn.Parameter(place, requires_grad=p.requires_grad)
@@ -301,7 +303,7 @@ def fill_chunks(
     # on the meta device nothing has values to initialise (Note [the meta device] in device/tiers.py)
     needs_init = report.meta_params > 0 and len(key_of) < len(params) and holds_values(store.chunks.device)
     job = _Fill(model, params, layout, store, allocate, key_of, source, needs_init)
-    if store.chunks.on_disk(ChunkList.MASTER):
+    if store.chunks.disk is not None:
         _fill_in_waves(job, wave_bytes)
     else:
         _fill_at_once(job)
@@ -340,7 +342,8 @@ def _cast_params(chunks: Chunks, chunk_ids: Iterable[int]) -> None:
     """Each trainable param chunk from its master (a frozen chunk's param slots are its values already)."""
     for cid in chunk_ids:
         if chunks.own(cid) and not chunks.frozen(cid):
-            chunks.chunk(ChunkList.PARAM, cid).payload.copy_(chunks.chunk(ChunkList.MASTER, cid).payload)
+            with chunks.staged([(ChunkList.PARAM, cid)], write=True):  # from its file and back, if it lives there
+                chunks.chunk(ChunkList.PARAM, cid).payload.copy_(chunks.chunk(ChunkList.MASTER, cid).payload)
 
 
 def _fill_at_once(job: _Fill) -> None:
@@ -390,6 +393,30 @@ def _scratch(slots: list[TensorSlot], device: torch.device) -> torch.Tensor:
     return torch.empty(max((s.numel for s in slots), default=0), dtype=torch.float32, device=device)
 
 
+# Note [a parameter's version counter]: a meta parameter takes its place as a new Parameter
+# made from a view of a chunk buffer, and such a Parameter shares that buffer's version
+# counter (as ``detach()`` does); assigning ``.data`` later keeps it. autograd checks the
+# counter of every parameter a forward saved, and the engine reads it to see writes (Note
+# [clean host copy], Note [writes in a forward]). A master buffer is its own chunk's, written
+# only by its own update; a staging buffer of the disk tier goes on to hold any chunk (a
+# param chunk copied back mid-backward, an update's result), and every write there would
+# count as a write of the parameters that once viewed it: autograd then refuses the
+# backward. So a wave's parameters leave its staging buffers as fresh Parameters, each
+# viewing a one-element placeholder of its own.
+def _placeholder(chunks: Chunks, shape: tuple[int, ...]) -> torch.Tensor:
+    """A one-element tensor of its own (its own version counter), expanded to ``shape``; on the
+    host tier's device (meta in a dry run, as the chunks)."""
+    return torch.zeros(1, device=host_device(chunks.device)).expand(shape)
+
+
+def _wave_lists(chunks: Chunks, chunk_id: int) -> list[ChunkList]:
+    """The lists of chunk ``chunk_id`` a wave stages: those of its lists that live on disk
+    and hold values (the master, or a frozen chunk's param chunk; the param chunk of a
+    trainable one too, cast from its master in the wave)."""
+    lists = [ChunkList.PARAM] if chunks.frozen(chunk_id) else [ChunkList.MASTER, ChunkList.PARAM]
+    return [n for n in lists if chunks.on_disk(n)]
+
+
 def _fill_in_waves(job: _Fill, wave_bytes: int) -> None:
     """Note [construction in waves]: with the masters on disk, they are never all in host
     memory, so the chunks are filled a wave at a time: the masters of a few chunks (at most
@@ -412,23 +439,28 @@ def _fill_in_waves(job: _Fill, wave_bytes: int) -> None:
             "parameters on the meta device, or give their values in pretrained="
         )
     for cid in range(layout.n_chunks):
-        allocate(cid)  # masters and moments on disk (zeros), param chunks on the host
+        allocate(cid)  # the disk lists' chunks on disk (zeros), the others on the host
+    # a wave's chunks of the lists on disk are staged at once: a master, and the param chunk
+    # (trainable or frozen) when its home is a file too (Note [param chunks on disk])
+    params_on_disk = chunks.on_disk(ChunkList.PARAM)
     waves: list[list[int]] = [[]]
     size = 0
+    frozen_own: list[int] = []
     for cid in range(layout.n_chunks):
-        if not chunks.own(cid) or chunks.frozen(cid):
+        if not chunks.own(cid):
             continue
-        nbytes = chunks.chunk(ChunkList.MASTER, cid).nbytes
+        if chunks.frozen(cid) and not params_on_disk:
+            frozen_own.append(cid)  # in memory (param list only): the first wave
+            continue
+        nbytes = sum(chunks.chunk(n, cid).nbytes for n in _wave_lists(chunks, cid))
         if waves[-1] and size + nbytes > wave_bytes:
             waves.append([])
             size = 0
         waves[-1].append(cid)
         size += nbytes
-    frozen_own = [cid for cid in range(layout.n_chunks) if chunks.own(cid) and chunks.frozen(cid)]
-    waves[0] = frozen_own + waves[0]  # frozen chunks are in memory (param list only): the first wave
+    waves[0] = frozen_own + waves[0]
     base_seed = draw_base_seed() if needs_init else 0  # one draw from the user's RNG, as one pass makes
     slot_of = {id(p): s for s, p in zip(slots, params)}
-    placeholder = torch.zeros(1, device=host_device(chunks.device))  # meta in a dry run, as the chunks
     for wave in waves:
         members = set(wave)
         # the modules whose initialisers run in this wave, and the parameters they may touch:
@@ -446,7 +478,7 @@ def _fill_in_waves(job: _Fill, wave_bytes: int) -> None:
                             seen.add(id(q))
                             touched.append(slot_of[id(q)])
         scratch = _scratch([s for s in touched if s.chunk_id not in members], host_device(chunks.device))  # written, never read
-        with chunks.staged([(ChunkList.MASTER, c) for c in wave if not chunks.frozen(c)], write=True), torch.no_grad():
+        with chunks.staged([(n, c) for c in wave for n in _wave_lists(chunks, c)], write=True), torch.no_grad():
             placed = [*(s for s in slots if s.chunk_id in members), *(s for s in touched if s.chunk_id not in members)]
             for s in placed:
                 p = params[s.index]
@@ -463,13 +495,14 @@ def _fill_in_waves(job: _Fill, wave_bytes: int) -> None:
                         source.read_into(key, chunks.value_view(slots[i]))
             _cast_params(chunks, wave)
             # nothing may keep viewing this wave's staging buffers once they go back to the pool:
-            # a view would keep a buffer alive after the pool dropped it (host memory past the budget)
+            # a view would keep a buffer alive after the pool dropped it (host memory past the
+            # budget), and share its version counter (Note [a parameter's version counter])
             for s in placed:
-                params[s.index] = _rehome(model, params[s.index], placeholder.expand(s.shape))
+                params[s.index] = _rehome(model, params[s.index], _placeholder(chunks, s.shape), fresh=True)
         # leaving the block writes the wave's masters behind; their buffers go to the next wave
         del scratch
     # nor stay on the meta device (another rank's parameters, say): a one-element placeholder
     # each, until the caller points them at the param chunks' device views
     for s in slots:
         if params[s.index].is_meta:
-            params[s.index] = _rehome(model, params[s.index], placeholder.expand(s.shape))
+            params[s.index] = _rehome(model, params[s.index], _placeholder(chunks, s.shape))

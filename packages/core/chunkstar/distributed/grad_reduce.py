@@ -35,7 +35,7 @@ from typing import Iterable, Protocol, Sequence
 import torch
 
 from chunkstar.chunk.lists import ChunkList
-from chunkstar.chunk.state import TensorState
+from chunkstar.chunk.state import ChunkLocation, TensorState
 from chunkstar.chunk.store import ChunkStore
 from chunkstar.distributed.comm import Comm, PendingReduce
 from chunkstar.distributed.gather import GroupGathers
@@ -161,7 +161,9 @@ class GroupReducer:
         mgr = self.mgr
         group = list(mgr.layout.group(start))
         own_id = group[self.comm.rank]
-        if self.device.type == "cuda" and not mgr.resident((ChunkList.PARAM, own_id)):
+        # (a chunk whose home is a file is brought to the device too: Note [param chunks on disk])
+        on_disk = mgr.chunks.chunk(ChunkList.PARAM, own_id).location is ChunkLocation.DISK
+        if (self.device.type == "cuda" or on_disk) and not mgr.resident((ChunkList.PARAM, own_id)):
             mgr.make_resident([(ChunkList.PARAM, own_id)], MoveReason.ACCESS, where=f"the gradient reduction of chunk {own_id}")
         # under NCCL its flat buffers are scratch the measured non-model memory leaves out: room is
         # made for them here (Note [scratch counted once] in distributed/comm.py)
@@ -202,10 +204,11 @@ class GroupReducer:
                     still.append((own_id, pending))
                     continue
                 summed = pending.wait()  # this rank's own chunk of the sum, ours to change
-                own = mgr.chunks.chunk(ChunkList.PARAM, own_id).payload
-                for a, b in _gradient_runs(mgr, own_id):
-                    run = summed[a:b].mul_(inv)  # in place: no temporary (same arithmetic as `* inv`)
-                    own[a:b].copy_(run)
+                with mgr.chunks.staged([(ChunkList.PARAM, own_id)], write=True):  # gone to its file since, if so
+                    own = mgr.chunks.chunk(ChunkList.PARAM, own_id).payload
+                    for a, b in _gradient_runs(mgr, own_id):
+                        run = summed[a:b].mul_(inv)  # in place: no temporary (same arithmetic as `* inv`)
+                        own[a:b].copy_(run)
         self._inflight = still
 
 

@@ -390,7 +390,7 @@ class ChunkAdam(torch.optim.Optimizer):
                 factor = float(coef)
         else:
             self._pipeline.partials.clear()
-        on_device = {cid: slots for cid, slots in grad_slots.items() if mgr.chunks.chunk(ChunkList.PARAM, cid).tier is not Tier.HOST}
+        on_device = {cid: slots for cid, slots in grad_slots.items() if mgr.chunks.chunk(ChunkList.PARAM, cid).tier is Tier.DEVICE}
         steps = self._step_tensors(grad_slots)
         self._writing = True  # from here a stop leaves some chunks stepped (Note [all or nothing])
         self._update(on_device, factor, steps)
@@ -419,7 +419,14 @@ class ChunkAdam(torch.optim.Optimizer):
                 pieces.append((cid, None, 0, 0))
                 continue
             # not handed over, or handed over by a backward that needed no norm (measure_grad_norm
-            # turned on since): measured here, where the chunk now lies
+            # turned on since): measured here, where the chunk now lies; one whose home is a file
+            # is read for it, alone (Note [param chunks on disk])
+            if mgr.chunks.chunk(ChunkList.PARAM, cid).tier is Tier.DISK:
+                with mgr.chunks.staged([(ChunkList.PARAM, cid)], write=False):
+                    g = mgr.chunks.chunk(ChunkList.PARAM, cid).payload
+                    pieces.append((cid, None, 0, 0))
+                    self._pipeline.partials[cid] = (None, [range_norms([g[a:b] for _, a, b in runs(slots, lambda s: 0)])])
+                continue
             g = mgr.chunks.chunk(ChunkList.PARAM, cid).payload
             ranges = batched.setdefault(g.device, [])
             spans = [g[a:b] for _, a, b in runs(slots, lambda s: 0)]
@@ -582,12 +589,15 @@ class ChunkAdam(torch.optim.Optimizer):
         chunks: list[Chunk] = [mgr.chunks.chunk(name, cid) for name in CHUNK_LISTS]
         disk = self._disk
         reads: list[CopyEvent] = []
-        for c in chunks[1:]:
-            if disk is not None and disk.on_disk(ChunkList(c.list_name)):
+        staged: list[Chunk] = []
+        for c in chunks:
+            if c.tier is Tier.DISK:  # a param chunk too, when its home is a file (Note [param chunks on disk])
+                assert disk is not None
                 with mgr.paused_probe():  # a staging buffer is model memory, kept for the run
                     disk.stage_in(c)  # read ahead on the read lane (Note [disk tier]); the job waits for it
                 assert c.pending_copy is not None
                 reads.append(c.pending_copy)
+                staged.append(c)
             else:
                 c.wait_ready()  # state chunks in memory: nothing in flight, normally
         tensors = tuple(c.host_buffer for c in chunks)
@@ -608,13 +618,13 @@ class ChunkAdam(torch.optim.Optimizer):
 
         if mgr.cursor.follows_trace():
             eng.host_work.widen()  # the host's updates are the schedule's now (Note [one OpenMP team])
-        event = eng.host_work.submit(job, after=chunks[0].pending_copy)
+        # (a param chunk read from its file was waited for among the reads: its pending copy is that read)
+        event = eng.host_work.submit(job, after=None if chunks[0] in staged else chunks[0].pending_copy)
         for c in chunks:
             c.set_work(event)
         if disk is not None:
-            for c in chunks[1:]:
-                if disk.on_disk(ChunkList(c.list_name)):
-                    disk.stage_out(c, write=True)  # written behind once the update is done
+            for c in staged:
+                disk.stage_out(c, write=True)  # written behind once the update is done
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

@@ -107,10 +107,11 @@ class GradientPipeline:
         chunk = mgr.chunks.chunk(ChunkList.PARAM, chunk_id)
         cur = mgr.cursor
         last = cur.moment >= cur.trace.n_moments - 1  # no backward left to hide the copy behind
-        if self._device.type == "cuda" or last:
+        if self._device.type == "cuda" or last or mgr.chunks.on_disk(ChunkList.PARAM):
             # where the gradient lies, before the chunk leaves: on CUDA on the compute stream;
             # on the CPU virtual device for the chunks the last moment completes, so the step
-            # does not wait for their copy (the same kernel on the same values either way)
+            # does not wait for their copy, and for those whose home is a file, which go
+            # straight on to it (the same kernel on the same values either way)
             g = chunk.payload
             self.partials[chunk_id] = (None, [range_norms([g[a:b] for a, b in spans])])
             mgr.offload(chunk_id)

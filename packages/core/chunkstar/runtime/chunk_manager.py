@@ -46,6 +46,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.counters import ChunkCounters
 from chunkstar.chunk.layout import ChunkLayout, TensorSlot
 from chunkstar.chunk.lists import CHUNK_LISTS, ChunkList
@@ -402,6 +403,9 @@ class ChunkManager:
     def move(self, key: Key, tier: Tier, reason: MoveReason) -> None:
         self.memory.reap()
         chunk = self.chunks.chunk(key[0], key[1])
+        if key[0] is _PARAM and self._params_on_disk:
+            self._move_through_disk(key, chunk, tier, reason)
+            return
         had_host = chunk.has_host_buffer
         keep = (
             tier is Tier.DEVICE and key[0] is _PARAM and self.keeps_clean_copies
@@ -423,6 +427,51 @@ class ChunkManager:
             copied=chunk.nbytes if copied else 0, kept_src=tier is Tier.DEVICE and chunk.has_host_buffer,
             had_dst=tier is Tier.HOST and had_host, t0=t0, t1=time.perf_counter_ns(),
         )  # fmt: skip
+
+    @property
+    def _params_on_disk(self) -> bool:
+        """Whether the param chunks' home is the disk tier (Note [param chunks on disk])."""
+        disk = self.chunks.disk
+        return disk is not None and disk.on_disk(_PARAM)
+
+    def _move_through_disk(self, key: Key, chunk: Chunk, tier: Tier, reason: MoveReason) -> None:
+        """Note [param chunks on disk]: a param chunk whose home is a file comes to the device
+        through a staging buffer (read on the disk tier's read lane, copied in after the read
+        on the copy engine, the buffer given back once the copy is done), and leaves it for its
+        file: freed at once when the file holds its bytes (read and not written since), else
+        copied into a staging buffer and written behind."""
+        disk = self.chunks.disk
+        assert disk is not None
+        t0 = time.perf_counter_ns()
+        version = self._versions
+        with self.probe.paused(), torch.profiler.record_function(f"chunkstar::{reason.value}_to_{tier.value}"):
+            if tier is Tier.DEVICE:
+                if chunk.location is ChunkLocation.DISK:
+                    disk.stage_in(chunk, for_device=True)  # recorded DISK -> HOST by the tier
+                buf = chunk.host_buffer
+                chunk.move_to(tier, self.copies, prefetch=reason is MoveReason.PREFETCH, version=version)
+                disk.give_back_after(buf, chunk.pending_copy)
+                self.index_resident(key, True)
+                self.counters.record(
+                    key[1], chunk.list_name, chunk.nbytes, src=Tier.HOST, dst=tier, reason=reason,
+                    copied=chunk.nbytes, t0=t0, t1=time.perf_counter_ns(),
+                )  # fmt: skip
+                return
+            if chunk.file_clean(version):
+                chunk.drop_to_disk()
+                self.index_resident(key, False)
+                self.counters.record(
+                    key[1], chunk.list_name, chunk.nbytes, src=Tier.DEVICE, dst=Tier.DISK, reason=reason,
+                    had_dst=True, t0=t0, t1=time.perf_counter_ns(),
+                )  # fmt: skip
+                return
+            chunk.move_to(Tier.HOST, self.copies, into=disk.take(chunk))
+            self.index_resident(key, False)
+            self.counters.record(
+                key[1], chunk.list_name, chunk.nbytes, src=Tier.DEVICE, dst=Tier.HOST, reason=reason,
+                copied=chunk.nbytes, t0=t0, t1=time.perf_counter_ns(),
+            )  # fmt: skip
+            disk.stage_out(chunk, write=True)  # written behind once the copy is done
 
     def prefetch(self, window_bytes: int, now: int | None = None) -> None:
         """Bring the chunks of the moments after ``now`` (default: the running moment) early,

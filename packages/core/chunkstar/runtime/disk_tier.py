@@ -1,9 +1,10 @@
-"""The disk tier at run time: this rank's state chunks in files, staged through host buffers.
+"""The disk tier at run time: this rank's chunks of the chosen lists in files, staged through host buffers.
 
-Note [disk tier]: with config ``disk``, the chunks of the chosen state lists
-(fp32 master, exp_avg, exp_avg_sq; docs/design.md, 'The disk tier') live in preallocated files, one
-per list (:class:`chunkstar.disk.ChunkFiles`); their location is DISK and they
-hold no host or device bytes. Host memory is only a staging area of
+Note [disk tier]: with config ``disk``, the chunks of the chosen lists (by
+default the state lists: fp32 master, exp_avg, exp_avg_sq; the param list too
+when named, Note [param chunks on disk] below; docs/design.md, 'The disk tier')
+live in preallocated files, one per list (:class:`chunkstar.disk.ChunkFiles`);
+their location is DISK and they hold no host or device bytes. Host memory is only a staging area of
 ``staging_budget`` bytes (:class:`chunkstar.disk.StagingBuffers`):
 
 * at the optimizer step, for each chunk in the order the next forward needs
@@ -40,13 +41,43 @@ raises it at once, and so does every later stage-in: the state on disk is no
 longer whole, and the run cannot go on. A buffer comes back on every path (a
 failed write-behind's too), so no wait is left without an end.
 
+Note [param chunks on disk]: with ``"param"`` among the lists, a param chunk's
+home is its file too, and host memory holds no param chunk between uses. The
+chunk store moves such a chunk (:meth:`ChunkManager._move_through_disk
+<chunkstar.runtime.chunk_manager.ChunkManager>`):
+
+* to the device (an access, a prefetch along the trace): a staging buffer is
+  filled on the read lane, the copy to the device is queued after that read (the
+  read is the copy's ``after``: on the CPU virtual device the copy thread waits,
+  not the compute), and the buffer goes back to the pool once the copy no longer
+  reads it (:meth:`DiskTier.give_back_after`; the next :meth:`DiskTier.take`
+  collects it, and waits for the oldest such copy when they alone fill the pool);
+* off the device (an eviction, a gradient's offload): if nothing wrote the
+  payload since it was read from the file (the chunk's ``file_clean``, the
+  parameters' version counters checked as for a clean host copy), the device
+  bytes are simply freed; otherwise they are copied into a staging buffer and
+  written behind, as an optimizer chunk is.
+
+So a forward reads each param chunk it does not hold, a backward reads them
+again and writes the gradients, and the step reads the gradient with the state
+and writes the updated values behind: per step about 5 x 2 bytes per parameter
+in bf16 on top of the state's 2 x 12. The gradient pipeline takes a chunk's
+gradient norms on the device before it leaves (Note [gradient pipeline]), since
+the chunk goes straight on to its file; between steps a param chunk is staged
+like a state chunk (gradients read or written, values written through, frozen
+values in checkpoints and state dicts). The default staging budget counts a
+chunk's param bytes with its state. The arithmetic and its order are unchanged,
+so results are bit-identical to the same run without the tier.
+
 This module is the mechanism; which chunks to stage and when is decided by the
-optimizer's step and, between steps, by whoever reads or writes a chunk through
+optimizer's step, by the chunk store's moves (param chunks) and, between steps,
+by whoever reads or writes a chunk through
 :meth:`chunkstar.chunk.store.Chunks.staged`.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 import warnings
@@ -138,6 +169,13 @@ def default_staging_budget(chunk_bytes: Mapping[int, int], n_lists: int) -> int:
     return n_lists * (sizes[0] + (sizes[1] if len(sizes) > 1 else sizes[0]))
 
 
+def _host_wait(event: CopyEvent) -> None:
+    """Wait, in this thread, until the copy of ``event`` no longer reads its host source (a
+    CUDA copy to the device: a host sync on it, not the compute stream's wait)."""
+    for_host = getattr(event, "for_host", None)
+    (for_host() if for_host is not None else event).wait()
+
+
 def _close(lanes: TierLanes, files: TierFiles) -> None:
     lanes.close()
     files.remove()
@@ -164,10 +202,13 @@ class DiskTier:
         self._quiet = quiet
         self.lists = tuple(chunks)
         sizes = {name.value: {cid: c.nbytes for cid, c in per.items()} for name, per in chunks.items()}
-        any_list = next(iter(sizes.values()), {})
-        self.budget = cfg.staging_budget or default_staging_budget(any_list, len(self.lists))
-        # one chunk id's state, every disk list at once: an update needs all of them staged
-        one = max((sum(per.get(cid, 0) for per in sizes.values()) for cid in any_list), default=0)
+        # one chunk id's bytes in every disk list at once: an update needs all of them staged
+        per_id: dict[int, int] = {}
+        for per in sizes.values():
+            for cid, n in per.items():
+                per_id[cid] = per_id.get(cid, 0) + n
+        self.budget = cfg.staging_budget or default_staging_budget(per_id, 1)
+        one = max(per_id.values(), default=0)
         if one > self.budget:
             raise ChunkStateError(
                 f"disk.staging_budget is {self.budget} bytes, less than the state of one chunk ({one} bytes: "
@@ -181,6 +222,9 @@ class DiskTier:
         self.lanes = parts.lanes(self.files, self.staging.fail)
         # the files go at a clean end of the engine (close), when it is collected, or at a failed start
         self._finalizer = weakref.finalize(self, _close, self.lanes, self.files)
+        # staging buffers a copy to the device still reads, with that copy's event: given back
+        # once it is done (Note [param chunks on disk])
+        self._returning: collections.deque[tuple[torch.Tensor, CopyEvent | None]] = collections.deque()
         self.stage_ins = 0
         self.stage_outs = 0
         self.clean_stage_outs = 0  # staged out without a write (nothing changed)
@@ -223,18 +267,42 @@ class DiskTier:
             if error is not None:
                 raise error
 
-    def stage_in(self, chunk: Chunk) -> None:
-        """DISK -> HOST: a staging buffer, filled on the read lane after the chunk's last
-        write-behind; readers wait on the read as on any pending copy."""
+    def take(self, chunk: Chunk) -> torch.Tensor:
+        """A staging buffer for ``chunk``'s bytes, once the budget has room: the buffers whose
+        copies to the device are done come back first, and while they alone are in the way
+        this waits for the oldest such copy (the pool would wait for a give-back nobody else
+        makes)."""
         t0 = time.perf_counter()
-        buf = self.staging.take(chunk.nbytes, chunk.dtype)  # raises once a transfer has failed
+        staging = self.staging
+        returning = self._returning
+        while returning:
+            buf, event = returning[0]
+            if event is not None and not event.done():
+                if staging.in_use_bytes + chunk.nbytes <= self.budget:
+                    break
+                _host_wait(event)
+            returning.popleft()
+            staging.give_back(buf)
+        buf = staging.take(chunk.nbytes, chunk.dtype)  # raises once a transfer has failed
         self.wait_s += time.perf_counter() - t0
+        return buf
+
+    def give_back_after(self, buf: torch.Tensor, event: CopyEvent | None) -> None:
+        """``buf``, a staging buffer a copy to the device (``event``) reads, goes back to the
+        pool once that copy is done (Note [param chunks on disk])."""
+        self._returning.append((buf, event))
+
+    def stage_in(self, chunk: Chunk, *, for_device: bool = False) -> None:
+        """DISK -> HOST: a staging buffer, filled on the read lane after the chunk's last
+        write-behind; readers wait on the read as on any pending copy. ``for_device``: the
+        chunk goes on to the device, whose copy is ordered after the read (not this thread)."""
+        buf = self.take(chunk)
         try:
             event = self.lanes.read(chunk.list_name, chunk.chunk_id, buf, after=chunk.pending_copy)
         except BaseException:
             self.staging.give_back(buf)
             raise
-        chunk.attach_host(buf, event)
+        chunk.attach_host(buf, event, as_work=for_device)
         self.stage_ins += 1
         if self._on_move is not None:
             self._on_move(chunk, False, chunk.nbytes, time.perf_counter_ns())
@@ -286,6 +354,11 @@ class DiskTier:
 
     def drain(self) -> None:
         self.lanes.drain()
+        while self._returning:
+            buf, event = self._returning.popleft()
+            if event is not None:
+                _host_wait(event)
+            self.staging.give_back(buf)
 
     def close(self) -> None:
         """Finish the transfers in flight and delete this run's chunk files."""

@@ -298,7 +298,8 @@ class Gradients:
         acc = self._accumulators[s.chunk_id][s.offset : s.end]
         if s.index in self._scaled:
             acc = acc / self.comm.world_size  # reduced already (Note [gradients kept across a forward])
-        mgr.chunks.slot_view(ChunkList.PARAM, s).copy_(acc, non_blocking=self._async)
+        with mgr.chunks.staged([(ChunkList.PARAM, s.chunk_id)], write=True):  # from its file, if there
+            mgr.chunks.slot_view(ChunkList.PARAM, s).copy_(acc, non_blocking=self._async)
         mgr.set_state(s.index, TensorState.COMPUTE)
         mgr.set_state(s.index, TensorState.HOLD_AFTER_BWD)
 
@@ -337,12 +338,13 @@ class Gradients:
         moved = 0
         with torch.no_grad(), mgr.probe.paused():
             for cid, slots in pending.items():
-                param = mgr.chunks.chunk(ChunkList.PARAM, cid).payload
-                for s in slots:
-                    self._accumulate(s.index, param[s.offset : s.end], scale)
-                    if scale != 1.0:
-                        self._scaled.add(s.index)
-                    moved += s.numel * 4
+                with mgr.chunks.staged([(ChunkList.PARAM, cid)], write=False):  # from its file, if there
+                    param = mgr.chunks.chunk(ChunkList.PARAM, cid).payload
+                    for s in slots:
+                        self._accumulate(s.index, param[s.offset : s.end], scale)
+                        if scale != 1.0:
+                            self._scaled.add(s.index)
+                        moved += s.numel * 4
         self.restore_params_from_master(pending)
         self.kept_forwards += 1
         self.kept_bytes += moved
@@ -398,7 +400,7 @@ class Gradients:
         self._scaled.discard(index)
         if mgr.states[index] is TensorState.HOLD_AFTER_BWD:
             self.consumer.forget([s.chunk_id])
-            with torch.no_grad():
+            with torch.no_grad(), mgr.chunks.staged([(ChunkList.PARAM, s.chunk_id)], write=True):
                 mgr.chunks.chunk(ChunkList.PARAM, s.chunk_id).payload[s.offset : s.end].zero_()
 
     def micro_batch_done(self) -> None:
@@ -426,8 +428,8 @@ class Gradients:
                     for s in slots:
                         mgr.set_state(s.index, TensorState.HOLD)
                     continue
-                p = chunks.chunk(ChunkList.PARAM, cid).payload
-                with chunks.staged([(ChunkList.MASTER, cid)], write=False):  # from disk, if it lives there
+                with chunks.staged([(ChunkList.PARAM, cid)], write=True), chunks.staged([(ChunkList.MASTER, cid)], write=False):
+                    p = chunks.chunk(ChunkList.PARAM, cid).payload  # (each staged from its file, if there)
                     master = chunks.chunk(ChunkList.MASTER, cid).payload.to(p.device)
                     for s in slots:
                         p[s.offset : s.end].copy_(master[s.offset : s.end])

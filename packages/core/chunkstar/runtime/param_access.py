@@ -133,7 +133,8 @@ class ParamAccess:
             s = self.mgr.slots[i]
             value: torch.Tensor | None = None
             if self.mgr.states[i] is TensorState.HOLD_AFTER_BWD and self.mgr.chunks.own(s.chunk_id):
-                value = self.mgr.chunks.slot_view(ChunkList.PARAM, s).detach().clone()
+                with self.mgr.chunks.staged([(ChunkList.PARAM, s.chunk_id)], write=False):  # from its file, if there
+                    value = self.mgr.chunks.slot_view(ChunkList.PARAM, s).detach().clone()
             elif self.mgr.states[i] is not TensorState.COMPUTE:
                 value = self.engine.gradient_kept(i)
             if value is not None:
@@ -156,7 +157,7 @@ class ParamAccess:
                 if not isinstance(value, torch.Tensor) or tuple(value.shape) != s.shape:
                     raise ChunkStateError(f"parameter '{s.name}': .grad must be a tensor of shape {s.shape}")
                 self.engine.zero_gradient(i)
-                with torch.no_grad():
+                with torch.no_grad(), self.mgr.chunks.staged([(ChunkList.PARAM, s.chunk_id)], write=True):
                     self.mgr.chunks.slot_view(ChunkList.PARAM, s).copy_(value.detach().reshape(-1))
                 return
         with torch._C.DisableTorchFunctionSubclass():
@@ -361,9 +362,10 @@ class ParamAccess:
                 raise ChunkStateError(
                     f"{op_name(func)}() reads parameter '{s.name}', which another rank keeps; {GATHER_HINT}"
                 )
-        # masters on disk are staged in for the op and written back (Note [disk tier])
-        with chunks.staged([(ChunkList.MASTER, mgr.slots[i].chunk_id) for i in indices.values()
-                            if not chunks.frozen(mgr.slots[i].chunk_id)], write=True):  # fmt: skip
+        # chunks on disk are staged in for the op and written back (Note [disk tier])
+        keys = [(ChunkList.PARAM, mgr.slots[i].chunk_id) for i in indices.values()]
+        keys += [(ChunkList.MASTER, mgr.slots[i].chunk_id) for i in indices.values() if not chunks.frozen(mgr.slots[i].chunk_id)]
+        with chunks.staged(keys, write=True):
             return self._write_through_staged(func, args, kwargs, indices, mutated)
 
     def _write_through_staged(
@@ -425,6 +427,9 @@ class ParamAccess:
             raise ChunkStateError(
                 f"parameter '{s.name}' is kept by another rank (several processes shard the parameters); {GATHER_HINT}"
             )
+        if chunk.location is ChunkLocation.DISK:  # its home is a file (Note [param chunks on disk]): a copy
+            with mgr.chunks.staged([(ChunkList.PARAM, s.chunk_id)], write=False):
+                return chunk.payload[s.offset : s.end].view(s.shape).to(self.engine.device, copy=True)
         return chunk.payload[s.offset : s.end].view(s.shape).to(self.engine.device)
 
     def _idle_read(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], indices: dict[int, int]) -> Any:
@@ -432,7 +437,7 @@ class ParamAccess:
         chunk_storages = set()
         for i in indices.values():
             chunk = self.mgr.chunks.chunk(ChunkList.PARAM, self.mgr.slots[i].chunk_id)
-            if chunk.location is not ChunkLocation.RELEASED:
+            if chunk.location is not ChunkLocation.RELEASED and chunk.location is not ChunkLocation.DISK:
                 chunk_storages.add(chunk.payload.untyped_storage()._cdata)
         with torch.no_grad():
             out = plain(func, substitute(args, values), substitute(kwargs, values))
@@ -508,7 +513,8 @@ class ParamAccess:
                             if not mgr.chunks.own(cid):
                                 continue  # its owner writes it back
                             trainable = not mgr.chunks.frozen(cid)
-                            with mgr.chunks.staged([(ChunkList.MASTER, cid)] if trainable else [], write=True):
+                            keys = [(ChunkList.MASTER, cid), (ChunkList.PARAM, cid)] if trainable else [(ChunkList.PARAM, cid)]
+                            with mgr.chunks.staged(keys, write=True):
                                 for i, p in members:
                                     s = mgr.slots[i]
                                     src = p.data.reshape(-1)
@@ -547,11 +553,11 @@ class ParamAccess:
             if self._reads.sd_masters is None:
                 self._reads.sd_masters = self.engine.full_masters()
             src = self._reads.sd_masters[s.chunk_id][s.offset : s.end]
-        elif mgr.chunks.on_disk(ChunkList.MASTER) and not mgr.chunks.frozen(s.chunk_id):
+        elif mgr.chunks.on_disk(which := ChunkList.PARAM if mgr.chunks.frozen(s.chunk_id) else ChunkList.MASTER):
             # staged in once per chunk: state_dict() visits the parameters in about chunk order
             if self._reads.sd_chunk is None or self._reads.sd_chunk[0] != s.chunk_id:
-                with mgr.chunks.staged([(ChunkList.MASTER, s.chunk_id)], write=False):
-                    self._reads.sd_chunk = (s.chunk_id, mgr.chunks.chunk(ChunkList.MASTER, s.chunk_id).payload.clone())
+                with mgr.chunks.staged([(which, s.chunk_id)], write=False):
+                    self._reads.sd_chunk = (s.chunk_id, mgr.chunks.chunk(which, s.chunk_id).payload.clone())
             src = self._reads.sd_chunk[1][s.offset : s.end]
         else:
             src = mgr.chunks.value_view(s)  # the master, or a frozen parameter's param slot

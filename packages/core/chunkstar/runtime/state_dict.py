@@ -33,7 +33,8 @@ __all__ = ["full_masters", "match_values", "tied_names", "value_chunk", "write_v
 def value_chunk(chunks: Chunks, chunk_id: int) -> torch.Tensor:
     """Chunk ``chunk_id``'s values: its fp32 master, or a frozen chunk's param chunk in fp32."""
     if chunks.frozen(chunk_id):
-        return chunks.chunk(ChunkList.PARAM, chunk_id).payload.float()
+        with chunks.staged([(ChunkList.PARAM, chunk_id)], write=False):  # a copy, if staged from its file
+            return chunks.chunk(ChunkList.PARAM, chunk_id).payload.to(torch.float32, copy=chunks.on_disk(ChunkList.PARAM))
     if chunks.on_disk(ChunkList.MASTER):  # a copy: the staging buffer goes back (Note [disk tier])
         with chunks.staged([(ChunkList.MASTER, chunk_id)], write=False):
             return chunks.chunk(ChunkList.MASTER, chunk_id).payload.clone()
@@ -115,7 +116,8 @@ def write_values(
                     by_chunk.setdefault(s.chunk_id, []).append((s, values[key]))
             for cid, members in sorted(by_chunk.items()):  # one chunk at a time (staged from disk, if there)
                 trainable = not mgr.chunks.frozen(cid)
-                with mgr.chunks.staged([(ChunkList.MASTER, cid)] if trainable else [], write=True):
+                keys = [(ChunkList.MASTER, cid), (ChunkList.PARAM, cid)] if trainable else [(ChunkList.PARAM, cid)]
+                with mgr.chunks.staged(keys, write=True):
                     for s, src in members:
                         if trainable:
                             mgr.chunks.slot_view(ChunkList.MASTER, s).copy_(src.reshape(-1))
