@@ -84,11 +84,14 @@ def test_disk_options_belong_to_the_disk_system() -> None:
     assert RunSpec.from_json(spec.to_json()) == spec
     with pytest.raises(ValueError, match="disk_dir is only used by chunkstar-disk, deepspeed-nvme"):
         RunSpec(system="deepspeed", model="cpu-tiny", batch=1, steps=1, warmup=0, disk_dir="/x")
-    with pytest.raises(ValueError, match="nvme_params is only used by deepspeed-nvme"):
+    with pytest.raises(ValueError, match="nvme_params is only used by chunkstar-disk, deepspeed-nvme"):
         RunSpec(system="deepspeed", model="cpu-tiny", batch=1, steps=1, warmup=0, nvme_params=True)
     with pytest.raises(ValueError, match="chunkstar_staging is only used by chunkstar-disk"):
         RunSpec(system="chunkstar", model="cpu-tiny", batch=1, steps=1, warmup=0, chunkstar_staging="1GB")
-    ok = RunSpec(system="chunkstar-disk", model="cpu-tiny", batch=1, steps=1, warmup=0, disk_dir="/x", chunkstar_staging="1GB")
+    ok = RunSpec(
+        system="chunkstar-disk", model="cpu-tiny", batch=1, steps=1, warmup=0, disk_dir="/x", chunkstar_staging="1GB",
+        nvme_params=True,  # chunkstar-disk's param list on disk
+    )
     assert RunSpec.from_json(ok.to_json()) == ok
 
 

@@ -22,7 +22,7 @@ import torch
 
 import chunkstar
 from chunkstar.chunk.lists import ChunkList
-from chunkstar.chunk.state import TensorState
+from chunkstar.chunk.state import ChunkLocation, TensorState
 from chunkstar.device.memory import DeviceMemory
 from chunkstar.distributed.comm import Comm
 from chunkstar.distributed.grad_reduce import GroupReducer
@@ -127,7 +127,10 @@ def test_a_reduction_makes_room_for_its_scratch_before_it_starts(world: FakeWorl
     states = [TensorState.HOLD_AFTER_BWD, TensorState.HOLD_AFTER_BWD]
     mgr = SimpleNamespace(
         layout=SimpleNamespace(group=lambda c: range(0, WORLD), world_size=WORLD),
-        chunks=SimpleNamespace(chunk=lambda name, k: SimpleNamespace(numel=n, payload=payloads[k])),
+        chunks=SimpleNamespace(
+            chunk=lambda name, k: SimpleNamespace(numel=n, payload=payloads[k], location=ChunkLocation.DEVICE),
+            staged=lambda keys, write: contextlib.nullcontext(),
+        ),
         resident=lambda key: True,
         # the collectives issued by then (the fake world records each as it is called)
         make_room=lambda need, protect, where, required=(): log.append((need, sorted(protect), world.names())),

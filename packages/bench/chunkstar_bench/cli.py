@@ -152,7 +152,8 @@ def _register_maxscale(sub: argparse._SubParsersAction) -> None:  # type: ignore
         "when it ends (default: the folder of --db; put it on the disk under test: a tmpfs is RAM the cap does not see)",
     )  # fmt: skip
     p.add_argument("--nvme-params", action="store_true",
-                   help="deepspeed-nvme only: swap the parameters to disk too, not only the optimizer state")
+                   help="deepspeed-nvme and chunkstar-disk: the parameters on disk too, not only the optimizer state "
+                        "(chunkstar-disk without it leaves the param list to the engine's host memory plan)")
     p.add_argument("--steps", type=int, default=1, help="timed steps per attempt (default %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default %(default)s)")
     p.add_argument("--chunkstar-budget", default=None,

@@ -53,6 +53,9 @@ from typing import Any, Literal
 from chunkstar_bench import flops
 from chunkstar_bench.published import DISK_SYSTEMS, RUN_SYSTEMS
 from chunkstar_bench.watch import watch
+
+CHUNKSTAR_HOST_MEMORY_ENV = "CHUNKSTAR_HOST_MEMORY"
+"""chunkstar.memory.host.HOST_MEMORY_ENV (named here: the runner does not import torch)."""
 from chunkstar_bench.zoo import get, n_params
 
 __all__ = [
@@ -90,7 +93,8 @@ class RunSpec:
     """A canonical name of :data:`chunkstar_bench.published.RUN_SYSTEMS`: ``chunkstar``,
     ``chunkstar-disk`` (with the disk tier), ``deepspeed`` (ZeRO-3, params + optimizer
     offloaded to CPU), ``deepspeed-nvme`` (ZeRO-Infinity: optimizer state, and with
-    ``nvme_params`` the params, offloaded to files under ``disk_dir``), ``fsdp2`` (CPU
+    ``nvme_params`` the params, offloaded to files under ``disk_dir``; ``nvme_params``
+    puts chunkstar-disk's param list on disk too), ``fsdp2`` (CPU
     offload) or ``pytorch`` (plain, DDP when several processes)."""
     model: str
     """A zoo name (:data:`chunkstar_bench.zoo.ZOO`)."""
@@ -169,8 +173,8 @@ class RunSpec:
             raise ValueError(f"disk_dir is only used by {', '.join(DISK_SYSTEMS)}, not by {self.system}")
         if self.chunkstar_staging is not None and self.system != "chunkstar-disk":
             raise ValueError(f"chunkstar_staging is only used by chunkstar-disk, not by {self.system}")
-        if self.nvme_params and self.system != "deepspeed-nvme":
-            raise ValueError(f"nvme_params is only used by deepspeed-nvme, not by {self.system}")
+        if self.nvme_params and self.system not in DISK_SYSTEMS:
+            raise ValueError(f"nvme_params is only used by {', '.join(DISK_SYSTEMS)}, not by {self.system}")
         for name in ("chunkstar_overlap", "chunkstar_link"):
             if getattr(self, name) is not None and self.system not in CHUNKSTAR_SYSTEMS:
                 raise ValueError(f"{name} is only used by {', '.join(CHUNKSTAR_SYSTEMS)}, not by {self.system}")
@@ -291,6 +295,10 @@ def run(spec: RunSpec, timeout_s: float = 1800.0, *, echo: bool = True) -> RunRe
         return record
     if disk_dir is not None:
         env[DISK_DIR_ENV] = disk_dir
+    if spec.host_mem_cap_bytes is not None:
+        # the machine the run is capped to, as chunkstar's host memory plan sees it (a container
+        # would say so through its cgroup; the watchdog's cap says nothing to the process)
+        env[CHUNKSTAR_HOST_MEMORY_ENV] = str(spec.host_mem_cap_bytes)
     result_dir = tempfile.mkdtemp(prefix="chunkstar-bench-")
     env[RESULT_DIR_ENV] = result_dir
     results: list[dict[str, Any]] = []

@@ -27,7 +27,7 @@ from chunkstar.construction import PretrainedError, init_weights
 from chunkstar.construction.pretrained import PretrainedSource
 from chunkstar.dryrun import DryRunReport, Hardware, dry_run
 from chunkstar.distributed.comm import DistributedError
-from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError
+from chunkstar.errors import ChunkStateError, ConfigError, DeviceMemoryError, HostMemoryError
 from chunkstar.events import EventBus, Stage, Tier
 from chunkstar.optim.adam import ChunkAdam
 from chunkstar.runtime.engine import ChunkEngine
@@ -40,6 +40,7 @@ __all__ = [
     "ConfigError",
     "DeviceMemoryError",
     "DistributedError",
+    "HostMemoryError",
     "DryRunReport",
     "EngineConfig",
     "EventBus",

@@ -7,7 +7,7 @@ what to change; nothing here is raised for internal invariants (those use
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DeviceMemoryError", "ChunkStateError"]
+__all__ = ["ConfigError", "DeviceMemoryError", "ChunkStateError", "HostMemoryError"]
 
 
 class ConfigError(ValueError):
@@ -54,6 +54,24 @@ class DeviceMemoryError(RuntimeError):
             f"({needed} bytes) of chunk memory but only {_fmt(free)} ({free} bytes) is free "
             f"within the usable device memory of {_fmt(budget)} ({budget} bytes) after non-model memory "
             f"(activations, temporaries).{least} To fix: {todo}."
+        )
+
+
+class HostMemoryError(RuntimeError):
+    """The host memory a run's plan needs is more than its budget (Note [host memory plan] in
+    :mod:`chunkstar.memory.host`).
+
+    Raised while the engine starts, *before* any chunk is allocated or any file created,
+    so the process is left as it was: change what the message says and call again."""
+
+    def __init__(self, needed: int, budget: int, parts: str, budget_from: str, advice: str) -> None:
+        self.needed = needed
+        """Host bytes the plan holds at most."""
+        self.budget = budget
+        """Host bytes it may hold (``host_memory_budget``, or what "auto" found)."""
+        super().__init__(
+            f"chunkstar's plan needs {_fmt(needed)} ({needed} bytes) of host memory, more than it may use: "
+            f"{_fmt(budget)} ({budget_from}). The plan: {parts}. To fix: {advice}."
         )
 
 

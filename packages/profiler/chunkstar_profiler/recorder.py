@@ -60,7 +60,9 @@ __all__ = ["Profiler"]
 
 _PROBE_HOLDER = "chunkstar_profiler"
 _TIME_COLUMNS = frozenset({"t", "t_start", "t_end"})  # perf_counter ns; stored relative to the start
-_DISK_COUNTERS = frozenset({"disk_bytes_read", "disk_bytes_written", "disk_read_s", "disk_write_s", "disk_staging_wait_s"})
+_DISK_COUNTERS = frozenset(
+    {"disk_bytes_read", "disk_bytes_written", "disk_read_s", "disk_write_s", "disk_staging_wait_s", "disk_busy_s"}
+)
 """``engine.stats()`` disk keys that only grow: ``meta["disk_stats"]`` holds their growth over the recording."""
 
 
@@ -273,7 +275,10 @@ class Profiler:
         """The engine's ``disk_*`` stats over the recording (so far, while recording); empty
         without the disk tier. Counters as their growth since the start, sizes as now."""
         now = self._disk_at_stop if self._disk_at_stop is not None else _disk_stats(self.engine.stats())
-        return {k: v - self._disk_at_start.get(k, 0) if k in _DISK_COUNTERS else v for k, v in now.items()}
+        out = {k: v - self._disk_at_start.get(k, 0) if k in _DISK_COUNTERS else v for k, v in now.items()}
+        if out and self._t0:  # the recording's wall time, which disk_busy_s is a part of
+            out["disk_recorded_s"] = ((self._t_end or time.perf_counter_ns()) - self._t0) / 1e9
+        return out
 
     def meta(self) -> dict[str, Any]:
         eng = self.engine

@@ -117,7 +117,7 @@ def _disk_lines(profile: Profile) -> list[str]:
     staged = (mv["src"] == "disk") | (mv["dst"] == "disk")
     if not stats and not staged.any() and not (profile.memory["tier"] == "disk").any():
         return []
-    lines = ["", "disk tier (optimizer state in chunk files, staged through host buffers)"]
+    lines = ["", "disk tier (chunk files of the lists on disk, staged through host buffers)"]
     files = stats.get("disk_file_bytes")
     if files is None and (profile.memory["tier"] == "disk").any():
         files = profile.memory.loc[profile.memory["tier"] == "disk", "total_bytes"].max()
@@ -128,6 +128,9 @@ def _disk_lines(profile: Profile) -> list[str]:
         written, write_s = stats.get("disk_bytes_written", 0), stats.get("disk_write_s", 0.0)
         lines.append(f"  read                 {_mib(read):>14}  in {read_s:8.3f} s of I/O  {_rate(read, read_s):>14}")
         lines.append(f"  written              {_mib(written):>14}  in {write_s:8.3f} s of I/O  {_rate(written, write_s):>14}")
+        busy, span = stats.get("disk_busy_s"), stats.get("disk_recorded_s")
+        if busy is not None and span:
+            lines.append(f"  disk busy            {busy:11.3f} s  of {span:.3f} s recorded ({busy / span:.0%}: a read or a write moving bytes)")
         if "disk_staging_budget_bytes" in stats:
             lines.append(
                 f"  staging budget       {_mib(stats['disk_staging_budget_bytes']):>14}  "

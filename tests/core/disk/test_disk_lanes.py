@@ -241,3 +241,29 @@ def test_a_disk_error_keeps_its_type_across_the_worker_threads(files: ChunkFiles
         copies.close()
         worker.close()
         lanes.close()
+
+
+def test_the_busy_clock_counts_moving_bytes_once_and_never_a_wait(files: ChunkFiles) -> None:
+    """Note [disk busy time]: a transfer waiting for its ``after`` is not busy; two at once count once."""
+    from chunkstar.disk.io_lanes import BusyClock
+
+    clock = BusyClock()
+    t0 = time.perf_counter()
+    clock.start()
+    clock.start()  # a read and a write at once
+    time.sleep(0.05)
+    clock.stop()
+    time.sleep(0.05)
+    clock.stop()
+    span = time.perf_counter() - t0
+    assert 0.1 <= clock.busy_seconds <= span  # the union: the sum of the two would pass the span
+    lanes = DiskLanes(files)
+    gate = Gate()
+    event = lanes.read("master", 0, aligned_empty(NBYTES, torch.float32), after=gate)
+    time.sleep(0.2)
+    assert not event.done() and lanes.busy_seconds == 0.0  # waiting for its update is not the disk's time
+    opened = time.perf_counter()
+    gate.open()
+    event.wait()
+    assert 0.0 < lanes.busy_seconds <= time.perf_counter() - opened
+    lanes.close()

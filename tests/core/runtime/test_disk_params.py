@@ -78,6 +78,12 @@ def test_training_is_bit_identical_with_the_params_on_disk(
     assert s["host_chunk_bytes_peak"] <= s["disk_staging_budget_bytes"] + in_memory
     assert s["disk_staging_peak_bytes"] <= s["disk_staging_budget_bytes"]
     assert s["clean_evictions"] > 0  # a chunk read and not written goes back to its file for free
+    # the last iteration's disk figures (Note [disk busy time]): its reads are at least the
+    # forward's param chunks and the state, its busy time a part of its wall time
+    last = s["disk_last_step"]
+    assert last["bytes_read"] >= s["master_and_adam_bytes"] * sum(n != "param" for n in lists) // 3
+    assert 0 < last["busy_s"] <= last["seconds"] and 0 < last["busy_fraction"] <= 1
+    assert last["read_bytes_per_s"] > 0 and last["write_bytes_per_s"] > 0
     e1.close()
     assert not list((tmp_path / "disk").glob("*.chunks"))
 

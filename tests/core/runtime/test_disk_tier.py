@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -293,16 +294,28 @@ def _slot_offset(d: Path, list_name: str, chunk: int) -> int:
     return int(manifest["lists"][list_name]["chunks"][str(chunk)]["offset"])
 
 
+def _first_failure(step: Callable[[], None], tries: int = 3) -> DiskTierError:
+    """Run ``step`` (each on a thread that must end in time) until it raises a DiskTierError.
+    The step's staging is issued behind it (Note [the step issued behind]), so a transfer it
+    queued fails whoever waits for it next: the step's own end, or the next forward."""
+    for _ in range(tries):
+        try:
+            _within(60, step)
+        except DiskTierError as e:
+            return e
+    pytest.fail(f"training went on for {tries} steps after a transfer failed")
+
+
 def test_a_truncated_chunk_file_fails_the_step_and_every_later_one(tmp_path: Path) -> None:
     d = tmp_path / "disk"
     engine, optimizer = _trained_engine(d)
     master = d / "chunkstar-r0-master.chunks"
     os.truncate(master, 4096)  # under the engine: chunk 0 is cut short, the others are gone
-    for _ in range(2):  # the step that reads it, and the next one: none waits forever
-        with pytest.raises(DiskTierError, match=r"reading chunk 0 of list 'master' .*shorter than its manifest") as info:
-            _within(60, lambda: _step(engine, optimizer))
-        assert str(master) in str(info.value)
-        assert isinstance(info.value.__cause__, DiskTierError)  # the original, raised on the I/O thread
+    for tries in (2, 1):  # the step that reads it (or the forward that waits for its update), then every step
+        error = _first_failure(lambda: _step(engine, optimizer), tries)
+        assert re.search(r"reading chunk 0 of list 'master' .*shorter than its manifest", str(error)), error
+        assert str(master) in str(error)
+        assert isinstance(error.__cause__, DiskTierError)  # the original, raised on the I/O thread
     _within(60, engine.close)
     assert not list(d.glob("chunkstar*"))
 
@@ -310,13 +323,18 @@ def test_a_truncated_chunk_file_fails_the_step_and_every_later_one(tmp_path: Pat
 def test_a_failed_write_behind_fails_the_step(tmp_path: Path) -> None:
     d = tmp_path / "disk"
     engine, optimizer = _trained_engine(d)
+
+    def step_and_write() -> None:  # the writes behind land under the limit (its buffers come back: no hang)
+        _step(engine, optimizer)
+        engine.mgr.chunks.disk.drain()
+
     # writes past 32 KiB fail (EFBIG): chunk 0 of each list is written, chunk 1 (from 20 KiB) is not
-    with file_size_limit(32 << 10), pytest.raises(DiskTierError, match=r"writing chunk 1 of list 'master' .*too large") as info:
-        _within(60, lambda: _step(engine, optimizer))  # its buffers come back: the step does not hang
-    assert isinstance(info.value.__cause__, DiskTierError)
+    with file_size_limit(32 << 10):
+        error = _first_failure(step_and_write, 2)
+    assert re.search(r"writing chunk 1 of list '\w+' .*too large", str(error)), error
+    assert isinstance(error.__cause__, DiskTierError)
     # the chunks whose write failed are lost: the files hold the previous step's state
-    with pytest.raises(DiskTierError, match="chunk"):
-        _within(60, lambda: _step(engine, optimizer))
+    _first_failure(lambda: _step(engine, optimizer), 1)
     _within(60, engine.close)
     assert not list(d.glob("chunkstar*"))
 

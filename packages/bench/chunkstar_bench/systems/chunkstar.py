@@ -107,6 +107,8 @@ def run(ctx: Context) -> dict[str, Any]:
         # The runner makes (and removes) the run's own folder; run without it, a temporary one.
         folder = os.environ.get(DISK_DIR_ENV) or tempfile.mkdtemp(prefix="chunkstar-disk-", dir=ctx.spec.disk_dir)
         config["disk"] = {"path": folder}
+        if ctx.spec.nvme_params:  # else the engine decides (Note [host memory plan] in chunkstar.memory.host)
+            config["disk"]["lists"] = ["param", "master", "exp_avg", "exp_avg_sq"]
         if ctx.spec.chunkstar_staging is not None:
             config["disk"]["staging_budget"] = ctx.spec.chunkstar_staging
 

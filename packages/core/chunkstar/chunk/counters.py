@@ -14,6 +14,7 @@ another.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from chunkstar.chunk.chunk import Chunk
@@ -27,6 +28,8 @@ class ChunkCounters:
     def __init__(self, events: EventBus, cursor: Cursor) -> None:
         self._events = events
         self._cur = cursor  # read for the moment and module a move happened in
+        # the disk tier's step thread records its stage moves too (Note [the step issued behind])
+        self._lock = threading.Lock()
         self.device_chunk_bytes = 0
         """Chunk payload bytes on the device (the bytes of an eviction in flight included until
         the eviction is issued; the device's own meter counts them until they are freed)."""
@@ -68,8 +71,13 @@ class ChunkCounters:
         buffer kept from an earlier trip, a chunk's file slot). ``gathered``: the bytes came
         from other ranks by an all-gather (counted as gathered, not as a move of this rank's).
         ``t0``/``t1``: when it began and ended (ns; ``t1`` None: at once)."""
-        if t1 is None:
-            t1 = t0
+        with self._lock:
+            self._record(chunk_id, list_name, nbytes, src, dst, reason, copied, kept_src, had_dst, gathered, t0, t0 if t1 is None else t1)
+
+    def _record(
+        self, chunk_id: int, list_name: str, nbytes: int, src: Tier | None, dst: Tier | None, reason: MoveReason | None,
+        copied: int, kept_src: bool, had_dst: bool, gathered: bool, t0: int, t1: int,
+    ) -> None:  # fmt: skip
         if dst is not None and not had_dst:
             self._add(dst, nbytes)
         if src is not None and not kept_src:

@@ -16,7 +16,7 @@ transition, the cursor to read, and the few moves they ask for.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -63,7 +63,22 @@ class DiskStaging(Protocol):
     def give_back_after(self, buf: torch.Tensor, event: CopyEvent | None) -> None:
         """``buf`` goes back to the pool once the copy of ``event`` no longer reads it."""
 
-    def stats(self) -> dict[str, float | int]: ...
+    def issue_behind(self, chunks: list[Chunk], job: Callable[[], None]) -> None:
+        """Run ``job`` on the tier's step thread; :meth:`wait_for` holds ``chunks`` until it has."""
+
+    def wait_for(self, chunk: Chunk) -> None:
+        """Return once the step thread is done with ``chunk``."""
+
+    def settle(self) -> None:
+        """Return once the step thread has run everything queued to it (raises its failure)."""
+
+    def finish_stepping(self) -> None:
+        """Run what is queued to the step thread and stop it (the engine closes)."""
+
+    def stats(self) -> dict[str, Any]: ...
+    def step_ended(self) -> None:
+        """An optimizer step returned (the per-step figures, Note [disk busy time])."""
+
     def drain(self) -> None:
         """Return once every transfer issued so far is over."""
 
@@ -187,6 +202,7 @@ class Chunks:
             yield
             return
         keys = list(dict.fromkeys(keys))
+        tier.settle()  # the step thread is done with every chunk first (Note [the step issued behind])
         chunks = [self._chunks[n][i] for n, i in keys if self._chunks[n][i].location is ChunkLocation.DISK]
         with tier.staged(chunks, write=write):
             yield

@@ -69,13 +69,16 @@ def _parse_disk(value: object) -> DiskConfig | None:
         raise ConfigError("disk.path", f"{path!r} holds a NUL byte, which no file system path can")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError("disk.path", f"{path!r} is a file; the disk tier needs a directory")
-    lists_raw = sec.get("lists", list(DEFAULT_DISK_LISTS))
+    lists_raw = sec.get("lists", "auto")
+    if lists_raw == "auto":
+        lists_raw = list(DEFAULT_DISK_LISTS)
     if not isinstance(lists_raw, (list, tuple)) or not lists_raw:
         raise ConfigError("disk.lists", f"expected {_DISK_KEYS['lists']}, got {lists_raw!r}")
     for name in lists_raw:
         if name not in DISK_LISTS:
             raise ConfigError("disk.lists", f"unknown list {name!r}; choose among {', '.join(DISK_LISTS)}")
     lists = tuple(ChunkList(n) for n in DISK_LISTS if n in lists_raw)  # in the lists' own order, once each
+    lists_auto = "lists" not in sec or sec["lists"] == "auto"
     staging_raw = sec.get("staging_budget", "auto")
     staging = None
     if staging_raw != "auto":  # host buffers: Note [sizes the machine could hold]
@@ -85,7 +88,7 @@ def _parse_disk(value: object) -> DiskConfig | None:
     on_stale = sec.get("on_stale", _default(DiskConfig, "on_stale"))
     if on_stale not in ("refuse", "wipe"):
         raise ConfigError("disk.on_stale", f"got {on_stale!r}; expected {_DISK_KEYS['on_stale']}")
-    return DiskConfig(path=path, lists=lists, staging_budget=staging, on_stale=on_stale,
+    return DiskConfig(path=path, lists=lists, lists_auto=lists_auto, staging_budget=staging, on_stale=on_stale,
                       direct=_boolean(sec.get("direct", _default(DiskConfig, "direct")), "disk.direct"),
                       verify=_boolean(sec.get("verify", _default(DiskConfig, "verify")), "disk.verify"))  # fmt: skip
 
@@ -420,6 +423,14 @@ def parse_config(
         raise ConfigError("eviction_policy", f"got {policy_raw!r}; allowed: {_TOP_KEYS['eviction_policy']}") from None
 
     disk = _parse_disk(cfg.get("disk"))
+    host_raw = cfg.get("host_memory_budget", "auto")
+    host_budget = None
+    if host_raw != "auto":
+        host = host_memory_bytes()
+        host_budget = _at_most(parse_bytes(host_raw, "host_memory_budget"),
+                               (host, f"this machine's physical memory ({_fmt_size(host or 0)})"), "host_memory_budget", host_raw)  # fmt: skip
+        if host_budget <= 0:
+            raise ConfigError("host_memory_budget", f"got {host_raw!r}; expected {_TOP_KEYS['host_memory_budget']} (> 0)")
     device_size = device_limit[0] if device.type == "cuda" else None  # a GPU's own size (a dry run's: the target's)
     if target_memory is not None:
         device = torch.device("meta")  # every decision as on the target, no byte anywhere (Note [the meta device])
@@ -437,6 +448,7 @@ def parse_config(
         schedule=ScheduleConfig(prefetch=_boolean(cfg.get("prefetch", _default(ScheduleConfig, "prefetch")), "prefetch"), prefetch_window=window),
         reduce_dtype=reduce_dtype,
         disk=disk,
+        host_memory_budget=host_budget,
         activations=_parse_activations(cfg.get("activations")),
         raw=dict(cfg),
     )

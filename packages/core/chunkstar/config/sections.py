@@ -189,10 +189,16 @@ class DiskConfig:
     path: str = _key("disk.path", "a directory for the chunk files (created if missing)")
     """Directory for this run's chunk files (a cache, not a checkpoint: deleted at a clean end)."""
     lists: tuple[ChunkList, ...] = _key(
-        "disk.lists", f"a list of {', '.join(DISK_LISTS)} (default: {', '.join(DEFAULT_DISK_LISTS)})",
+        "disk.lists",
+        f"a list of {', '.join(DISK_LISTS)} (default: {', '.join(DEFAULT_DISK_LISTS)}, and param when host memory needs it)",
         tuple(ChunkList(n) for n in DEFAULT_DISK_LISTS),
     )
-    """Which of param / master / exp_avg / exp_avg_sq live on disk, in the lists' own order."""
+    """Which of param / master / exp_avg / exp_avg_sq live on disk, in the lists' own order
+    (when the config names none: the three state lists, and the param list as well when the
+    host memory plan needs it there, :attr:`lists_auto`)."""
+    lists_auto: bool = False
+    """The config named no ``lists``: the engine adds the param list when host memory cannot
+    hold the param chunks beside the staging (Note [host memory plan] in :mod:`chunkstar.memory.host`)."""
     staging_budget: int | None = _key(
         "disk.staging_budget", 'host bytes for chunks between disk and the optimizer: an integer, a string like "1GB", or "auto"', None
     )
@@ -239,6 +245,13 @@ class EngineConfig:
     the wire at the cost of rounding every partial sum. gloo always sums in fp32."""
     disk: DiskConfig | None = _key("disk", "{path, lists, staging_budget, on_stale, direct, verify}: chunks (optimizer state by default, params too if listed) in files under path", None)
     """The disk tier (None: every chunk's host home is host memory)."""
+    host_memory_budget: int | None = _key(
+        "host_memory_budget",
+        'the host bytes the engine may plan for (an integer or a string like "8GiB"), or "auto" (default: 90% of what is available)',
+        None,
+    )
+    """Host bytes the engine's plan may hold (chunks in host memory, staging, accumulators, the
+    CPU virtual device); None: "auto" (Note [host memory plan] in :mod:`chunkstar.memory.host`)."""
     activations: ActivationsConfig = _key("activations", "{policy, blocks}: what the model's blocks do with their saved activations", default_factory=ActivationsConfig)
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The config as given (for run metadata)."""

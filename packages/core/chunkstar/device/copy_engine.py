@@ -55,6 +55,7 @@ __all__ = [
     "CudaCopies",
     "HostWorker",
     "InlineWorker",
+    "Issued",
     "SerialCopies",
     "debug_delay_from_env",
     "make_copy_engine",
@@ -194,6 +195,38 @@ def relayed(error: BaseException, what: str = "a chunk copy or update") -> BaseE
     return out
 
 
+class Issued:
+    """The event of work another thread issues later (a chunk's update, queued by the disk
+    tier's step thread: Note [the step issued behind] in :mod:`chunkstar.runtime.disk_tier`):
+    :meth:`wait` waits for it to be issued, then for the work itself; a failure to issue it
+    is raised to the waiter."""
+
+    def __init__(self) -> None:
+        self._issued = threading.Event()
+        self._event: CopyEvent | None = None
+        self._error: BaseException | None = None
+
+    def issue(self, event: CopyEvent | None) -> None:
+        self._event = event
+        self._issued.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._issued.set()
+
+    def wait(self) -> None:
+        self._issued.wait()
+        if self._error is not None:
+            raise relayed(self._error, "the disk tier's step")
+        if self._event is not None:
+            self._event.wait()
+
+    order = wait  # host work: the calling thread waits
+
+    def done(self) -> bool:
+        return self._issued.is_set() and (self._event is None or self._event.done())
+
+
 class _ThreadEvent:
     def __init__(self) -> None:
         self._flag = threading.Event()
@@ -255,6 +288,8 @@ class _Lane:
         self._finalizer = weakref.finalize(self, _stop_lane, self._jobs, self._thread)
 
     def submit(self, fn: Callable[[], None], after: CopyEvent | None = None) -> CopyEvent:
+        if not self._finalizer.alive:  # its thread is gone: the job would never run, nor its waiters wake
+            raise RuntimeError(f"chunkstar: work queued on the worker thread {self._thread.name} after it was closed")
         event = _ThreadEvent()
         self._jobs.put((fn, after, event))
         return event

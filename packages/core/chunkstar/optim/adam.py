@@ -70,7 +70,7 @@ from chunkstar.chunk.state import TensorState
 from chunkstar.chunk.store import ChunkStore
 from chunkstar.config import OptimizerConfig
 from chunkstar.config.hyperparams import ADAM_HYPERPARAMS, validate_param_group
-from chunkstar.device.copy_engine import CopyEvent, HostWorker, InlineWorker
+from chunkstar.device.copy_engine import CopyEvent, HostWorker, InlineWorker, Issued
 from chunkstar.device.tiers import holds_values, host_device
 from chunkstar.distributed.comm import Comm
 from chunkstar.errors import ChunkStateError
@@ -583,48 +583,92 @@ class ChunkAdam(torch.optim.Optimizer):
         self, cid: int, slots: list[TensorSlot], factor: float | None, steps: dict[tuple[torch.device, int], torch.Tensor]
     ) -> None:
         """Pass 2 for one host-Adam chunk, as a job on the host worker (Note [gradient
-        pipeline]); the four chunks' readers and the param chunk's next copy wait for it."""
+        pipeline]); the four chunks' readers and the param chunk's next copy wait for it.
+        With the disk tier and overlap, its staging is issued behind, on the tier's step
+        thread (Note [the step issued behind] in :mod:`chunkstar.runtime.disk_tier`)."""
         eng = self._engine
         mgr = self._store
         chunks: list[Chunk] = [mgr.chunks.chunk(name, cid) for name in CHUNK_LISTS]
         disk = self._disk
-        reads: list[CopyEvent] = []
-        staged: list[Chunk] = []
-        for c in chunks:
-            if c.tier is Tier.DISK:  # a param chunk too, when its home is a file (Note [param chunks on disk])
-                assert disk is not None
-                with mgr.paused_probe():  # a staging buffer is model memory, kept for the run
-                    disk.stage_in(c)  # read ahead on the read lane (Note [disk tier]); the job waits for it
-                assert c.pending_copy is not None
-                reads.append(c.pending_copy)
-                staged.append(c)
-            else:
-                c.wait_ready()  # state chunks in memory: nothing in flight, normally
-        tensors = tuple(c.host_buffer for c in chunks)
         hyper = self._hyper()
         slots = list(slots)
         # the step counts of this update, read now: the main thread counts on
         counts = {s.index: self._steps[s.index] for s in slots}
-        step_tensors = steps
         scratch = self._scratch("host", sum(s.numel for s in slots))  # the worker's alone: its jobs run in turn
-
-        def job() -> None:
-            for r in reads:
-                r.wait()
-            buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]] = {}
-            flush = self._flusher(buckets, factor, step_tensors, hyper)
-            self._buckets(buckets, tensors, slots, counts.__getitem__, flush, 0, scratch)  # type: ignore[arg-type]
-            flush()
-
         if mgr.cursor.follows_trace():
             eng.host_work.widen()  # the host's updates are the schedule's now (Note [one OpenMP team])
-        # (a param chunk read from its file was waited for among the reads: its pending copy is that read)
-        event = eng.host_work.submit(job, after=None if chunks[0] in staged else chunks[0].pending_copy)
-        for c in chunks:
-            c.set_work(event)
-        if disk is not None:
-            for c in staged:
-                disk.stage_out(c, write=True)  # written behind once the update is done
+
+        def update(tensors: tuple[torch.Tensor, ...], reads: list[CopyEvent]) -> Callable[[], None]:
+            def job() -> None:
+                for r in reads:
+                    r.wait()
+                buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]] = {}
+                flush = self._flusher(buckets, factor, steps, hyper)
+                self._buckets(buckets, tensors, slots, counts.__getitem__, flush, 0, scratch)  # type: ignore[arg-type]
+                flush()
+
+            return job
+
+        param = chunks[0]
+        if disk is None or not isinstance(eng.host_work, HostWorker):
+            # in this thread (no disk tier, or the serial reference path)
+            reads: list[CopyEvent] = []
+            staged: list[Chunk] = []
+            for c in chunks:
+                if c.tier is Tier.DISK:  # a param chunk too, when its home is a file (Note [param chunks on disk])
+                    assert disk is not None
+                    with mgr.paused_probe():  # a staging buffer is model memory, kept for the run
+                        disk.stage_in(c)  # read ahead on the read lane (Note [disk tier]); the job waits for it
+                    assert c.pending_copy is not None
+                    reads.append(c.pending_copy)
+                    staged.append(c)
+                else:
+                    c.wait_ready()  # state chunks in memory: nothing in flight, normally
+            tensors = tuple(c.host_buffer for c in chunks)
+            # (a param chunk read from its file was waited for among the reads: its pending copy is that read)
+            event = eng.host_work.submit(update(tensors, reads), after=None if param in staged else param.pending_copy)
+            for c in chunks:
+                c.set_work(event)
+            if disk is not None:
+                for c in staged:
+                    disk.stage_out(c, write=True)  # written behind once the update is done
+            return
+
+        # Note [the step issued behind]: what is in host memory is read here; what lives on disk
+        # is staged by the tier's step thread, which may wait for staging buffers without holding
+        # up this thread (the next forward starts while the step's reads and writes go on)
+        for c in chunks[1:]:
+            if c.tier is not Tier.DISK:
+                c.wait_ready()  # state in memory: nothing in flight, normally
+        # a param chunk in host memory: its offload's copy may still be landing; the update follows it
+        after = param.pending_copy if param.tier is not Tier.DISK else None
+        in_memory = {id(c): c.host_buffer for c in chunks if c.tier is not Tier.DISK}
+        behind = [c for c in chunks if c.tier is Tier.DISK]
+        issued = Issued()
+        if param.tier is not Tier.DISK:
+            param.set_work(issued)  # its readers and its next copy wait for the update, once issued
+        for c in chunks[1:]:
+            if c.tier is not Tier.DISK:
+                c.set_work(issued)
+
+        def issue() -> None:
+            try:
+                reads = []
+                for c in behind:
+                    disk.stage_in(c)  # (no probe to pause on this thread: a dispatch mode is per thread)
+                    assert c.pending_copy is not None
+                    reads.append(c.pending_copy)
+                tensors = tuple(in_memory[id(c)] if id(c) in in_memory else c.host_buffer for c in chunks)
+                event = eng.host_work.submit(update(tensors, reads), after=after)
+                for c in behind:
+                    c.set_work(event)
+                    disk.stage_out(c, write=True)  # written behind once the update is done
+            except BaseException as e:
+                issued.fail(e)
+                raise
+            issued.issue(event)
+
+        disk.issue_behind(behind, issue)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]

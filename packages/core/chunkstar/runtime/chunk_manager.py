@@ -442,6 +442,7 @@ class ChunkManager:
         copied into a staging buffer and written behind."""
         disk = self.chunks.disk
         assert disk is not None
+        disk.wait_for(chunk)  # the step's thread may still be staging it (Note [the step issued behind])
         t0 = time.perf_counter_ns()
         version = self._versions
         with self.probe.paused(), torch.profiler.record_function(f"chunkstar::{reason.value}_to_{tier.value}"):

@@ -77,20 +77,21 @@ by whoever reads or writes a chunk through
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import queue
+import threading
 import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import torch
 
 from chunkstar.chunk.chunk import Chunk
 from chunkstar.chunk.lists import ChunkList
 from chunkstar.config import DiskConfig
-from chunkstar.device.copy_engine import CopyEvent
+from chunkstar.device.copy_engine import CopyEvent, relayed
 from chunkstar.disk import ChunkFiles, DiskIOStats, DiskLanes, StagingBuffers
 from chunkstar.errors import ChunkStateError
 
@@ -122,6 +123,8 @@ class TierLanes(Protocol):
     ) -> CopyEvent: ...  # fmt: skip
     def drain(self) -> None: ...
     def close(self) -> None: ...
+    @property
+    def busy_seconds(self) -> float: ...
 
 
 class DiskParts(Protocol):
@@ -169,6 +172,51 @@ def default_staging_budget(chunk_bytes: Mapping[int, int], n_lists: int) -> int:
     return n_lists * (sizes[0] + (sizes[1] if len(sizes) > 1 else sizes[0]))
 
 
+class _Worker:
+    """One daemon thread running jobs in the order they were queued; a job's failure is kept
+    (the first one) for :meth:`settle` to raise, and the jobs after it still run. Stopped by
+    :meth:`stop` (its queued jobs run first), or at exit."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException as e:  # noqa: BLE001 - kept for settle, and for the waiters of the job's chunks
+                if self.failure is None:
+                    self.failure = e
+            # the job's closure holds the optimizer, and through it the engine: a dropped engine
+            # must be collectable (its finalizer deletes the chunk files) while this thread waits
+            job = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def settle(self) -> None:
+        """Return once every job queued so far has run; raise the first failure, if any."""
+        if threading.current_thread() is self._thread:
+            return
+        mark = threading.Event()
+        self._jobs.put(mark.set)
+        mark.wait()
+        if self.failure is not None:
+            raise relayed(self.failure, "the disk tier's step")
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            if threading.current_thread() is not self._thread:
+                self._thread.join()
+
+
 def _host_wait(event: CopyEvent) -> None:
     """Wait, in this thread, until the copy of ``event`` no longer reads its host source (a
     CUDA copy to the device: a host sync on it, not the compute stream's wait)."""
@@ -176,7 +224,9 @@ def _host_wait(event: CopyEvent) -> None:
     (for_host() if for_host is not None else event).wait()
 
 
-def _close(lanes: TierLanes, files: TierFiles) -> None:
+def _close(workers: tuple[_Worker, ...], lanes: TierLanes, files: TierFiles) -> None:
+    for w in workers:
+        w.stop()
     lanes.close()
     files.remove()
 
@@ -221,14 +271,20 @@ class DiskTier:
         # a failed transfer fails the pool: the step waiting in take raises it (Note [disk tier])
         self.lanes = parts.lanes(self.files, self.staging.fail)
         # the files go at a clean end of the engine (close), when it is collected, or at a failed start
-        self._finalizer = weakref.finalize(self, _close, self.lanes, self.files)
-        # staging buffers a copy to the device still reads, with that copy's event: given back
-        # once it is done (Note [param chunks on disk])
-        self._returning: collections.deque[tuple[torch.Tensor, CopyEvent | None]] = collections.deque()
+        # two threads of its own (Note [the step issued behind]): one gives staging buffers back
+        # once the copies to the device that read them are done, one issues the step's staging
+        self._returner = _Worker("chunkstar-disk-return")
+        self._stepper = _Worker("chunkstar-disk-step")
+        self._busy: dict[int, threading.Event] = {}  # id(chunk) -> set once the stepper is done with it
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _close, (self._stepper, self._returner), self.lanes, self.files)
         self.stage_ins = 0
         self.stage_outs = 0
         self.clean_stage_outs = 0  # staged out without a write (nothing changed)
         self.wait_s = 0.0  # main-thread seconds waiting for a staging buffer
+        self._mark: dict[str, float] | None = None  # the totals when the last step ended
+        self.last_step: dict[str, float | int | None] = {}
+        """The disk's figures over the last whole iteration (:meth:`step_ended`)."""
 
     @property
     def file_bytes(self) -> int:
@@ -248,6 +304,7 @@ class DiskTier:
                 f"staging {len(chunks)} chunks from disk at once needs {need} bytes, more than disk.staging_budget "
                 f"({self.budget} bytes)"
             )
+        self.settle()  # the last step's staging is all issued (Note [the step issued behind])
         quiet = self._quiet
         done: list[Chunk] = []
         try:
@@ -268,29 +325,66 @@ class DiskTier:
                 raise error
 
     def take(self, chunk: Chunk) -> torch.Tensor:
-        """A staging buffer for ``chunk``'s bytes, once the budget has room: the buffers whose
-        copies to the device are done come back first, and while they alone are in the way
-        this waits for the oldest such copy (the pool would wait for a give-back nobody else
-        makes)."""
+        """A staging buffer for ``chunk``'s bytes, once the budget has room (write-behinds and
+        copies to the device give buffers back on their own threads)."""
         t0 = time.perf_counter()
-        staging = self.staging
-        returning = self._returning
-        while returning:
-            buf, event = returning[0]
-            if event is not None and not event.done():
-                if staging.in_use_bytes + chunk.nbytes <= self.budget:
-                    break
-                _host_wait(event)
-            returning.popleft()
-            staging.give_back(buf)
-        buf = staging.take(chunk.nbytes, chunk.dtype)  # raises once a transfer has failed
-        self.wait_s += time.perf_counter() - t0
+        buf = self.staging.take(chunk.nbytes, chunk.dtype)  # raises once a transfer has failed
+        with self._lock:
+            self.wait_s += time.perf_counter() - t0
         return buf
 
     def give_back_after(self, buf: torch.Tensor, event: CopyEvent | None) -> None:
         """``buf``, a staging buffer a copy to the device (``event``) reads, goes back to the
-        pool once that copy is done (Note [param chunks on disk])."""
-        self._returning.append((buf, event))
+        pool once that copy is done (Note [param chunks on disk]), on the tier's own thread."""
+        staging = self.staging
+
+        def back() -> None:
+            try:
+                if event is not None:
+                    _host_wait(event)
+            finally:  # a failed copy's waiters raise its error; the buffer comes back all the same
+                staging.give_back(buf)
+
+        self._returner.submit(back)
+
+    # ------------------------------------------------------------------ the step issued behind
+    def issue_behind(self, chunks: list[Chunk], job: Callable[[], None]) -> None:
+        """Note [the step issued behind]: run ``job`` (staging ``chunks`` in, queueing their
+        update, staging them out) on the tier's step thread, in order; until it has run,
+        :meth:`wait_for` holds whoever else would move one of ``chunks``."""
+        done = threading.Event()
+        with self._lock:
+            for c in chunks:
+                self._busy[id(c)] = done
+        busy, lock = self._busy, self._lock
+
+        def run() -> None:
+            try:
+                job()
+            finally:
+                with lock:
+                    for c in chunks:
+                        if busy.get(id(c)) is done:
+                            del busy[id(c)]
+                done.set()
+
+        self._stepper.submit(run)
+
+    def wait_for(self, chunk: Chunk) -> None:
+        """Return once the step thread is done with ``chunk`` (at once if it has none queued)."""
+        with self._lock:
+            done = self._busy.get(id(chunk))
+        if done is not None:
+            done.wait()
+
+    def settle(self) -> None:
+        """Return once the step thread has issued everything queued to it; raises its first failure."""
+        self._stepper.settle()
+
+    def finish_stepping(self) -> None:
+        """Let the step thread issue what is queued to it and stop (the engine closes: a failure
+        is the one the step's waiters saw, not raised again here)."""
+        self._stepper.stop()
 
     def stage_in(self, chunk: Chunk, *, for_device: bool = False) -> None:
         """DISK -> HOST: a staging buffer, filled on the read lane after the chunk's last
@@ -303,7 +397,8 @@ class DiskTier:
             self.staging.give_back(buf)
             raise
         chunk.attach_host(buf, event, as_work=for_device)
-        self.stage_ins += 1
+        with self._lock:
+            self.stage_ins += 1
         if self._on_move is not None:
             self._on_move(chunk, False, chunk.nbytes, time.perf_counter_ns())
 
@@ -311,7 +406,8 @@ class DiskTier:
         """HOST -> DISK: with ``write``, the buffer is written behind once the last work on it
         is done and given back when its bytes are on disk; without, given back at once."""
         buf, last = chunk.detach_host()
-        self.stage_outs += 1
+        with self._lock:
+            self.stage_outs += 1
         if self._on_move is not None:
             self._on_move(chunk, True, chunk.nbytes if write else 0, time.perf_counter_ns())
         if write:
@@ -335,7 +431,8 @@ class DiskTier:
             self.staging.fail(e)
         finally:
             self.staging.give_back(buf)
-        self.clean_stage_outs += 1
+        with self._lock:
+            self.clean_stage_outs += 1
 
     def write_now(self, chunk: Chunk, buf: torch.Tensor) -> None:
         """Write ``buf`` (a host tensor of the chunk's bytes) as the chunk's content, in this
@@ -353,12 +450,9 @@ class DiskTier:
             self.staging.give_back(buf)
 
     def drain(self) -> None:
+        self._stepper.settle()
         self.lanes.drain()
-        while self._returning:
-            buf, event = self._returning.popleft()
-            if event is not None:
-                _host_wait(event)
-            self.staging.give_back(buf)
+        self._returner.settle()
 
     def close(self) -> None:
         """Finish the transfers in flight and delete this run's chunk files."""
@@ -378,7 +472,38 @@ class DiskTier:
                 stacklevel=2,
             )
 
-    def stats(self) -> dict[str, float | int]:
+    def _totals(self) -> dict[str, float]:
+        s = self.files.stats
+        return {
+            "t": time.perf_counter(), "bytes_read": s.bytes_read, "bytes_written": s.bytes_written,
+            "read_s": s.read_seconds, "write_s": s.write_seconds, "busy_s": self.lanes.busy_seconds, "wait_s": self.wait_s,
+        }  # fmt: skip
+
+    def step_ended(self) -> None:
+        """An optimizer step returned: the disk's figures over the iteration since the last one
+        (its forward, backward and step, and the transfers that ran meanwhile), for
+        :meth:`stats` (Note [disk busy time] in :mod:`chunkstar.disk.io_lanes`)."""
+        now = self._totals()
+        before, self._mark = self._mark, now
+        if before is None:
+            return
+        d = {k: now[k] - before[k] for k in now}
+        span = d.pop("t")
+        self.last_step = {
+            "seconds": span,
+            "bytes_read": int(d["bytes_read"]),
+            "bytes_written": int(d["bytes_written"]),
+            "read_s": d["read_s"],
+            "write_s": d["write_s"],
+            "busy_s": d["busy_s"],
+            "busy_fraction": d["busy_s"] / span if span > 0 else 0.0,
+            # bytes per second while the lane moved them: the disk's speed as this run sees it
+            "read_bytes_per_s": d["bytes_read"] / d["read_s"] if d["read_s"] > 0 else None,
+            "write_bytes_per_s": d["bytes_written"] / d["write_s"] if d["write_s"] > 0 else None,
+            "staging_wait_s": d["wait_s"],
+        }
+
+    def stats(self) -> dict[str, Any]:
         s = self.files.stats
         return {
             "disk_bytes_read": s.bytes_read,
@@ -390,4 +515,6 @@ class DiskTier:
             "disk_staging_budget_bytes": self.budget,
             "disk_staging_peak_bytes": self.staging.peak_in_use_bytes,
             "disk_staging_wait_s": self.wait_s,
+            "disk_busy_s": self.lanes.busy_seconds,
+            "disk_last_step": dict(self.last_step),  # {} before two steps have ended
         }

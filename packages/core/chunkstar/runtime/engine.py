@@ -72,7 +72,8 @@ from chunkstar.runtime.param_access import ParamAccess
 from chunkstar.runtime.reads import ReadState
 from chunkstar.runtime.schedule import Schedule
 from chunkstar.runtime.start_checks import (
-    check_inputs, check_units_fit, device_capacity_of, disk_chunk_cap, memory_chunk_cap, refuse_foreign_optimizers, refuse_sparse_gradients,
+    check_inputs, check_units_fit, device_capacity_of, disk_chunk_cap, memory_chunk_cap, plan_host_memory, refuse_foreign_optimizers,
+    refuse_sparse_gradients,
 )  # fmt: skip
 from chunkstar.runtime.state_dict import full_masters, match_values, tied_names, write_values
 
@@ -149,6 +150,10 @@ class ChunkEngine:
             [n for n, _ in named], [tuple(p.shape) for p in self._params], chunk_size, world_size=world, frozen=frozen
         )
         self.chunk_size = chunk_size
+        # host memory is planned before anything is built (Note [host memory plan]): a plan over
+        # its budget is refused now; the disk lists, when left to the engine, are decided here
+        credit = sum(p.numel() * p.element_size() for p in self._params if p.device.type == "cpu")
+        disk_lists, self.host_plan, self.host_budget = plan_host_memory(cfg, layout, self.comm.rank, credit)
         for s, p in zip(layout.slots, self._params):
             if not p.is_floating_point():
                 raise TypeError(f"parameter '{s.name}' has dtype {p.dtype}; chunkstar manages floating-point parameters")
@@ -175,7 +180,7 @@ class ChunkEngine:
                 self.heap_retention_bounded = bound_heap_retention()  # (Note [host heap])
                 chunks = self.mgr.chunks
                 chunks.attach_disk(DiskTier(
-                    cfg.disk, chunks.disk_chunks(cfg.disk.lists), run_tag=self.run_id, rank=self.comm.rank,
+                    cfg.disk, chunks.disk_chunks(disk_lists), run_tag=self.run_id, rank=self.comm.rank,
                     on_move=self.mgr.counters.record_disk, quiet=self.mgr.probe.paused, parts=disk_parts,
                 ))  # fmt: skip
             # the chunks get their values (Note [construction]): host memory peaks at about the
@@ -472,6 +477,8 @@ class ChunkEngine:
 
     def end_optimizer_step(self) -> None:
         self._iteration.end_optimizer_step()
+        if self.mgr.chunks.disk is not None:
+            self.mgr.chunks.disk.step_ended()
 
     def restore_params_from_master(self, slots_by_chunk: dict[int, list[TensorSlot]]) -> None:
         self._gradients.restore_params_from_master(slots_by_chunk)
@@ -716,6 +723,12 @@ class ChunkEngine:
             # modules whose parameters the model casts in its forward, which see them so from then on
             # (Note [a model casting its parameters])
             "modules_cast_by_model": len(self._casts),
+            # the host memory plan made at start (Note [host memory plan]): its bytes, its budget
+            # (None: not known, or a dry run's auto), and its parts by name
+            "host_memory_planned_bytes": self.host_plan.total,
+            "host_memory_budget_bytes": self.host_budget,
+            "host_memory_plan": dict(self.host_plan.parts),
+            "params_on_disk": mgr.chunks.on_disk(ChunkList.PARAM),
             **(mgr.chunks.disk.stats() if mgr.chunks.disk is not None else {}),
             **self._activation_stats(),
         }
@@ -776,6 +789,9 @@ class ChunkEngine:
         engine is not usable afterwards; the files also go when the engine is collected."""
         self._iteration.closed = True  # Note [closed engine]
         self._unhook_optimizers()
+        disk = self.mgr.chunks.disk
+        if disk is not None:
+            disk.finish_stepping()  # its updates go to the host worker closed next (Note [the step issued behind])
         if self.activations is not None:
             self.activations.offload.drain()  # its copies to the host run on the copy engines closed next
         self.host_work.close()
@@ -784,7 +800,6 @@ class ChunkEngine:
         self.mgr.memory.close()
         if self._device_thread is not None:
             self._device_thread.close()
-        disk = self.mgr.chunks.disk
         if disk is not None:
             disk.close()
 

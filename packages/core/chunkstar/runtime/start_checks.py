@@ -11,6 +11,7 @@ order while it builds.
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, Callable, Protocol
 
@@ -18,17 +19,20 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from chunkstar.chunk.lists import ChunkList
-from chunkstar.config import EngineConfig
-from chunkstar.errors import ChunkStateError, ConfigError
+from chunkstar.chunk.layout import ChunkLayout
+from chunkstar.chunk.lists import CHUNK_LISTS, STATE_LISTS, ChunkList
+from chunkstar.config import EngineConfig, parse_bytes
+from chunkstar.errors import ChunkStateError, ConfigError, HostMemoryError, _fmt
 from chunkstar.hooks.module_hooks import HookedModule
 from chunkstar.memory.budget import device_capacity
+from chunkstar.memory.host import HOST_MEMORY_ENV, HostPlan, host_budget
 from chunkstar.memory.probes import cuda_usable_bytes
 from chunkstar.runtime.chunk_manager import ChunkManager
+from chunkstar.runtime.disk_tier import default_staging_budget
 
 __all__ = [
-    "DISK_AUTO_CHUNK_CAP", "check_inputs", "check_units_fit", "device_capacity_of", "disk_chunk_cap",
-    "refuse_foreign_optimizers", "refuse_sparse_gradients",
+    "DISK_AUTO_CHUNK_CAP", "check_inputs", "check_units_fit", "device_capacity_of", "disk_chunk_cap", "host_plan",
+    "plan_host_memory", "refuse_foreign_optimizers", "refuse_sparse_gradients", "staging_budget_of",
 ]  # fmt: skip
 
 
@@ -130,8 +134,103 @@ def disk_chunk_cap(cfg: EngineConfig) -> int | None:
         return None
     if cfg.disk.staging_budget is None:
         return DISK_AUTO_CHUNK_CAP
-    per_element = 4 * len(cfg.disk.lists)  # fp32 master and moments
+    # fp32 master and moments, and the param chunk in its dtype (when on disk, or "auto" may put it there)
+    per_element = sum(cfg.precision.dtype.itemsize if n is ChunkList.PARAM else 4 for n in cfg.disk.lists)
+    if cfg.disk.lists_auto and ChunkList.PARAM not in cfg.disk.lists:
+        per_element += cfg.precision.dtype.itemsize
     return max(64, cfg.disk.staging_budget // (2 * per_element))
+
+
+def host_plan(cfg: EngineConfig, layout: ChunkLayout, rank: int, disk_lists: tuple[ChunkList, ...], credit: int) -> HostPlan:
+    """What this rank's run holds in host memory at most (Note [host memory plan] in
+    :mod:`chunkstar.memory.host`), with ``disk_lists`` on disk; ``credit``: the bytes of the
+    model's real host parameters, freed as their values go into the chunks."""
+    own = [cid for cid in range(layout.n_chunks) if layout.owner(cid) == rank]
+    item = cfg.precision.dtype.itemsize
+    param = sum(layout.chunk_sizes[c] for c in own) * item
+    trainable = sum(layout.chunk_sizes[c] for c in own if c not in layout.frozen)
+    parts: dict[str, int] = {}
+    if ChunkList.PARAM not in disk_lists:
+        parts["param chunks"] = param
+    in_memory = [n for n in STATE_LISTS if n not in disk_lists or cfg.disk is None]
+    if in_memory:
+        parts[f"{' and '.join(n.value for n in in_memory)} chunks"] = 4 * trainable * len(in_memory)
+    if cfg.disk is not None:
+        parts["disk staging"] = staging_budget_of(cfg, layout, rank, disk_lists)
+    if cfg.optimizer.accumulation_steps > 1:
+        parts["gradient accumulators"] = 4 * trainable
+    if cfg.device.type == "cpu":
+        parts["the cpu virtual device"] = device_capacity_of(cfg)
+    return HostPlan(parts, credit)
+
+
+def staging_budget_of(cfg: EngineConfig, layout: ChunkLayout, rank: int, disk_lists: tuple[ChunkList, ...]) -> int:
+    """The disk tier's staging budget for ``disk_lists``: the config's, or the default (the two
+    largest chunks' bytes in every disk list, :func:`chunkstar.runtime.disk_tier.default_staging_budget`)."""
+    assert cfg.disk is not None
+    if cfg.disk.staging_budget is not None:
+        return cfg.disk.staging_budget
+    item = cfg.precision.dtype.itemsize
+    per_id = {}
+    for cid in range(layout.n_chunks):
+        if layout.owner(cid) != rank:
+            continue
+        lists = [ChunkList.PARAM] if cid in layout.frozen else list(CHUNK_LISTS)
+        per_id[cid] = sum(layout.chunk_sizes[cid] * (item if n is ChunkList.PARAM else 4) for n in lists if n in disk_lists)
+    return default_staging_budget({c: n for c, n in per_id.items() if n}, 1)
+
+
+def plan_host_memory(cfg: EngineConfig, layout: ChunkLayout, rank: int, credit: int) -> tuple[tuple[ChunkList, ...], HostPlan, int | None]:
+    """Note [host memory plan]: the disk lists this run uses (with ``lists`` left to the
+    engine, the param list joins the state lists when that is what fits), the plan, and its
+    budget; a plan over its budget is a :class:`chunkstar.errors.HostMemoryError` raised now,
+    before anything is built."""
+    lists = cfg.disk.lists if cfg.disk is not None else ()
+    if cfg.device.type == "meta" and cfg.host_memory_budget is None:
+        # a dry run: this machine's memory says nothing of the target's (the report shows the plan)
+        return lists, host_plan(cfg, layout, rank, lists, credit), None
+    machine = os.environ.get(HOST_MEMORY_ENV)
+    budget, budget_from = host_budget(
+        cfg.host_memory_budget, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
+        parse_bytes(machine, HOST_MEMORY_ENV) if machine else None,
+    )  # fmt: skip
+    plan = host_plan(cfg, layout, rank, lists, credit)
+    if budget is None or plan.total <= budget:
+        return lists, plan, budget
+    if cfg.disk is not None and cfg.disk.lists_auto and ChunkList.PARAM not in lists:
+        with_params = (ChunkList.PARAM, *lists)
+        other = host_plan(cfg, layout, rank, with_params, credit)
+        if other.total <= budget:
+            return with_params, other, budget
+    raise HostMemoryError(plan.total, budget, plan.describe(), budget_from, _host_advice(cfg, layout, rank, lists, plan, budget))
+
+
+def _host_advice(
+    cfg: EngineConfig, layout: ChunkLayout, rank: int, lists: tuple[ChunkList, ...], plan: HostPlan, budget: int
+) -> str:
+    """What to change so that a plan fits its budget, the most effective first."""
+    todo: list[str] = []
+    if cfg.disk is None:
+        todo.append('put the optimizer state (12 bytes per parameter) on disk: "disk": {"path": "/a/fast/disk"}')
+    elif ChunkList.PARAM not in lists:
+        whole = host_plan(cfg, layout, rank, (ChunkList.PARAM, *STATE_LISTS), plan.credit).total
+        todo.append(
+            f'put the param chunks on disk too: "disk": {{"lists": ["param", "master", "exp_avg", "exp_avg_sq"]}} '
+            f"(the plan then needs {_fmt(whole)})"
+        )
+    staging = plan.parts.get("disk staging", 0)
+    if staging:
+        todo.append(
+            f"lower the staging (now {_fmt(staging)}): a smaller default_chunk_size, or a disk.staging_budget "
+            "of at least one chunk's bytes in every disk list (its largest parameter sets that least)"
+        )
+    device = plan.parts.get("the cpu virtual device", 0)
+    if device:
+        todo.append(f"lower device_memory_budget ({_fmt(device)} of host memory on the cpu virtual device)")
+    if plan.parts.get("gradient accumulators"):
+        todo.append("accumulate fewer micro-batches (gradient_accumulation_steps 1 keeps no accumulators)")
+    todo.append(f"or raise host_memory_budget above {_fmt(plan.total)} if the machine has it")
+    return "; ".join(todo)
 
 
 def memory_chunk_cap(cfg: EngineConfig, world_size: int, scratch_on_device: bool) -> int | None:
