@@ -148,6 +148,8 @@ _CPU_LADDER: tuple[tuple[str, int, int, int, str], ...] = (
     ("cpu-1.5b", 1600, 48, 25, "GPT-2 XL shape"),
     ("cpu-2b", 2048, 38, 16, "beyond host memory: the disk tier's target"),
     ("cpu-3b", 2560, 38, 20, "fp32 weights (12 GB) alone exceed an 8 GiB cap"),
+    ("cpu-4b", 2560, 50, 20, "bf16 param chunks (8.1 GB) alone exceed an 8 GiB cap: the param list on disk"),
+    ("cpu-5b", 3072, 44, 24, "the param list on disk, 72 GB of chunk files"),
 )
 _CPU_SEQ = 128
 

@@ -145,6 +145,14 @@ class Profiler:
     def stop(self) -> None:
         if self._unsubscribe is None:
             return
+        disk = self.engine.mgr.chunks.disk
+        if disk is not None:
+            # the disk tier's step thread records its staging moves as it issues them (Note [the
+            # step issued behind] in chunkstar.runtime.disk_tier): the recording ends once it is done
+            try:
+                disk.settle()
+            except Exception:  # noqa: BLE001 - a failed step is the training loop's to raise, not the profile's
+                pass
         self._unsubscribe()
         self._unsubscribe = None
         self.engine.memory_probe.release(_PROBE_HOLDER)

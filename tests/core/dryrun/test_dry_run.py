@@ -200,9 +200,12 @@ def test_the_disk_tier_decides_as_in_a_real_run(name: str, tmp_path: Any) -> Non
         assert {k: d[k] for k in _COUNTERS + _DISK_COUNTERS} == {k: r[k] for k in _COUNTERS + _DISK_COUNTERS}, (name, step)
     assert real[-1]["moves_by_reason"]["stage_in"] > 0 and real[-1]["disk_bytes_written"] > 0
     assert not dry_dir.exists()  # nothing claimed, nothing written
-    # the node's host holds the chunks' host buffers and the staging pool beside them
+    # the node's host holds the chunks whose home is host memory and the staging pool, once: its plan
     last = report.ranks[0].stats
-    assert report.host_peak_bytes_per_node == last["host_chunk_bytes_peak"] + last["disk_staging_budget_bytes"]
+    param_bytes = real[-1]["model_data_bytes"] - real[-1]["master_and_adam_bytes"]
+    assert last["host_memory_plan"] == {"param chunks": param_bytes, "disk staging": last["disk_staging_budget_bytes"]}
+    assert report.host_peak_bytes_per_node == param_bytes + last["disk_staging_budget_bytes"]
+    assert last["host_chunk_bytes_peak"] <= report.host_peak_bytes_per_node  # the staged chunks are the pool's
     # the step record carries the staging moves for the time model's disk lane
     rec = report.ranks[0].record
     assert rec is not None and rec.moved("disk", "host") > 0 and rec.moved("host", "disk") > 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from chunkstar.config import DISK_LISTS
+from chunkstar.config import DEFAULT_DISK_LISTS
 
 from chunkstar_bench.plan.deepspeed import ADDITIONAL_BUFFER_FACTOR, DeepSpeedVerdict
 from chunkstar_bench.plan.dryrun import PATRICKSTAR_CHUNK_ELEMENTS, DryRunPoint, DryRunSettings
@@ -52,7 +52,7 @@ def format_plan(hw: Hardware, rows: Sequence[PlanRow], workload: Workload) -> st
         )  # fmt: skip
         head.append(
             f"  disk {_fmt_gib(hw.disk_bytes)} GiB free for chunk files; chunkstar-disk: {DISK_BYTES_PER_ELEMENT} per chunk "
-            f"element on disk ({' + '.join(DISK_LISTS)}), 2 (param/grad) on device or host, plus staging per process: {staging}"
+            f"element on disk ({' + '.join(DEFAULT_DISK_LISTS)}), 2 (param/grad) on device or host, plus staging per process: {staging}"
         )
     head.append("")
     cols = (

@@ -29,7 +29,7 @@ of ``n`` GPUs with ``C`` usable bytes each and ``H`` usable host bytes:
   chunks, ``chunkstar.placement.optimizer``); the host holds the rest.
 * **chunkstar-disk** (chunkstar with the disk tier, Note [disk tier] in
   ``chunkstar.runtime.disk_tier``; only on a node with a disk, ``D`` bytes free
-  for the chunk files): the state lists (``chunkstar.config.DISK_LISTS``: fp32
+  for the chunk files): the state lists (``chunkstar.config.DEFAULT_DISK_LISTS``: fp32
   master, exp_avg, exp_avg_sq, 12 bytes per chunk element) live in files on the
   disk, which must hold them all; the host holds the bf16 param chunks (2 per
   element) the GPUs cannot, plus each process's staging buffers (the
@@ -76,7 +76,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from chunkstar.chunk.layout import ChunkLayout, build_layout, search_chunk_size
-from chunkstar.config import DISK_LISTS
+from chunkstar.config import DEFAULT_DISK_LISTS
 from chunkstar.runtime.disk_tier import default_staging_budget
 
 from chunkstar_bench import published, zoo
@@ -112,7 +112,7 @@ CHUNKSTAR_BYTES_PER_ELEMENT = 2 + 4 + 4 + 4
 """bf16 param (its gradient overwrites it) + fp32 master + exp_avg + exp_avg_sq (docs/design.md, 'Chunks')."""
 CHUNKSTAR_PARAM_BYTES_PER_ELEMENT = 2
 """The bf16 param chunk's share of those (its gradient overwrites it)."""
-DISK_BYTES_PER_ELEMENT = 4 * len(DISK_LISTS)
+DISK_BYTES_PER_ELEMENT = 4 * len(DEFAULT_DISK_LISTS)
 """The fp32 state lists the disk tier keeps in files (master, exp_avg, exp_avg_sq): 12 of the 14."""
 DEEPSPEED_OFFLOAD_BYTES_PER_PARAM = 2 + 4 + 4 + 4 + 4
 """Host bytes of ZeRO-3 with params and optimizer offloaded: 16-bit param partition,
@@ -345,12 +345,12 @@ def footprint(system: str, spec: ModelSpec, hw: Hardware, workload: Workload = W
             host_need = max(0, CHUNKSTAR_BYTES_PER_ELEMENT * layout.total_elements - spare)
         else:  # the state in files; no device Adam, so the spare device memory holds param chunks only
             state_chunk = 4 * chunk_elements  # bytes of one fp32 state chunk
-            staging = workload.staging_budget or default_staging_budget({0: state_chunk}, len(DISK_LISTS))
+            staging = workload.staging_budget or default_staging_budget({0: state_chunk}, len(DEFAULT_DISK_LISTS))
             params_on_host = max(0, CHUNKSTAR_PARAM_BYTES_PER_ELEMENT * layout.total_elements - spare)
             host_need = params_on_host + n * staging
             disk = {
                 "disk_need": DISK_BYTES_PER_ELEMENT * layout.total_elements, "disk_usable": hw.disk_bytes,
-                "staging": staging, "staging_min": len(DISK_LISTS) * state_chunk,
+                "staging": staging, "staging_min": len(DEFAULT_DISK_LISTS) * state_chunk,
             }  # fmt: skip
     elif system == "deepspeed":
         device_need = act + 2 * layer16 + 2 * DEEPSPEED_REDUCE_BUCKET_ELEMENTS

@@ -118,17 +118,22 @@ class DryRunReport:
 
     @property
     def host_peak_bytes_per_node(self) -> int:
-        """The most host memory the chunks of one node's ranks hold at once (each rank's peak,
-        summed over the busiest node), with the disk tier's staging pool beside them (its
-        whole budget: an upper bound, as the chunks staged in at the peak are in both); the
-        processes' own memory (torch, the CUDA context, the activations' pinned copies a
-        framework may keep) comes on top."""
+        """The host memory the chunks of one node's ranks hold at most, summed over the busiest
+        node: each rank's host memory plan (Note [host memory plan] in
+        :mod:`chunkstar.memory.host`: the chunks whose home is host memory, the disk tier's
+        staging pool at its whole budget, the gradient accumulators). The chunks staged in
+        at a moment are the pool's, counted once (the rank's measured peak of host chunk
+        buffers plus the pool counted them twice). The processes' own memory (torch, the
+        CUDA context, the activations' pinned copies a framework may keep) comes on top."""
         per_node = self.hardware.gpus_per_node if self.hardware is not None else self.world_size
         nodes: dict[int, int] = {}
         for r in self.ranks:
             s = r.stats
             node = r.rank // max(1, per_node)
-            nodes[node] = nodes.get(node, 0) + int(s.get("host_chunk_bytes_peak", 0)) + int(s.get("disk_staging_budget_bytes", 0) or 0)
+            planned = s.get("host_memory_planned_bytes")
+            if planned is None:  # a report of a version before the plan
+                planned = int(s.get("host_chunk_bytes_peak", 0)) + int(s.get("disk_staging_budget_bytes", 0) or 0)
+            nodes[node] = nodes.get(node, 0) + int(planned)
         return max(nodes.values(), default=0)
 
     def as_dict(self) -> dict[str, Any]:
