@@ -175,3 +175,35 @@ def test_device_link_bandwidth_parses(value: object, bps: float) -> None:
 def test_a_bad_device_link_bandwidth_names_the_key(value: object) -> None:
     with pytest.raises(chunkstar.ConfigError, match="device_link_bandwidth"):
         chunkstar.parse_config({"device": "cpu", "device_memory_budget": "1MB", "device_link_bandwidth": value})
+
+
+def test_an_issued_event_waits_to_be_issued_then_for_its_work() -> None:
+    """Issued (Note [the step issued behind]): a copy ``after`` it starts once another thread
+    has issued the work and the work is done; a failure to issue reaches the waiter, typed."""
+    import threading
+
+    from chunkstar.device.copy_engine import Issued
+    from chunkstar.disk import DiskTierError
+
+    worker = HostWorker()
+    issued = Issued()
+    src, dst = torch.zeros(4), torch.empty(4)
+    copies = CopyThread()
+    copy = copies.to_device(dst, src, after=issued)  # queued before the update exists
+    time.sleep(0.05)
+    assert not copy.done() and not issued.done()
+    gate = threading.Event()
+    update = worker.submit(lambda: (gate.wait(), src.fill_(7.0)) and None)
+    issued.issue(update)
+    assert not issued.done()
+    gate.set()
+    copy.wait()
+    assert torch.equal(dst, torch.full((4,), 7.0)) and issued.done()
+    failed = Issued()
+    failed.fail(DiskTierError("chunkstar disk tier: reading chunk 3 failed"))
+    with pytest.raises(DiskTierError, match="reading chunk 3"):
+        failed.wait()
+    copies.close()
+    worker.close()
+    with pytest.raises(RuntimeError, match="after it was closed"):  # never a job that no thread runs
+        worker.submit(lambda: None)

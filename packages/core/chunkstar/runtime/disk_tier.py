@@ -50,8 +50,8 @@ chunk store moves such a chunk (:meth:`ChunkManager._move_through_disk
   filled on the read lane, the copy to the device is queued after that read (the
   read is the copy's ``after``: on the CPU virtual device the copy thread waits,
   not the compute), and the buffer goes back to the pool once the copy no longer
-  reads it (:meth:`DiskTier.give_back_after`; the next :meth:`DiskTier.take`
-  collects it, and waits for the oldest such copy when they alone fill the pool);
+  reads it (:meth:`DiskTier.give_back_after`, on the tier's own thread: a taker
+  waiting for room is never the one who must give it back);
 * off the device (an eviction, a gradient's offload): if nothing wrote the
   payload since it was read from the file (the chunk's ``file_clean``, the
   parameters' version counters checked as for a clean host copy), the device
@@ -68,6 +68,31 @@ like a state chunk (gradients read or written, values written through, frozen
 values in checkpoints and state dicts). The default staging budget counts a
 chunk's param bytes with its state. The arithmetic and its order are unchanged,
 so results are bit-identical to the same run without the tier.
+
+Note [the step issued behind]: with overlap on, ``optimizer.step()`` does not
+stage the state itself. Once the global norm is known it queues, chunk by chunk
+in the order the next forward needs them, a job on the tier's step thread
+(:meth:`DiskTier.issue_behind`) that stages the chunk's disk lists in, queues its
+update on the host worker and stages them out to be written behind; then it
+returns. The step thread is the one that waits for staging buffers, so the next
+forward runs while the step's reads and writes go on, and a step bound by its
+disk costs about the larger of its compute and its I/O, not their sum. What
+keeps it exact:
+
+* a param chunk in host memory gets an :class:`~chunkstar.device.copy_engine.Issued`
+  event as its pending work at once: its next copy to the device, and any reader,
+  waits for the update once the step thread has issued it;
+* a chunk the step thread stages (a state chunk, a param chunk whose home is a
+  file) is the step thread's until its job has run: the chunk store's moves wait
+  for it (:meth:`DiskTier.wait_for`), and anything that stages chunks between
+  steps (checkpoints, state dicts, writes through, the next step's norms) first
+  waits for the thread to finish what it was given (:meth:`DiskTier.settle`);
+* the same updates run on the same values in the same order, so the bits are
+  those of the serial path.
+
+A transfer that fails now reaches whoever waits next: the end of the step, or the
+forward after it, and every later step (the thread keeps its first failure).
+The engine lets the thread finish before it closes the host worker.
 
 This module is the mechanism; which chunks to stage and when is decided by the
 optimizer's step, by the chunk store's moves (param chunks) and, between steps,
@@ -349,8 +374,8 @@ class DiskTier:
 
     # ------------------------------------------------------------------ the step issued behind
     def issue_behind(self, chunks: list[Chunk], job: Callable[[], None]) -> None:
-        """Note [the step issued behind]: run ``job`` (staging ``chunks`` in, queueing their
-        update, staging them out) on the tier's step thread, in order; until it has run,
+        """Run ``job`` (staging ``chunks`` in, queueing their update, staging them out) on the
+        tier's step thread, in order (Note [the step issued behind]); until it has run,
         :meth:`wait_for` holds whoever else would move one of ``chunks``."""
         done = threading.Event()
         with self._lock:

@@ -159,8 +159,10 @@ def host_plan(cfg: EngineConfig, layout: ChunkLayout, rank: int, disk_lists: tup
         parts["disk staging"] = staging_budget_of(cfg, layout, rank, disk_lists)
     if cfg.optimizer.accumulation_steps > 1:
         parts["gradient accumulators"] = 4 * trainable
-    if cfg.device.type == "cpu":
-        parts["the cpu virtual device"] = device_capacity_of(cfg)
+    # the cpu virtual device lives in host memory (a dry run for one: the meta device with no
+    # GPU size, PlacementConfig.device_size)
+    if cfg.device.type == "cpu" or cfg.device.type == "meta" and cfg.placement.device_size is None:
+        parts["the cpu virtual device"] = device_capacity(cfg.placement.budget, cfg.placement.slack, None)
     return HostPlan(parts, credit)
 
 
