@@ -1,6 +1,7 @@
 """The disk tier's I/O lanes (chunkstar.disk.io_lanes).
 
-- transfers queue and return at once; their events wait; each lane keeps order;
+- transfers queue and return at once; their events wait; each lane starts its jobs in
+  order (reads two at a time);
 - ``after`` holds a job until the event it names is done (write-behind after an
   update), and a failure of that event fails the job;
 - a failure on an I/O thread reaches every waiter, naming the file, and the
@@ -26,6 +27,7 @@ import torch
 
 from chunkstar.device.copy_engine import DEBUG_DELAY_ENV, CopyThread, HostWorker
 from chunkstar.disk import ChunkFiles, DiskFullError, DiskLanes, DiskTierError, aligned_empty
+from chunkstar.disk.io_lanes import READERS
 
 NBYTES = 256 << 10  # 64 Ki fp32 per chunk
 CHUNKS = list(range(8))
@@ -76,7 +78,9 @@ def test_transfers_return_at_once_and_their_events_wait(files: ChunkFiles) -> No
         dsts = {c: aligned_empty(NBYTES, torch.float32) for c in CHUNKS}
         reads = [lanes.read("master", c, dsts[c], after=w) for c, w in zip(CHUNKS, writes)]
         reads[-1].wait()
-        assert all(r.done() for r in reads), "a lane runs its jobs in the order they were queued"
+        # reads start in the order they were queued, READERS at a time (Note [two reads at once]):
+        # the last one started once every read but the READERS - 1 before it had ended
+        assert all(r.done() for r in reads[: len(reads) - READERS]), "a lane starts its jobs in the order they were queued"
         assert all(w.done() for w in writes)
         for c in CHUNKS:
             assert torch.equal(dsts[c].view(torch.int32), srcs[c].view(torch.int32))
@@ -214,7 +218,8 @@ def test_every_failure_reaches_on_failure_and_the_lanes_go_on(files: ChunkFiles)
             with pytest.raises(DiskTierError, match=f"reading chunk {c} of list 'master' .*shorter than its manifest"):
                 e.wait()
         assert [type(e) for e in seen] == [DiskTierError, DiskTierError]
-        assert "chunk 5" in str(seen[0]) and "chunk 6" in str(seen[1])
+        # (reads run two at a time, Note [two reads at once]: their failures come in either order)
+        assert sorted("chunk 5" in str(e) for e in seen) == [False, True] and any("chunk 6" in str(e) for e in seen)
         lanes.read("exp_avg", 0, back).wait()  # another file: the lane goes on
         assert len(seen) == 2
     finally:

@@ -1,10 +1,11 @@
 """Asynchronous chunk reads and writes: the disk tier's read-ahead lane and write-behind lane.
 
 Mechanism only (docs/design.md, 'The data path' and 'The disk tier'): a :class:`DiskLanes` queues transfers of
-:class:`~chunkstar.disk.files.ChunkFiles` chunks on two worker threads, one
-for reads and one for writes (a disk reads and writes at once, and a write
-behind must not hold up the read ahead), each running its jobs in the order
-they were queued. Each transfer returns an event with ``wait()`` and
+:class:`~chunkstar.disk.files.ChunkFiles` chunks on two lanes, one for
+reads and one for writes (a disk reads and writes at once, and a write behind
+must not hold up the read ahead), each starting its jobs in the order they were
+queued: the write lane one at a time, the read lane two at a time (Note [two
+reads at once]). Each transfer returns an event with ``wait()`` and
 ``done()`` (a :class:`~chunkstar.device.copy_engine.CopyEvent`), so a consumer
 waits for one chunk, never for the disk. What to read ahead and how far is
 not decided here: the runtime does, bounded by the host buffers of
@@ -135,8 +136,8 @@ class BusyClock:
 
 
 class _Lane:
-    """One worker thread running transfers in the order they were queued, each after a
-    random debug delay if one is set."""
+    """``workers`` threads starting transfers in the order they were queued (with one, each
+    ends before the next starts), each after a random debug delay if one is set."""
 
     def __init__(
         self,
