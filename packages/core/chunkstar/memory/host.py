@@ -11,7 +11,10 @@ layout and the config alone:
   buffers it lent, up to the budget, for the next chunks of the same size);
 * with gradient accumulation, an fp32 accumulator per trainable param chunk
   (Note [accumulator buffers] in :mod:`chunkstar.runtime.gradients`);
-* on the CPU virtual device, the device itself: its budget is host memory too.
+* on the CPU virtual device, the device itself: its budget is host memory too
+  (or, if fewer, the bytes of the chunks it could ever hold: a budget far above
+  the model is not memory the run takes; the activations beside the chunks are
+  then not planned).
 
 Less what the start gives back: the model's real (non-meta) parameters on the
 host are freed as their values move into the chunks. What the process holds

@@ -160,9 +160,12 @@ def host_plan(cfg: EngineConfig, layout: ChunkLayout, rank: int, disk_lists: tup
     if cfg.optimizer.accumulation_steps > 1:
         parts["gradient accumulators"] = 4 * trainable
     # the cpu virtual device lives in host memory (a dry run for one: the meta device with no
-    # GPU size, PlacementConfig.device_size)
+    # GPU size, PlacementConfig.device_size): its budget, or the chunks it could ever hold if
+    # fewer (every param chunk, gathered ones too, and hybrid Adam's state): a budget far above
+    # the model, as a run with everything resident sets, is not memory the run takes
     if cfg.device.type == "cpu" or cfg.device.type == "meta" and cfg.placement.device_size is None:
-        parts["the cpu virtual device"] = device_capacity(cfg.placement.budget, cfg.placement.slack, None)
+        could_hold = item * sum(layout.chunk_sizes) + (0 if cfg.disk is not None else 12 * trainable)
+        parts["the cpu virtual device"] = min(device_capacity(cfg.placement.budget, cfg.placement.slack, None), could_hold)
     return HostPlan(parts, credit)
 
 
