@@ -212,12 +212,21 @@ def test_the_disk_tier_decides_as_in_a_real_run(name: str, tmp_path: Any) -> Non
     # the step record carries the staging moves for the time model's disk lane
     rec = report.ranks[0].record
     assert rec is not None and rec.moved("disk", "host") > 0 and rec.moved("host", "disk") > 0
+    # all of them: the step's staging runs on the tier's own thread, and a record closed before
+    # it was done lost the step's moves (the time model then gave the disk no time at all)
     # on LoHan's node (an RTX 4090 and an NVMe disk) the time model gives the disk its lane
     on_gpu = {k: v for k, v in config.items() if k not in ("device", "device_memory_budget")}
     nvme = chunkstar.dry_run(_MODELS[name], {**on_gpu, "disk": {"path": str(dry_dir)}}, _inputs(name),
                              hardware="rtx4090_256gb_nvme", steps=3)  # fmt: skip
     assert nvme.fits and nvme.prediction is not None and nvme.prediction.busy["disk"] > 0
     assert nvme.ranks[0].stats["disk_bytes_written"] > 0 and not dry_dir.exists()
+    # the record holds all of the step's disk moves: the step's staging runs on the tier's own
+    # thread (Note [the step issued behind]), and a record closed before it was done lost them
+    # (the time model then gave the disk no time at all)
+    for r in (report, nvme):
+        steps, rec = r.ranks[0].steps, r.ranks[0].record
+        read, written = (steps[-1][k] - steps[-2][k] for k in ("disk_bytes_read", "disk_bytes_written"))
+        assert rec is not None and (rec.moved("disk", "host"), rec.moved("host", "disk")) == (read, written)
 
 
 @pytest.mark.parametrize("policy", ["checkpoint", "offload"])

@@ -176,6 +176,12 @@ class StepRecorder:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        disk = self.engine.mgr.chunks.disk
+        if disk is not None and exc[0] is None:
+            # the step's staging runs on the disk tier's own thread, and its moves are the
+            # step's: a record closed before that thread is done leaves them out (Note [the
+            # step issued behind])
+            disk.settle()
         self._flops.__exit__(*exc)
         if self._unsubscribe is not None:
             self._unsubscribe()
