@@ -8,7 +8,7 @@ import pytest
 
 from chunkstar_bench.child import _is_oom
 from chunkstar_bench.runner import RunSpec, run
-from chunkstar_bench.systems.chunkstar import chunkstar_budget_bytes
+from chunkstar_bench.systems.chunkstar import DISK_PARAM_ROOM, chunkstar_budget_bytes
 from chunkstar_bench.zoo import get, n_params
 
 
@@ -83,3 +83,9 @@ def test_chunkstar_budget_forms() -> None:
     auto = chunkstar_budget_bytes(base, 4, 128, None)
     assert auto == chunkstar_budget_bytes(base, 4, 128, "auto") == chunkstar_budget_bytes(base, 4, 128, "params:0.6")
     assert chunkstar_budget_bytes(base, 4, 128, "params:0.9") > auto
+    # the disk system's emulated GPU stays small against the model: its bytes are host memory under the cap
+    big = get("cpu-4b")
+    plain, disk = (chunkstar_budget_bytes(big, 2, 128, None, disk=d) for d in (False, True))
+    assert plain - disk == int(0.6 * 2 * n_params(big)) - DISK_PARAM_ROOM > 0
+    assert chunkstar_budget_bytes(base, 4, 128, None, disk=True) == auto  # 60% of a small model is less
+    assert chunkstar_budget_bytes(big, 2, 128, "params:0.6", disk=True) == plain  # what the user names is kept

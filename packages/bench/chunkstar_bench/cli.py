@@ -157,7 +157,7 @@ def _register_maxscale(sub: argparse._SubParsersAction) -> None:  # type: ignore
     p.add_argument("--steps", type=int, default=1, help="timed steps per attempt (default %(default)s)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them (default %(default)s)")
     p.add_argument("--chunkstar-budget", default=None,
-                   help='chunkstar systems: the device budget, bytes, "2GiB" or "params:F" (default: params:0.6)')
+                   help='chunkstar systems: the device budget, bytes, "2GiB" or "params:F" (default: params:0.6; chunkstar-disk: at most 1 GiB of params beside the activations)')
     p.add_argument("--staging", default=None,
                    help='chunkstar-disk only: the disk tier\'s host staging budget, e.g. "1GiB" (default: the engine\'s auto)')
     p.set_defaults(func=_cmd_maxscale)

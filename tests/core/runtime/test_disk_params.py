@@ -146,17 +146,26 @@ def _meta_gpt2() -> nn.Module:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_meta_construction_in_waves_and_pretrained(tmp_path: Path, dtype: str) -> None:
-    # the smallest staging budget: one chunk's param, master and moments (the tied embedding's).
+def test_meta_construction_in_waves_and_pretrained(tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the smallest staging budget: the param and master of the largest chunk (the tied
+    # embedding's), which a wave and a write through stage together; the step updates that
+    # chunk in slices (Note [the step in slices]), with a slice's buffers taken at once: taken
+    # one by one, the step thread held a slice's param buffer while the forward waited for the
+    # whole budget, for good (Note [all or nothing]).
     # In fp32 a param chunk's staging buffer has a master's size, so the pool hands the buffers
     # the waves built masters in to param chunks copied back mid-backward: a parameter that
     # still shared such a buffer's version counter failed the backward (Note [a parameter's
     # version counter])
-    one = ((2 if dtype == "bf16" else 4) + 12) * 512 * 128
+    monkeypatch.setenv("CHUNKSTAR_DEBUG_COPY_DELAY_MS", "0-2")  # a missing wait would show
+    largest = 512 * 128
+    one = ((2 if dtype == "bf16" else 4) + 4) * largest
     (e0, o0), (e1, o1) = _pair(tmp_path, dtype, build=_meta_gpt2, disk={"staging_budget": one})
     assert e1.construction.initialised and e1.stats()["disk_staging_budget_bytes"] == one
+    assert len(e1.mgr.chunks.disk.slices(largest)) > 1  # type: ignore[union-attr]
     _same_state(e0, e1)
     assert train_engine(e1, o1, CASE, 3, dtype=dtype) == train_engine(e0, o0, CASE, 3, dtype=dtype)
+    s = e1.stats()
+    assert s["disk_staging_peak_bytes"] <= one and s["host_chunk_bytes_peak"] <= one
     e1.close()
     if dtype == "bf16":
         return

@@ -33,11 +33,12 @@ of ``n`` GPUs with ``C`` usable bytes each and ``H`` usable host bytes:
   master, exp_avg, exp_avg_sq, 12 bytes per chunk element) live in files on the
   disk, which must hold them all; the host holds the bf16 param chunks (2 per
   element) the GPUs cannot, plus each process's staging buffers (the
-  ``staging_budget``; the engine's auto, ``default_staging_budget``, is the
-  two largest chunks of every disk list, here two of the uniform chunk size). Device Adam is off with the disk tier, so spare
+  ``staging_budget``; the engine's auto, ``staging_shape``, is two slices of
+  the usual chunk's state, here two of the uniform chunk size). Device Adam is off with the disk tier, so spare
   device memory holds param chunks only. The device need is chunkstar's. A
-  staging budget below one chunk's state (of every disk list) is refused by the
-  engine: the model does not fit (binding ``staging``).
+  staging budget below the least the engine takes (one fp32 state chunk, which
+  a between-step access stages whole; the step works in slices) is refused:
+  the model does not fit (binding ``staging``).
 * **deepspeed** (ZeRO-3, ``offload_param`` + ``offload_optimizer`` to CPU): 18
   bytes per parameter on the host: the fp16/bf16 parameter partition (2, since
   the parameters are offloaded), the fp32 gradient partition that DeepSpeedCPUAdam
@@ -76,8 +77,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from chunkstar.chunk.layout import ChunkLayout, build_layout, search_chunk_size
+from chunkstar.chunk.lists import ChunkList
 from chunkstar.config import DEFAULT_DISK_LISTS
-from chunkstar.runtime.disk_tier import default_staging_budget
+from chunkstar.runtime.disk_tier import staging_shape
 
 from chunkstar_bench import published, zoo
 from chunkstar_bench.plan.nodes import NODE_NAMES, Node, node_named
@@ -344,13 +346,13 @@ def footprint(system: str, spec: ModelSpec, hw: Hardware, workload: Workload = W
         if system == "chunkstar":
             host_need = max(0, CHUNKSTAR_BYTES_PER_ELEMENT * layout.total_elements - spare)
         else:  # the state in files; no device Adam, so the spare device memory holds param chunks only
-            state_chunk = 4 * chunk_elements  # bytes of one fp32 state chunk
-            staging = workload.staging_budget or default_staging_budget({0: state_chunk}, len(DEFAULT_DISK_LISTS))
+            shape = staging_shape({ChunkList(name): {0: (chunk_elements, 4)} for name in DEFAULT_DISK_LISTS}, None)
+            staging = workload.staging_budget or shape.budget
             params_on_host = max(0, CHUNKSTAR_PARAM_BYTES_PER_ELEMENT * layout.total_elements - spare)
             host_need = params_on_host + n * staging
             disk = {
                 "disk_need": DISK_BYTES_PER_ELEMENT * layout.total_elements, "disk_usable": hw.disk_bytes,
-                "staging": staging, "staging_min": len(DEFAULT_DISK_LISTS) * state_chunk,
+                "staging": staging, "staging_min": shape.least,
             }  # fmt: skip
     elif system == "deepspeed":
         device_need = act + 2 * layer16 + 2 * DEEPSPEED_REDUCE_BUCKET_ELEMENTS

@@ -23,12 +23,20 @@ from chunkstar_bench.harness import ADAMW, Context, hf_checkpointing, init_proce
 from chunkstar_bench.runner import DISK_DIR_ENV
 from chunkstar_bench.zoo import ModelSpec, build_hf, n_params
 
-__all__ = ["PRESSURE_FRACTION", "chunkstar_budget_bytes", "engine_config", "run"]
+__all__ = ["DISK_PARAM_ROOM", "PRESSURE_FRACTION", "chunkstar_budget_bytes", "engine_config", "run"]
 
 PRESSURE_FRACTION = 0.6
 """Default chunkstar budget on the CPU virtual device: this share of the bf16 parameter
 bytes beside the estimated activations (0.6, not 0.5: the tied embedding and one
 block's chunk must fit together; see docs/benchmarks.md)."""
+
+DISK_PARAM_ROOM = 1 << 30
+"""``chunkstar-disk``'s default on the CPU virtual device: at most this many bytes of param
+chunks beside the activations (the 60% of :data:`PRESSURE_FRACTION` while that is less). The
+disk tier's user has a GPU small against the model, and on the CPU virtual device the
+device's bytes come out of the host memory the cap measures: a device that grew with the
+model would make a max-scale search measure the emulated GPU, not the engine (the 4.06B
+GPT-2 under an 8 GiB cap was refused for its 6.08 GiB device)."""
 
 _MOVE_COUNTERS = (
     "chunk_moves_to_device", "chunk_moves_to_host", "bytes_to_device", "bytes_to_host", "disk_bytes_read",
@@ -37,14 +45,15 @@ _MOVE_COUNTERS = (
 """``engine.stats()`` counters reported per timed step."""
 
 
-def chunkstar_budget_bytes(model: ModelSpec, batch: int, seq: int, budget: str | int | None) -> int:
+def chunkstar_budget_bytes(model: ModelSpec, batch: int, seq: int, budget: str | int | None, *, disk: bool = False) -> int:
     """The chunkstar device budget for a run, from the spec's ``chunkstar_budget``.
 
     * an int, or a size string (``"2GiB"``): that many bytes;
     * ``"params:F"``: estimated activations + ``F`` x the bf16 parameter bytes;
     * None or ``"auto"``: ``"params:0.6"`` -- on the CPU virtual device, only
       60% of the parameters fit beside the activations, so chunks move every
-      step (the pressure chunkstar exists for).
+      step (the pressure chunkstar exists for); with ``disk`` (``chunkstar-disk``)
+      at most :data:`DISK_PARAM_ROOM` of them.
 
     The activation estimate is ``B*s*(16*V + 34*h*L)`` bytes: bf16 logits, their
     fp32 upcast and gradients (16 bytes per logit) plus Korthikanti et al.'s
@@ -61,6 +70,8 @@ def chunkstar_budget_bytes(model: ModelSpec, batch: int, seq: int, budget: str |
     h, layers, vocab = model.hidden, model.layers, model.vocab
     activations = int(1.25 * batch * seq * (16 * vocab + 34 * h * layers))
     param_room = int(fraction * 2 * n_params(model))
+    if disk and budget in (None, "auto"):
+        param_room = min(param_room, DISK_PARAM_ROOM)
     return activations + param_room
 
 
@@ -96,7 +107,9 @@ def run(ctx: Context) -> dict[str, Any]:
         init_process_group(ctx)  # the engine finds the process group and shards over it
     import chunkstar
 
-    budget: int | None = chunkstar_budget_bytes(ctx.model, ctx.spec.batch, ctx.seq, ctx.spec.chunkstar_budget)
+    budget: int | None = chunkstar_budget_bytes(
+        ctx.model, ctx.spec.batch, ctx.seq, ctx.spec.chunkstar_budget, disk=ctx.spec.system == "chunkstar-disk"
+    )
     if ctx.device == "cuda" and ctx.spec.chunkstar_budget in (None, "auto"):
         budget = None  # on a real GPU the device's own size is the budget
     config = engine_config(ctx, budget)

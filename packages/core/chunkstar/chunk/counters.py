@@ -108,15 +108,16 @@ class ChunkCounters:
         if src is not None and not kept_src:
             events.emit(ChunkFreed(chunk_id, list_name, src, nbytes, t1))
 
-    def record_disk(self, chunk: Chunk, to_disk: bool, nbytes: int, t_ns: int) -> None:
-        """A chunk was staged in from disk or out to it (the disk tier calls this): ``nbytes``
-        issued now, travelling on the disk tier's I/O lanes (so the move ends when issued too).
-        The file keeps its bytes when a chunk is staged in, and has its slot when one goes out."""
+    def record_disk(self, chunk: Chunk, to_disk: bool, nbytes: int, t_ns: int, held: int) -> None:
+        """A chunk (or a slice of it: Note [the step in slices]) was staged in from disk or out
+        to it (the disk tier calls this): ``nbytes`` issued now, travelling on the disk tier's
+        I/O lanes (so the move ends when issued too), in ``held`` bytes of host staging. The
+        file keeps its bytes when a chunk is staged in, and has its slot when one goes out."""
         if to_disk:
-            self.record(chunk.chunk_id, chunk.list_name, chunk.nbytes, src=Tier.HOST, dst=Tier.DISK,
+            self.record(chunk.chunk_id, chunk.list_name, held, src=Tier.HOST, dst=Tier.DISK,
                         reason=MoveReason.STAGE_OUT, copied=nbytes, had_dst=True, t0=t_ns)  # fmt: skip
         else:
-            self.record(chunk.chunk_id, chunk.list_name, chunk.nbytes, src=Tier.DISK, dst=Tier.HOST,
+            self.record(chunk.chunk_id, chunk.list_name, held, src=Tier.DISK, dst=Tier.HOST,
                         reason=MoveReason.STAGE_IN, copied=nbytes, kept_src=True, t0=t_ns)  # fmt: skip
 
     def sample(self, non_model: int, capacity: int, disk_file_bytes: int | None) -> None:

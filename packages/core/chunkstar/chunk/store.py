@@ -63,6 +63,19 @@ class DiskStaging(Protocol):
     def give_back_after(self, buf: torch.Tensor, event: CopyEvent | None) -> None:
         """``buf`` goes back to the pool once the copy of ``event`` no longer reads it."""
 
+    def slices(self, elements: int) -> list[tuple[int, int]]:
+        """The (first, end) elements of each slice the step stages of a chunk of ``elements``."""
+
+    def stage_slices(self, chunks: list[Chunk], first: int, end: int) -> list[tuple[torch.Tensor, CopyEvent]]:
+        """For each of ``chunks``, a staging buffer being filled with its elements ``first:end``,
+        and the read's event (the buffers taken at once)."""
+
+    def stage_in_all(self, chunks: list[Chunk]) -> None:
+        """Stage each of ``chunks`` in, their buffers taken at once."""
+
+    def write_slice(self, chunk: Chunk, first: int, end: int, buf: torch.Tensor, after: CopyEvent) -> CopyEvent:
+        """Write ``buf`` back as elements ``first:end`` of ``chunk`` after ``after``; the write's event."""
+
     def issue_behind(self, chunks: list[Chunk], job: Callable[[], None]) -> None:
         """Run ``job`` on the tier's step thread; :meth:`wait_for` holds ``chunks`` until it has."""
 

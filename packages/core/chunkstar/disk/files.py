@@ -30,6 +30,16 @@ Every chunk is checked when it is read (Note [chunk checks]): a chunk whose
 bytes on disk are not the ones last written there raises a
 :class:`~chunkstar.disk.errors.DiskTierError` naming the file and the chunk.
 
+Note [chunk pieces]: a list may be given a piece size (``piece_nbytes``, a
+multiple of 4096): each of its chunks is then a run of pieces of that many
+bytes (the last one shorter), and a transfer may move a run of whole pieces
+(``pieces=range(i, j)``) instead of the whole chunk. Each piece has its own
+checksum and its own lost mark, so a piece read alone is checked as a whole
+chunk is. This is what lets the optimizer step stage a chunk larger than its
+share of the staging budget a slice at a time (Note [the step in slices] in
+:mod:`chunkstar.runtime.disk_tier`): the lists' piece sizes hold the same
+number of elements, so piece ``i`` of every list is the same elements.
+
 Thread-safety: reads and writes may run on several threads at once (positional
 I/O on shared descriptors; the counters are locked), but two transfers of the
 same slot, or one of a tensor another thread is changing, must be ordered by
@@ -102,7 +112,7 @@ from chunkstar.disk.checksum import ChunkSum, zeros_sum
 from chunkstar.disk.claim import DirectoryClaim, OnStale, chunk_file_name, claim_directory
 from chunkstar.disk.errors import DiskFullError, DiskTierError
 
-__all__ = ["ChunkFiles", "DiskIOStats", "FilesState"]
+__all__ = ["ChunkFiles", "DiskIOStats", "FilesState", "piece_count", "piece_extent"]
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _CHECK_PIECE = 4 << 20
@@ -142,18 +152,51 @@ class _Slot:
     nbytes: int
 
 
+def piece_count(nbytes: int, piece_nbytes: int) -> int:
+    """How many pieces a chunk of ``nbytes`` is in a list of ``piece_nbytes`` pieces (0:
+    one piece, the whole chunk; Note [chunk pieces])."""
+    return 1 if piece_nbytes <= 0 else -(-nbytes // piece_nbytes)
+
+
+def piece_extent(nbytes: int, piece_nbytes: int, pieces: range | None) -> tuple[int, int]:
+    """(first byte, bytes) of the run ``pieces`` of a chunk of ``nbytes`` (None: the whole chunk)."""
+    if pieces is None:
+        return 0, nbytes
+    n = piece_count(nbytes, piece_nbytes)
+    if pieces.step != 1 or not 0 <= pieces.start < pieces.stop <= n:
+        raise ValueError(f"pieces={pieces!r}: expected a run of the chunk's pieces, within range(0, {n})")
+    if piece_nbytes <= 0:
+        return 0, nbytes
+    start = pieces.start * piece_nbytes
+    return start, min(pieces.stop * piece_nbytes, nbytes) - start
+
+
 @dataclass
 class _ListFile:
     name: str
     path: Path
     size: int  # bytes, every slot padded to ALIGNMENT
     slots: dict[int, _Slot]
+    piece: int = 0  # Note [chunk pieces]: bytes per piece, 0: a chunk is one piece
     fd: int = -1  # buffered descriptor
     direct_fd: int = -1  # O_DIRECT descriptor of the same file, -1 if none
-    # Note [chunk checks]: chunk id -> checksum of the bytes last written (absent: never written,
-    # zeros), and chunk id -> why the slot is lost (its last write did not complete)
-    sums: dict[int, int] = field(default_factory=dict)
-    lost: dict[int, str] = field(default_factory=dict)
+    # Note [chunk checks]: (chunk id, piece) -> checksum of the bytes last written (absent: never
+    # written, zeros), and (chunk id, piece) -> why the piece is lost (its last write did not complete)
+    sums: dict[tuple[int, int], int] = field(default_factory=dict)
+    lost: dict[tuple[int, int], str] = field(default_factory=dict)
+
+    def pieces(self, cid: int, pieces: range | None) -> list[tuple[int, _Slot]]:
+        """Each piece of the run (None: every piece of the chunk) with its place in the file."""
+        slot = self.slots[cid]
+        run = pieces if pieces is not None else range(piece_count(slot.nbytes, self.piece))
+        piece_extent(slot.nbytes, self.piece, run)  # checks the run
+        if self.piece <= 0:
+            return [(0, slot)]
+        out = []
+        for k in run:
+            start = k * self.piece
+            out.append((k, _Slot(slot.offset + start, min(self.piece, slot.nbytes - start))))
+        return out
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -230,14 +273,23 @@ class ChunkFiles:
         on_stale: OnStale = "refuse",
         direct: bool = True,
         verify: bool = True,
+        piece_nbytes: Mapping[str, int] | None = None,
     ) -> ChunkFiles:
         """Claim ``directory`` for this rank (Note [directory claim]: stale files are refused or
         wiped as ``on_stale`` says), check the free space, preallocate one file per list and
         write the manifest. ``chunk_nbytes``: chunk id -> bytes of this rank's chunks, the same
         for every list, or list -> (chunk id -> bytes) when the lists differ. ``direct``: use
         ``O_DIRECT`` where the filesystem allows it (faster here: Note [direct I/O]); ``verify``:
-        check every read against the sum of the chunk's last write (Note [chunk checks])."""
+        check every read against the sum of the chunk's last write (Note [chunk checks]);
+        ``piece_nbytes``: list -> bytes per piece, a multiple of 4096 (Note [chunk pieces]; a
+        list not named, or 0: a chunk is one piece)."""
         sizes = _per_list(lists, chunk_nbytes)
+        pieces = dict(piece_nbytes or {})
+        for name, n in pieces.items():
+            if name not in sizes or not isinstance(n, int) or n < 0 or n % ALIGNMENT:
+                raise ValueError(
+                    f"piece_nbytes[{name!r}] = {n!r}: expected a list on disk and a multiple of {ALIGNMENT} bytes (0: none)"
+                )
         root = Path(directory)
         files: dict[str, _ListFile] = {}
         for name, per_chunk in sizes.items():
@@ -245,7 +297,7 @@ class ChunkFiles:
             for cid in sorted(per_chunk):
                 slots[cid] = _Slot(offset, per_chunk[cid])
                 offset += round_up(per_chunk[cid])
-            files[name] = _ListFile(name, root / chunk_file_name(rank, name), offset, slots)
+            files[name] = _ListFile(name, root / chunk_file_name(rank, name), offset, slots, pieces.get(name, 0))
         needed = sum(f.size for f in files.values())
 
         claim = claim_directory(root, run_tag=run_tag, rank=rank, on_stale=on_stale)
@@ -274,6 +326,7 @@ class ChunkFiles:
                         f.name: {
                             "file": f.path.name,
                             "bytes": f.size,
+                            "piece_bytes": f.piece,
                             "chunks": {str(c): {"offset": s.offset, "nbytes": s.nbytes} for c, s in f.slots.items()},
                         }
                         for f in files.values()
@@ -314,9 +367,15 @@ class ChunkFiles:
         """This rank's chunk ids stored in ``list_name``, in increasing order."""
         return tuple(self._file(list_name).slots)
 
-    def nbytes(self, list_name: str, chunk_id: int) -> int:
-        """The bytes of one chunk (what :meth:`read_into` and :meth:`write_from` move)."""
-        return self._slot(list_name, chunk_id)[1].nbytes
+    def nbytes(self, list_name: str, chunk_id: int, pieces: range | None = None) -> int:
+        """The bytes of one chunk, or of its run of ``pieces`` (Note [chunk pieces]): what
+        :meth:`read_into` and :meth:`write_from` move."""
+        f, slot = self._slot(list_name, chunk_id)
+        return piece_extent(slot.nbytes, f.piece, pieces)[1]
+
+    def piece_nbytes(self, list_name: str) -> int:
+        """Bytes per piece of the list's chunks (0: a chunk is one piece)."""
+        return self._file(list_name).piece
 
     def path(self, list_name: str) -> Path:
         return self._file(list_name).path
@@ -351,93 +410,120 @@ class ChunkFiles:
 
     # -- moving bytes ------------------------------------------------------------------
 
-    def read_into(self, list_name: str, chunk_id: int, dst: torch.Tensor) -> None:
-        """Fill ``dst`` (contiguous, 1-D, CPU, any dtype, exactly the chunk's bytes) with the
-        chunk's bytes on disk, bit for bit; returns once they are in ``dst`` and checked
-        (Note [chunk checks]: bytes other than those last written raise ``DiskTierError``)."""
+    def read_into(self, list_name: str, chunk_id: int, dst: torch.Tensor, pieces: range | None = None) -> None:
+        """Fill ``dst`` (contiguous, 1-D, CPU, any dtype, exactly the chunk's bytes, or those
+        of its run of ``pieces``: Note [chunk pieces]) with those bytes on disk, bit for bit;
+        returns once they are in ``dst`` and checked (Note [chunk checks]: bytes other than
+        those last written raise ``DiskTierError``)."""
         f, slot = self._slot(list_name, chunk_id)
-        view = _check_buffer(f, chunk_id, slot, dst, "read_into")
+        span = self._span(f, slot, pieces)
+        view = _check_buffer(f, chunk_id, span, dst, "read_into")
+        parts = f.pieces(chunk_id, pieces)
         with self._lock:
-            lost = f.lost.get(chunk_id)
-            want = f.sums.get(chunk_id)
+            lost = next((f.lost[(chunk_id, k)] for k, _ in parts if (chunk_id, k) in f.lost), None)
+            want = [f.sums.get((chunk_id, k)) for k, _ in parts]
         if lost is not None:
             raise DiskTierError(
-                f"chunkstar disk tier: reading {_where(f, chunk_id, slot)}: the chunk is lost: {lost}, so the file "
+                f"chunkstar disk tier: reading {_where(f, chunk_id, span)}: the chunk is lost: {lost}, so the file "
                 f"does not hold its bytes. The run cannot go on from this state: restart from a checkpoint."
             )
         t0 = time.perf_counter()
         try:
-            got = self._transfer(f, slot, view, is_aligned(dst), write=False)
+            got = self._transfer(f, span, parts, view, is_aligned(dst), write=False)
         except (OSError, EOFError) as e:
-            raise self._failure(e, "reading", f, chunk_id, slot) from e
-        if want is None and self._verify:
-            want = zeros_sum(slot.nbytes)
-        if got != want and self._verify:
-            raise DiskTierError(
-                f"chunkstar disk tier: reading {_where(f, chunk_id, slot)}: its bytes on disk are not the ones "
-                f"written there (crc32 {got:#010x}, expected {want:#010x}): something other than this run changed "
-                f"the file (a truncation, a write), or the disk returned bad data. The run cannot go on from "
-                f"this state: restart from a checkpoint, and leave the disk tier's directory to chunkstar."
-            )
+            raise self._failure(e, "reading", f, chunk_id, span) from e
+        if self._verify:
+            for (k, part), w, g in zip(parts, want, got):
+                if w is None:
+                    w = zeros_sum(part.nbytes)
+                if g != w:
+                    where = _where(f, chunk_id, part) + (f", piece {k}" if f.piece > 0 else "")
+                    raise DiskTierError(
+                        f"chunkstar disk tier: reading {where}: its bytes on disk are not the ones "
+                        f"written there (crc32 {g:#010x}, expected {w:#010x}): something other than this run changed "
+                        f"the file (a truncation, a write), or the disk returned bad data. The run cannot go on from "
+                        f"this state: restart from a checkpoint, and leave the disk tier's directory to chunkstar."
+                    )
         dt = time.perf_counter() - t0
         with self._lock:
-            self._bytes_read += slot.nbytes
+            self._bytes_read += span.nbytes
             self._read_s += dt
             self._reads += 1
 
-    def write_from(self, list_name: str, chunk_id: int, src: torch.Tensor) -> None:
-        """Write ``src`` (contiguous, 1-D, CPU, exactly the chunk's bytes) to the chunk's slot;
-        returns once the bytes are on the device, out of the page cache, so ``src`` may be reused."""
+    def write_from(self, list_name: str, chunk_id: int, src: torch.Tensor, pieces: range | None = None) -> None:
+        """Write ``src`` (contiguous, 1-D, CPU, exactly the chunk's bytes, or those of its run
+        of ``pieces``) to its place in the chunk's slot; returns once the bytes are on the
+        device, out of the page cache, so ``src`` may be reused."""
         f, slot = self._slot(list_name, chunk_id)
-        view = _check_buffer(f, chunk_id, slot, src, "write_from")
+        span = self._span(f, slot, pieces)
+        view = _check_buffer(f, chunk_id, span, src, "write_from")
+        parts = f.pieces(chunk_id, pieces)
         t0 = time.perf_counter()
         try:
-            written = self._transfer(f, slot, view, is_aligned(src), write=True)
+            written = self._transfer(f, span, parts, view, is_aligned(src), write=True)
         except BaseException as e:
-            error = self._failure(e, "writing", f, chunk_id, slot) if isinstance(e, (OSError, EOFError)) else e
+            error = self._failure(e, "writing", f, chunk_id, span) if isinstance(e, (OSError, EOFError)) else e
             with self._lock:  # some of the new bytes may be on disk, or none: Note [chunk checks]
-                f.lost[chunk_id] = f"its last write failed ({error})"
+                for k, _ in parts:
+                    f.lost[(chunk_id, k)] = f"its last write failed ({error})"
             if error is e:
                 raise
             raise error from e
         dt = time.perf_counter() - t0
         with self._lock:
-            f.sums[chunk_id] = written
-            f.lost.pop(chunk_id, None)  # this write supersedes one that did not complete
-            self._bytes_written += slot.nbytes
+            for (k, _), value in zip(parts, written):
+                f.sums[(chunk_id, k)] = value
+                f.lost.pop((chunk_id, k), None)  # this write supersedes one that did not complete
+            self._bytes_written += span.nbytes
             self._write_s += dt
             self._writes += 1
 
-    def mark_lost(self, list_name: str, chunk_id: int, why: str) -> None:
-        """Record that the chunk's bytes did not reach its slot (a write-behind that was not
-        done: ``why``); reading it raises until a write completes (Note [chunk checks]). A slot
-        lost already keeps the first reason."""
+    def mark_lost(self, list_name: str, chunk_id: int, why: str, pieces: range | None = None) -> None:
+        """Record that the chunk's bytes (or those of its run of ``pieces``) did not reach its
+        slot (a write-behind that was not done: ``why``); reading them raises until a write
+        completes (Note [chunk checks]). A piece lost already keeps the first reason."""
         f, _ = self._slot(list_name, chunk_id)
+        parts = f.pieces(chunk_id, pieces)
         with self._lock:
-            f.lost.setdefault(chunk_id, why)
+            for k, _ in parts:
+                f.lost.setdefault((chunk_id, k), why)
 
-    def _transfer(self, f: _ListFile, slot: _Slot, view: memoryview, aligned: bool, *, write: bool) -> int:
-        """Move the chunk's bytes and return their checksum, summed on a check thread beside
-        the transfer (Note [chunk checks]): a write's whole, a read's piece by piece."""
+    @staticmethod
+    def _span(f: _ListFile, slot: _Slot, pieces: range | None) -> _Slot:
+        """Where the run ``pieces`` of the chunk in ``slot`` lies in the file."""
+        start, n = piece_extent(slot.nbytes, f.piece, pieces)
+        return _Slot(slot.offset + start, n)
+
+    def _transfer(
+        self, f: _ListFile, span: _Slot, parts: list[tuple[int, _Slot]], view: memoryview, aligned: bool, *, write: bool
+    ) -> list[int]:
+        """Move the bytes of ``span`` (the run of pieces ``parts``) and return each piece's
+        checksum, summed on a check thread beside the transfer (Note [chunk checks]): a
+        write's pieces whole, a read's a few MiB at a time."""
         if not aligned and self._direct_fallback is None and f.direct_fd >= 0:
             with self._lock:
                 self._fallbacks += 1
         if not self._verify:
-            self._move(f, slot, view, aligned, write=write)
-            return 0
-        total = ChunkSum(self._checks[write])
+            self._move(f, span, view, aligned, write=write)
+            return [0] * len(parts)
+        sums = [ChunkSum(self._checks[write]) for _ in parts]
         try:
             if write:
-                total.add(view)
-                self._move(f, slot, view, aligned, write=True)
+                for total, (_, part) in zip(sums, parts):
+                    a = part.offset - span.offset
+                    total.add(view[a : a + part.nbytes])
+                self._move(f, span, view, aligned, write=True)
             else:
-                for start in range(0, slot.nbytes, _CHECK_PIECE):
-                    piece = view[start : start + _CHECK_PIECE]
-                    self._move(f, _Slot(slot.offset + start, len(piece)), piece, aligned, write=False)
-                    total.add(piece)
+                for total, (_, part) in zip(sums, parts):
+                    a = part.offset - span.offset
+                    for start in range(a, a + part.nbytes, _CHECK_PIECE):
+                        piece = view[start : min(start + _CHECK_PIECE, a + part.nbytes)]
+                        self._move(f, _Slot(span.offset + start, len(piece)), piece, aligned, write=False)
+                        total.add(piece)
         finally:
-            value = total.value()  # on every path: no check may read the buffer once the caller has it back
-        return value
+            # on every path: no check may read the buffer once the caller has it back
+            values = [total.value() for total in sums]
+        return values
 
     def _move(self, f: _ListFile, slot: _Slot, view: memoryview, aligned: bool, *, write: bool) -> None:
         if aligned and self._direct_fallback is None and f.direct_fd >= 0:

@@ -64,10 +64,10 @@ class LaneFiles(Protocol):
     device: str
     """The device type of the buffers the files read into and write from."""
 
-    def read_into(self, list_name: str, chunk_id: int, dst: torch.Tensor) -> None: ...
-    def write_from(self, list_name: str, chunk_id: int, src: torch.Tensor) -> None: ...
-    def mark_lost(self, list_name: str, chunk_id: int, why: str) -> None: ...
-    def nbytes(self, list_name: str, chunk_id: int) -> int: ...
+    def read_into(self, list_name: str, chunk_id: int, dst: torch.Tensor, pieces: range | None = None) -> None: ...
+    def write_from(self, list_name: str, chunk_id: int, src: torch.Tensor, pieces: range | None = None) -> None: ...
+    def mark_lost(self, list_name: str, chunk_id: int, why: str, pieces: range | None = None) -> None: ...
+    def nbytes(self, list_name: str, chunk_id: int, pieces: range | None = None) -> int: ...
     def path(self, list_name: str) -> Path: ...
 
 
@@ -239,14 +239,17 @@ class DiskLanes:
         """Wall seconds so far during which a transfer moved bytes (Note [disk busy time])."""
         return self.clock.busy_seconds
 
-    def read(self, list_name: str, chunk_id: int, dst: torch.Tensor, after: CopyEvent | None = None) -> DiskEvent:
-        """Queue ``files.read_into(list_name, chunk_id, dst)`` once ``after`` is done; ``dst``
-        must not be read (nor written) until the event is. A chunk whose bytes on disk are not
-        what was last written there fails the read (the check runs before the event is done)."""
-        self._check(list_name, chunk_id, dst)
+    def read(
+        self, list_name: str, chunk_id: int, dst: torch.Tensor, after: CopyEvent | None = None, pieces: range | None = None
+    ) -> DiskEvent:
+        """Queue ``files.read_into(list_name, chunk_id, dst, pieces)`` once ``after`` is done;
+        ``dst`` must not be read (nor written) until the event is. A chunk whose bytes on disk
+        are not what was last written there fails the read (the check runs before the event
+        is done). ``pieces``: a run of the chunk's pieces only (Note [chunk pieces])."""
+        self._check(list_name, chunk_id, dst, pieces)
         files = self.files
-        what = f"reading chunk {chunk_id} of list {list_name!r} from {files.path(list_name)}"
-        return self._reads.submit(lambda: files.read_into(list_name, chunk_id, dst), after, what)
+        what = f"reading chunk {chunk_id}{_run(pieces)} of list {list_name!r} from {files.path(list_name)}"
+        return self._reads.submit(lambda: files.read_into(list_name, chunk_id, dst, pieces), after, what)
 
     def write(
         self,
@@ -255,25 +258,26 @@ class DiskLanes:
         src: torch.Tensor,
         after: CopyEvent | None = None,
         then: Callable[[], None] | None = None,
+        pieces: range | None = None,
     ) -> DiskEvent:
         """Queue ``files.write_from(list_name, chunk_id, src)`` once ``after`` is done (the update
         that wrote ``src``); ``then`` runs on the write lane once the job is over, whether the bytes
         got to disk or not (giving the buffer back, say). A write not done, because ``after``
         failed, leaves the chunk lost, as a failed write does. ``src`` must not change until the
-        event is done."""
-        self._check(list_name, chunk_id, src)
+        event is done. ``pieces``: a run of the chunk's pieces only (Note [chunk pieces])."""
+        self._check(list_name, chunk_id, src, pieces)
         files = self.files
-        what = f"writing chunk {chunk_id} of list {list_name!r} to {files.path(list_name)}"
+        what = f"writing chunk {chunk_id}{_run(pieces)} of list {list_name!r} to {files.path(list_name)}"
 
         def over(failure: BaseException | None) -> None:
             try:
                 if failure is not None:  # the file holds the chunk's older bytes, or some of the new
-                    files.mark_lost(list_name, chunk_id, f"its last write-behind did not complete ({failure})")
+                    files.mark_lost(list_name, chunk_id, f"its last write-behind did not complete ({failure})", pieces)
             finally:
                 if then is not None:
                     then()
 
-        return self._writes.submit(lambda: files.write_from(list_name, chunk_id, src), after, what, over)
+        return self._writes.submit(lambda: files.write_from(list_name, chunk_id, src, pieces), after, what, over)
 
     def drain(self) -> None:
         """Return once every transfer queued so far has finished (failures are raised to their
@@ -287,11 +291,15 @@ class DiskLanes:
         self._reads.close()
         self._writes.close()
 
-    def _check(self, list_name: str, chunk_id: int, t: torch.Tensor) -> None:
+    def _check(self, list_name: str, chunk_id: int, t: torch.Tensor, pieces: range | None) -> None:
         # in the caller's thread: a wrong buffer is the caller's bug, raised where it was made
-        nbytes = self.files.nbytes(list_name, chunk_id)
+        nbytes = self.files.nbytes(list_name, chunk_id, pieces)
         if t.device.type != self.files.device or t.dim() != 1 or not t.is_contiguous() or t.numel() * t.element_size() != nbytes:
             raise ValueError(
-                f"chunk {chunk_id} of list {list_name!r} is {nbytes} bytes; expected a contiguous 1-D {self.files.device} tensor of "
+                f"chunk {chunk_id}{_run(pieces)} of list {list_name!r} is {nbytes} bytes; expected a contiguous 1-D {self.files.device} tensor of "
                 f"exactly that, got shape {tuple(t.shape)} of {t.dtype} on {t.device}"
             )
+
+
+def _run(pieces: range | None) -> str:
+    return "" if pieces is None else f" (pieces {pieces.start}-{pieces.stop - 1})"

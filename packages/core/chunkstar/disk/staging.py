@@ -21,6 +21,14 @@ buffers with no bytes (a dry run: Note [dry run disk] in
 :mod:`chunkstar.dryrun.disk`), budgeted and waited for exactly as real ones.
 Thread-safe.
 
+Note [all or nothing]: a taker that needs several buffers at once (an update
+stages a chunk's, or a slice's, lists together) takes them in one
+:meth:`~StagingBuffers.take_all`, never one by one. Two takers each holding
+part of what they need and waiting for the rest is a deadlock: the tier's step
+thread holding a slice's param buffer and waiting for its moment's, while the
+forward waits for room for a whole param chunk, stopped a run with a budget of
+the least that works; neither could give back what the other waited for.
+
 A taker waits for buffers that transfers give back; once a transfer has
 failed, :meth:`~StagingBuffers.fail` makes every waiting and later
 :meth:`~StagingBuffers.take` raise that failure instead of waiting (the run
@@ -81,12 +89,19 @@ class StagingBuffers:
         """A 1-D host tensor of ``nbytes`` bytes of ``dtype`` (uninitialised, or a previous
         chunk's bytes), once the budget has room for it; ``TimeoutError`` after ``timeout`` s,
         and the failure given to :meth:`fail` (relayed: its type kept) once there is one."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if nbytes <= 0 or nbytes % itemsize:
-            raise ValueError(f"take: {nbytes} bytes is not a positive whole number of {dtype} elements")
-        if nbytes > self.budget_bytes:
+        return self.take_all([(nbytes, dtype)], timeout=timeout)[0]
+
+    def take_all(self, wanted: list[tuple[int, torch.dtype]], *, timeout: float | None = None) -> list[torch.Tensor]:
+        """One buffer for each ``(nbytes, dtype)`` of ``wanted``, all at once, once the budget has
+        room for all of them (Note [all or nothing]); otherwise as :meth:`take`."""
+        for nbytes, dtype in wanted:
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if nbytes <= 0 or nbytes % itemsize:
+                raise ValueError(f"take: {nbytes} bytes is not a positive whole number of {dtype} elements")
+        total = sum(n for n, _ in wanted)
+        if total > self.budget_bytes:
             raise ValueError(
-                f"take: a staging buffer of {_fmt_bytes(nbytes)} ({nbytes} bytes) cannot fit the staging budget of "
+                f"take: staging buffers of {_fmt_bytes(total)} ({total} bytes) at once cannot fit the staging budget of "
                 f"{_fmt_bytes(self.budget_bytes)} ({self.budget_bytes} bytes): raise the budget to at least one chunk "
                 f"(several, for read-ahead to overlap), or use smaller chunks"
             )
@@ -98,30 +113,37 @@ class StagingBuffers:
                 while True:
                     if self._failure is not None:
                         raise relayed(self._failure)
-                    if self._queue[0] is token and self._in_use + nbytes <= self.budget_bytes:
+                    if self._queue[0] is token and self._in_use + total <= self.budget_bytes:
                         break
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise TimeoutError(
-                            f"take: waited {timeout} s for {nbytes} bytes of staging; {self._in_use} of "
+                            f"take: waited {timeout} s for {total} bytes of staging; {self._in_use} of "
                             f"{self.budget_bytes} bytes are lent out and not given back"
                         )
                     self._cond.wait(left)
-                buf = self._reuse(nbytes)
-                self._in_use += nbytes
+                # the room for all of them is there: each reuses a kept buffer of its size, or drops
+                # kept ones until a new one fits (it can: the whole request fits beside what is lent)
+                found: list[torch.Tensor | None] = []
+                for nbytes, _ in wanted:
+                    found.append(self._reuse(nbytes))
+                    self._in_use += nbytes
                 self.peak_in_use_bytes = max(self.peak_in_use_bytes, self._in_use)
             finally:
                 self._queue.remove(token)
                 self._cond.notify_all()  # the next in line may fit now
-        if buf is None:
-            # Outside the lock: allocating maps memory (no page is touched yet). The room is
-            # already reserved, so nothing else can overrun the budget meanwhile.
-            buf = aligned_empty(nbytes) if self.aligned else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        out = []
+        for (nbytes, dtype), buf in zip(wanted, found):
+            if buf is None:
+                # Outside the lock: allocating maps memory (no page is touched yet). The room is
+                # already reserved, so nothing else can overrun the budget meanwhile.
+                buf = aligned_empty(nbytes) if self.aligned else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                with self._cond:
+                    self.allocations += 1
             with self._cond:
-                self.allocations += 1
-        with self._cond:
-            self._lent[_key(buf)] = (nbytes, buf)
-        return buf.view(dtype)
+                self._lent[_key(buf)] = (nbytes, buf)
+            out.append(buf.view(dtype))
+        return out
 
     def _reuse(self, nbytes: int) -> torch.Tensor | None:
         """A kept buffer of exactly ``nbytes``, or None after dropping kept buffers of other

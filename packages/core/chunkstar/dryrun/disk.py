@@ -29,6 +29,7 @@ from chunkstar.config import DiskConfig
 from chunkstar.disk import DiskIOStats, DiskLanes, StagingBuffers
 from chunkstar.disk.blockio import round_up
 from chunkstar.disk.claim import chunk_file_name
+from chunkstar.disk.files import piece_extent
 from chunkstar.runtime.disk_tier import TierFiles, TierLanes
 
 __all__ = ["MetaFiles", "SimulatedDisk"]
@@ -40,9 +41,12 @@ class MetaFiles:
 
     device = "meta"
 
-    def __init__(self, directory: Path, rank: int, sizes: dict[str, dict[int, int]], direct: bool) -> None:
+    def __init__(
+        self, directory: Path, rank: int, sizes: dict[str, dict[int, int]], direct: bool, pieces: dict[str, int] | None = None
+    ) -> None:
         self._rank = rank
         self._sizes = sizes
+        self._pieces = dict(pieces or {})
         self._directory = directory
         self._direct = direct
         self._lock = threading.Lock()  # the lanes' two threads count at once
@@ -67,30 +71,31 @@ class MetaFiles:
     def directory(self) -> Path:
         return self._directory
 
-    def nbytes(self, list_name: str, chunk_id: int) -> int:
+    def nbytes(self, list_name: str, chunk_id: int, pieces: range | None = None) -> int:
         try:
-            return self._sizes[list_name][chunk_id]
+            n = self._sizes[list_name][chunk_id]
         except KeyError:
             raise KeyError(f"no chunk {chunk_id} in disk list {list_name!r}") from None
+        return piece_extent(n, self._pieces.get(list_name, 0), pieces)[1]
 
     def path(self, list_name: str) -> Path:
         return self._directory / f"{chunk_file_name(self._rank, list_name)} (not created: a dry run)"
 
-    def read_into(self, list_name: str, chunk_id: int, dst: torch.Tensor) -> None:
-        self._count(list_name, chunk_id, dst, write=False)
+    def read_into(self, list_name: str, chunk_id: int, dst: torch.Tensor, pieces: range | None = None) -> None:
+        self._count(list_name, chunk_id, dst, pieces, write=False)
 
-    def write_from(self, list_name: str, chunk_id: int, src: torch.Tensor) -> None:
-        self._count(list_name, chunk_id, src, write=True)
+    def write_from(self, list_name: str, chunk_id: int, src: torch.Tensor, pieces: range | None = None) -> None:
+        self._count(list_name, chunk_id, src, pieces, write=True)
 
-    def mark_lost(self, list_name: str, chunk_id: int, why: str) -> None:
+    def mark_lost(self, list_name: str, chunk_id: int, why: str, pieces: range | None = None) -> None:
         with self._lock:
             self.lost.setdefault((list_name, chunk_id), why)
 
     def remove(self) -> None:
         """Nothing was created."""
 
-    def _count(self, list_name: str, chunk_id: int, t: torch.Tensor, *, write: bool) -> None:
-        n = self.nbytes(list_name, chunk_id)
+    def _count(self, list_name: str, chunk_id: int, t: torch.Tensor, pieces: range | None, *, write: bool) -> None:
+        n = self.nbytes(list_name, chunk_id, pieces)
         if t.numel() * t.element_size() != n:  # the real files refuse a wrong size too
             raise ValueError(f"chunk {chunk_id} of list {list_name!r} is {n} bytes; the buffer has {t.numel() * t.element_size()}")
         with self._lock:
@@ -109,9 +114,10 @@ class SimulatedDisk:
         return StagingBuffers(budget, device="meta")
 
     def files(
-        self, cfg: DiskConfig, *, run_tag: str, rank: int, lists: list[str], chunk_nbytes: dict[str, dict[int, int]]
+        self, cfg: DiskConfig, *, run_tag: str, rank: int, lists: list[str], chunk_nbytes: dict[str, dict[int, int]],
+        piece_nbytes: dict[str, int],
     ) -> TierFiles:
-        return MetaFiles(Path(cfg.path), rank, {n: dict(chunk_nbytes[n]) for n in lists}, cfg.direct)
+        return MetaFiles(Path(cfg.path), rank, {n: dict(chunk_nbytes[n]) for n in lists}, cfg.direct, piece_nbytes)
 
     def lanes(self, files: TierFiles, on_failure: Callable[[BaseException], None]) -> TierLanes:
         assert isinstance(files, MetaFiles)

@@ -56,6 +56,7 @@ parameters whose ``.grad`` is None.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -598,30 +599,35 @@ class ChunkAdam(torch.optim.Optimizer):
         if mgr.cursor.follows_trace():
             eng.host_work.widen()  # the host's updates are the schedule's now (Note [one OpenMP team])
 
-        def update(tensors: tuple[torch.Tensor, ...], reads: list[CopyEvent]) -> Callable[[], None]:
+        def update(tensors: tuple[torch.Tensor, ...], reads: list[CopyEvent], cut: list[TensorSlot] = slots) -> Callable[[], None]:
             def job() -> None:
                 for r in reads:
                     r.wait()
                 buckets: dict[tuple[torch.device, int, int], tuple[list[torch.Tensor], ...]] = {}
                 flush = self._flusher(buckets, factor, steps, hyper)
-                self._buckets(buckets, tensors, slots, counts.__getitem__, flush, 0, scratch)  # type: ignore[arg-type]
+                self._buckets(buckets, tensors, cut, counts.__getitem__, flush, 0, scratch)  # type: ignore[arg-type]
                 flush()
 
             return job
 
         param = chunks[0]
+        behind = [c for c in chunks if c.tier is Tier.DISK]
+        if disk is not None and behind and len(disk.slices(param.numel)) > 1:
+            self._update_in_slices(chunks, behind, slots, update)
+            return
         if disk is None or not isinstance(eng.host_work, HostWorker):
             # in this thread (no disk tier, or the serial reference path)
             reads: list[CopyEvent] = []
-            staged: list[Chunk] = []
+            # a param chunk too, when its home is a file (Note [param chunks on disk])
+            staged = [c for c in chunks if c.tier is Tier.DISK]
+            if staged:
+                assert disk is not None
+                with mgr.paused_probe():  # a staging buffer is model memory, kept for the run
+                    disk.stage_in_all(staged)  # read ahead on the read lane (Note [disk tier]); the job waits for it
             for c in chunks:
-                if c.tier is Tier.DISK:  # a param chunk too, when its home is a file (Note [param chunks on disk])
-                    assert disk is not None
-                    with mgr.paused_probe():  # a staging buffer is model memory, kept for the run
-                        disk.stage_in(c)  # read ahead on the read lane (Note [disk tier]); the job waits for it
+                if c in staged:
                     assert c.pending_copy is not None
                     reads.append(c.pending_copy)
-                    staged.append(c)
                 else:
                     c.wait_ready()  # state chunks in memory: nothing in flight, normally
             tensors = tuple(c.host_buffer for c in chunks)
@@ -643,7 +649,6 @@ class ChunkAdam(torch.optim.Optimizer):
         # a param chunk in host memory: its offload's copy may still be landing; the update follows it
         after = param.pending_copy if param.tier is not Tier.DISK else None
         in_memory = {id(c): c.host_buffer for c in chunks if c.tier is not Tier.DISK}
-        behind = [c for c in chunks if c.tier is Tier.DISK]
         issued = Issued()
         if param.tier is not Tier.DISK:
             param.set_work(issued)  # its readers and its next copy wait for the update, once issued
@@ -653,9 +658,10 @@ class ChunkAdam(torch.optim.Optimizer):
 
         def issue() -> None:
             try:
+                # (no probe to pause on this thread: a dispatch mode is per thread)
+                disk.stage_in_all(behind)  # the buffers at once (Note [all or nothing])
                 reads = []
                 for c in behind:
-                    disk.stage_in(c)  # (no probe to pause on this thread: a dispatch mode is per thread)
                     assert c.pending_copy is not None
                     reads.append(c.pending_copy)
                 tensors = tuple(in_memory[id(c)] if id(c) in in_memory else c.host_buffer for c in chunks)
@@ -670,6 +676,70 @@ class ChunkAdam(torch.optim.Optimizer):
 
         disk.issue_behind(behind, issue)
 
+    def _update_in_slices(
+        self,
+        chunks: list[Chunk],
+        behind: list[Chunk],
+        slots: list[TensorSlot],
+        update: Callable[[tuple[torch.Tensor, ...], list[CopyEvent], list[TensorSlot]], Callable[[], None]],
+    ) -> None:
+        """Pass 2 for a chunk longer than the disk tier's slice (Note [the step in slices] in
+        :mod:`chunkstar.runtime.disk_tier`): each slice of its lists on disk (``behind``) is
+        staged into a buffer of its own, updated over the parameters' runs cut to it, and
+        written behind; its lists in host memory are updated through views. The chunks on disk
+        stay there; their next read waits for the last slice's write. With overlap, the
+        staging runs on the tier's step thread as a whole chunk's does (Note [the step issued
+        behind]); without, here."""
+        eng = self._engine
+        disk = self._disk
+        assert disk is not None
+        param = chunks[0]
+        for c in chunks[1:]:
+            if c.tier is not Tier.DISK:
+                c.wait_ready()  # state in memory: nothing in flight, normally
+        # a param chunk in host memory: its offload's copy may still be landing; the updates follow it
+        after = param.pending_copy if param.tier is not Tier.DISK else None
+        in_memory = {id(c): c.host_buffer for c in chunks if c.tier is not Tier.DISK}
+        cuts = [(a, b, cut) for a, b in disk.slices(param.numel) if (cut := _cut(slots, a, b))]
+
+        def issue() -> CopyEvent:
+            last: CopyEvent | None = None
+            written: dict[int, CopyEvent] = {}
+            for a, b, cut in cuts:
+                staged = disk.stage_slices(behind, a, b)  # the slice's buffers at once (Note [all or nothing])
+                bufs = {id(c): buf for c, (buf, _) in zip(behind, staged)}
+                reads = [read for _, read in staged]
+                tensors = tuple(bufs[id(c)] if id(c) in bufs else in_memory[id(c)][a:b] for c in chunks)
+                last = eng.host_work.submit(update(tensors, reads, cut), after=after)
+                for c in behind:
+                    written[id(c)] = disk.write_slice(c, a, b, bufs[id(c)], last)
+            for c in behind:  # one write lane, in order: the last slice's write is the chunk's
+                if id(c) in written:
+                    c.set_disk_write(written[id(c)])
+            assert last is not None
+            return last
+
+        if not isinstance(eng.host_work, HostWorker):  # the serial reference path: here
+            event = issue()
+            for c in chunks:
+                if c.tier is not Tier.DISK:
+                    c.set_work(event)
+            return
+        issued = Issued()
+        for c in chunks:
+            if c.tier is not Tier.DISK:
+                c.set_work(issued)  # readers and the next copy wait for the updates, once issued
+
+        def behind_job() -> None:
+            try:
+                event = issue()
+            except BaseException as e:
+                issued.fail(e)
+                raise
+            issued.issue(event)
+
+        disk.issue_behind(behind, behind_job)
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         self.check_thread("optimizer.state_dict()")
@@ -679,15 +749,14 @@ class ChunkAdam(torch.optim.Optimizer):
             slots = [s for s in mgr.slots_of(cid) if self._steps[s.index] > 0]
             if not slots or not mgr.chunks.own(cid):
                 continue  # with several processes each rank saves the state of its own chunks
-            with mgr.chunks.staged([(ChunkList.EXP_AVG, cid), (ChunkList.EXP_AVG_SQ, cid)], write=False):
-                for s in slots:
-                    m = mgr.chunks.slot_view(ChunkList.EXP_AVG, s)
-                    v = mgr.chunks.slot_view(ChunkList.EXP_AVG_SQ, s)
-                    state[s.index] = {
-                        "step": torch.tensor(float(self._steps[s.index])),
-                        "exp_avg": m.detach().to("cpu", copy=True).view(s.shape),
-                        "exp_avg_sq": v.detach().to("cpu", copy=True).view(s.shape),
-                    }
+            for s in slots:
+                state[s.index] = {"step": torch.tensor(float(self._steps[s.index]))}
+            # one list at a time: between steps, a chunk's moments are never staged together
+            # (Note [the step in slices] in chunkstar.runtime.disk_tier)
+            for name, key in ((ChunkList.EXP_AVG, "exp_avg"), (ChunkList.EXP_AVG_SQ, "exp_avg_sq")):
+                with mgr.chunks.staged([(name, cid)], write=False):
+                    for s in slots:
+                        state[s.index][key] = mgr.chunks.slot_view(name, s).detach().to("cpu", copy=True).view(s.shape)
         groups = []
         for g, group in enumerate(self.param_groups):
             entry = {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
@@ -746,17 +815,18 @@ class ChunkAdam(torch.optim.Optimizer):
             for cid in range(mgr.layout.n_chunks):
                 if not mgr.chunks.own(cid) or mgr.chunks.frozen(cid):
                     continue  # another rank's, or frozen (no Adam state: Note [frozen chunks])
-                with mgr.chunks.staged([(ChunkList.EXP_AVG, cid), (ChunkList.EXP_AVG_SQ, cid)], write=True):
-                    for s in mgr.slots_of(cid):
-                        st = state_dict["state"].get(s.index)
-                        m = mgr.chunks.slot_view(ChunkList.EXP_AVG, s)
-                        v = mgr.chunks.slot_view(ChunkList.EXP_AVG_SQ, s)
-                        if st is None:
-                            m.zero_()
-                            v.zero_()
-                            continue
-                        m.copy_(st["exp_avg"].reshape(-1))
-                        v.copy_(st["exp_avg_sq"].reshape(-1))
+                for name, key in ((ChunkList.EXP_AVG, "exp_avg"), (ChunkList.EXP_AVG_SQ, "exp_avg_sq")):
+                    with mgr.chunks.staged([(name, cid)], write=True):  # one list at a time, as saved
+                        for s in mgr.slots_of(cid):
+                            st = state_dict["state"].get(s.index)
+                            view = mgr.chunks.slot_view(name, s)
+                            if st is None:
+                                view.zero_()
+                            else:
+                                view.copy_(st[key].reshape(-1))
+                for s in mgr.slots_of(cid):
+                    st = state_dict["state"].get(s.index)
+                    if st is not None:
                         self._steps[s.index] = int(st["step"])
         self._engine.scaler.load_state_dict(state_dict["loss_scaler"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
@@ -793,3 +863,14 @@ class ChunkAdam(torch.optim.Optimizer):
         self.skipped_steps = int(state["skipped_steps"])
         self.step_count = int(state["step_count"])
         self._applied_at = None
+
+
+def _cut(slots: list[TensorSlot], first: int, end: int) -> list[TensorSlot]:
+    """The parts of ``slots`` within elements ``first:end`` of their chunk, their offsets from
+    ``first`` (a slice's own buffer; Note [the step in slices])."""
+    out = []
+    for s in slots:
+        lo, hi = max(s.offset, first), min(s.end, end)
+        if lo < hi:
+            out.append(dataclasses.replace(s, offset=lo - first, numel=hi - lo))
+    return out

@@ -94,6 +94,29 @@ A transfer that fails now reaches whoever waits next: the end of the step, or th
 forward after it, and every later step (the thread keeps its first failure).
 The engine lets the thread finish before it closes the host worker.
 
+Note [the step in slices]: no single parameter may set the staging budget. A
+parameter larger than the chunk size has a chunk of its own (a tied embedding:
+128M elements in a 4B GPT-2, 525M in Llama 3 8B), and staging its whole state for
+its update took 14 bytes per element at once (1.8 GB, 7.3 GB). So the update works
+in slices (:func:`staging_shape`): the chunk files' pieces
+(Note [chunk pieces] in :mod:`chunkstar.disk.files`) hold ``slice_elements``
+elements in every list, the most that lets two slices' state (one read ahead, one
+updated) fit half the budget each, and the step stages a larger chunk a run of
+pieces at a time: the slice of each of its lists on disk is read into a buffer of
+its own (:meth:`DiskTier.stage_slice`), its update runs over the parameters' runs
+cut to the slice, and the slice is written behind (:meth:`DiskTier.write_slice`)
+while the next one is read. Adam is elementwise and each element is updated once,
+by the same arithmetic, so the bits are those of the whole chunk's update. The
+chunk stays on disk throughout (its pieces are never all in host memory); its next
+read waits for the last slice's write (one write lane, in order).
+
+What still stages whole chunks sets the least budget that works
+(:attr:`StagingShape.least`): between steps, a write through a parameter and a
+loaded state dict stage its master and param chunks together, and everything else
+one list at a time; with the param list on disk, a param chunk goes to the device
+whole. The default budget is two slices of a chunk of the layout's usual size, or
+that least if it is more; no longer the largest chunk's state and the next.
+
 This module is the mechanism; which chunks to stage and when is decided by the
 optimizer's step, by the chunk store's moves (param chunks) and, between steps,
 by whoever reads or writes a chunk through
@@ -103,6 +126,7 @@ by whoever reads or writes a chunk through
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import queue
 import threading
 import time
@@ -120,7 +144,7 @@ from chunkstar.device.copy_engine import CopyEvent, relayed
 from chunkstar.disk import ChunkFiles, DiskIOStats, DiskLanes, StagingBuffers
 from chunkstar.errors import ChunkStateError
 
-__all__ = ["DiskParts", "DiskTier", "RealDisk", "default_staging_budget"]
+__all__ = ["DiskParts", "DiskTier", "RealDisk", "StagingShape", "staging_shape"]
 
 
 class TierFiles(Protocol):
@@ -141,10 +165,12 @@ class TierFiles(Protocol):
 class TierLanes(Protocol):
     """What the tier asks of its I/O lanes (:class:`chunkstar.disk.DiskLanes`, or a dry run's)."""
 
-    def read(self, list_name: str, chunk_id: int, dst: torch.Tensor, after: CopyEvent | None = None) -> CopyEvent: ...
+    def read(
+        self, list_name: str, chunk_id: int, dst: torch.Tensor, after: CopyEvent | None = None, pieces: range | None = None
+    ) -> CopyEvent: ...
     def write(
         self, list_name: str, chunk_id: int, src: torch.Tensor, after: CopyEvent | None = None,
-        then: Callable[[], None] | None = None,
+        then: Callable[[], None] | None = None, pieces: range | None = None,
     ) -> CopyEvent: ...  # fmt: skip
     def drain(self) -> None: ...
     def close(self) -> None: ...
@@ -159,7 +185,8 @@ class DiskParts(Protocol):
 
     def staging(self, budget: int) -> StagingBuffers: ...
     def files(
-        self, cfg: DiskConfig, *, run_tag: str, rank: int, lists: list[str], chunk_nbytes: dict[str, dict[int, int]]
+        self, cfg: DiskConfig, *, run_tag: str, rank: int, lists: list[str], chunk_nbytes: dict[str, dict[int, int]],
+        piece_nbytes: dict[str, int],
     ) -> TierFiles: ...
     def lanes(self, files: TierFiles, on_failure: Callable[[BaseException], None]) -> TierLanes: ...
 
@@ -172,11 +199,13 @@ class RealDisk:
         return StagingBuffers(budget, aligned=True)
 
     def files(
-        self, cfg: DiskConfig, *, run_tag: str, rank: int, lists: list[str], chunk_nbytes: dict[str, dict[int, int]]
+        self, cfg: DiskConfig, *, run_tag: str, rank: int, lists: list[str], chunk_nbytes: dict[str, dict[int, int]],
+        piece_nbytes: dict[str, int],
     ) -> TierFiles:
         return ChunkFiles.create(
             cfg.path, run_tag=run_tag, rank=rank, lists=lists, chunk_nbytes=chunk_nbytes,
             on_stale="wipe" if cfg.on_stale == "wipe" else "refuse", direct=cfg.direct, verify=cfg.verify,
+            piece_nbytes=piece_nbytes,
         )  # fmt: skip
 
     def lanes(self, files: TierFiles, on_failure: Callable[[BaseException], None]) -> TierLanes:
@@ -184,17 +213,83 @@ class RealDisk:
         return DiskLanes(files, on_failure=on_failure)
 
 
-def default_staging_budget(chunk_bytes: Mapping[int, int], n_lists: int) -> int:
-    """Two chunks' worth of every disk list: one chunk read ahead while another is updated
-    and written behind (``chunk_bytes``: a state chunk's bytes by chunk id; one entry stands
-    for chunks all of its size). The two are the largest and the next largest, not twice the
-    largest: a parameter larger than the chunk size has a chunk of its own (a tied embedding,
-    often several times the others), and twice its state would be host memory no other
-    pair of chunks needs. The least that works is one chunk of every list."""
-    sizes = sorted(chunk_bytes.values(), reverse=True)
-    if not sizes:
-        return 0
-    return n_lists * (sizes[0] + (sizes[1] if len(sizes) > 1 else sizes[0]))
+SLICE_ALIGN = 2048
+"""A slice's elements are a multiple of this: a slice of a bf16, fp16 or fp32 list is then
+whole 4096-byte blocks, as direct I/O moves them (Note [the step in slices])."""
+
+_TOGETHER = (ChunkList.PARAM, ChunkList.MASTER)
+"""The lists a between-step access stages together: a write through a parameter, a loaded
+state dict (the rest stage one list at a time)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StagingShape:
+    """The staging budget and how the step cuts chunks to it (Note [the step in slices])."""
+
+    budget: int
+    """Bytes of host staging buffers."""
+    least: int
+    """The least budget that works: what a between-step access or a param chunk's way to the
+    device stages at once, for the largest chunk."""
+    slice_elements: int
+    """The step updates a chunk of more elements in slices of this many (a multiple of
+    :data:`SLICE_ALIGN`)."""
+    piece_nbytes: dict[str, int]
+    """The chunk files' piece size of each list that has a chunk longer than a slice."""
+
+    def slices(self, elements: int) -> list[tuple[int, int]]:
+        """The (first, end) elements of each slice of a chunk of ``elements``; one for a
+        chunk no longer than a slice."""
+        e = self.slice_elements
+        if elements <= e:
+            return [(0, elements)]
+        return [(a, min(a + e, elements)) for a in range(0, elements, e)]
+
+
+def staging_shape(sizes: Mapping[ChunkList, Mapping[int, tuple[int, int]]], budget: int | None) -> StagingShape:
+    """The staging budget (``budget``, or None for the default) and the step's slices for chunks
+    of ``sizes`` (disk list -> chunk id -> (elements, bytes per element)). Raises a
+    :class:`~chunkstar.errors.ChunkStateError` for a budget below the least that works."""
+    elements: dict[int, int] = {}
+    per_element: dict[int, int] = {}
+    together: dict[int, int] = {}
+    for name, per in sizes.items():
+        for cid, (n, item) in per.items():
+            elements[cid] = n
+            per_element[cid] = per_element.get(cid, 0) + item
+            alone = n * item
+            if name in _TOGETHER:
+                together[cid] = together.get(cid, 0) + alone
+            together[cid] = max(together.get(cid, 0), alone)
+    if not elements:
+        return StagingShape(budget or 0, 0, 0, {})
+    widest = max(per_element.values())  # a trainable chunk's bytes per element, over its disk lists
+    least = max(max(together.values()), SLICE_ALIGN * widest)
+    if budget is None:
+        usual = sorted(elements.values())[len(elements) // 2]  # the layout's usual chunk: a huge parameter's is not
+        budget = max(least, 2 * _round_slice(usual) * widest)
+    if budget < least:
+        raise ChunkStateError(
+            f"disk.staging_budget is {budget} bytes, less than the least that works ({least} bytes: the master and "
+            f"param chunks of the largest chunk, which a write through a parameter stages together between steps, "
+            f"or one slice of a chunk's state): raise it to at least that, or lower default_chunk_size"
+        )  # before any file exists: a refused start leaves nothing behind
+    # two slices in half the budget each: one read ahead while the other is updated and written
+    longest = max(elements.values())
+    if budget // 2 // widest >= longest:
+        e = _round_slice(longest)  # every chunk whole
+    else:
+        e = (budget // 2 // widest) // SLICE_ALIGN * SLICE_ALIGN or (budget // widest) // SLICE_ALIGN * SLICE_ALIGN
+    pieces = {
+        name.value: e * next(iter(per.values()))[1]
+        for name, per in sizes.items()
+        if per and any(n > e for n, _ in per.values())
+    }
+    return StagingShape(budget, least, e, pieces)
+
+
+def _round_slice(n: int) -> int:
+    return -(-n // SLICE_ALIGN) * SLICE_ALIGN
 
 
 class _Worker:
@@ -264,35 +359,32 @@ class DiskTier:
         *,
         run_tag: str,
         rank: int,
-        on_move: Callable[[Chunk, bool, int, int], None] | None = None,
+        on_move: Callable[[Chunk, bool, int, int, int], None] | None = None,
         quiet: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
         parts: DiskParts | None = None,
     ) -> None:
         """``chunks``: this rank's chunks of each disk list by chunk id (frozen chunks have none);
         ``parts``: what the tier is built from (default :class:`RealDisk`).
-        ``on_move(chunk, to_disk, nbytes, t_ns)`` hears of every staging move as it is issued
+        ``on_move(chunk, to_disk, nbytes, t_ns, held)`` hears of every staging move as it is issued
+        (``held``: the staging bytes it takes or gives back: a slice's, or the chunk's)
         (the store turns them into events). :meth:`staged` stages inside ``quiet()`` (the
         memory probe paused: staging buffers are model memory)."""
         self._on_move = on_move
         self._quiet = quiet
         self.lists = tuple(chunks)
         sizes = {name.value: {cid: c.nbytes for cid, c in per.items()} for name, per in chunks.items()}
-        # one chunk id's bytes in every disk list at once: an update needs all of them staged
-        per_id: dict[int, int] = {}
-        for per in sizes.values():
-            for cid, n in per.items():
-                per_id[cid] = per_id.get(cid, 0) + n
-        self.budget = cfg.staging_budget or default_staging_budget(per_id, 1)
-        one = max(per_id.values(), default=0)
-        if one > self.budget:
-            raise ChunkStateError(
-                f"disk.staging_budget is {self.budget} bytes, less than the state of one chunk ({one} bytes: "
-                f"{', '.join(n.value for n in self.lists)}), which an update stages at once: raise it to at least "
-                f"that (twice that lets reads run ahead of the updates), or lower default_chunk_size"
-            )  # before any file exists: a refused start leaves nothing behind
+        # before any file exists: a refused budget leaves nothing behind (Note [the step in slices])
+        self.shape = staging_shape(
+            {name: {cid: (c.numel, c.dtype.itemsize) for cid, c in per.items()} for name, per in chunks.items()},
+            cfg.staging_budget,
+        )
+        self.budget = self.shape.budget
         parts = parts or RealDisk()
         self.staging = parts.staging(self.budget)
-        self.files = parts.files(cfg, run_tag=run_tag, rank=rank, lists=[n.value for n in self.lists], chunk_nbytes=sizes)
+        self.files = parts.files(
+            cfg, run_tag=run_tag, rank=rank, lists=[n.value for n in self.lists], chunk_nbytes=sizes,
+            piece_nbytes=self.shape.piece_nbytes,
+        )  # fmt: skip
         # a failed transfer fails the pool: the step waiting in take raises it (Note [disk tier])
         self.lanes = parts.lanes(self.files, self.staging.fail)
         # the files go at a clean end of the engine (close), when it is collected, or at a failed start
@@ -352,11 +444,15 @@ class DiskTier:
     def take(self, chunk: Chunk) -> torch.Tensor:
         """A staging buffer for ``chunk``'s bytes, once the budget has room (write-behinds and
         copies to the device give buffers back on their own threads)."""
+        return self._take_all([(chunk.nbytes, chunk.dtype)])[0]
+
+    def _take_all(self, wanted: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
+        """Buffers for all of ``wanted`` at once (Note [all or nothing] in :mod:`chunkstar.disk.staging`)."""
         t0 = time.perf_counter()
-        buf = self.staging.take(chunk.nbytes, chunk.dtype)  # raises once a transfer has failed
+        bufs = self.staging.take_all(wanted)  # raises once a transfer has failed
         with self._lock:
             self.wait_s += time.perf_counter() - t0
-        return buf
+        return bufs
 
     def give_back_after(self, buf: torch.Tensor, event: CopyEvent | None) -> None:
         """``buf``, a staging buffer a copy to the device (``event``) reads, goes back to the
@@ -415,7 +511,21 @@ class DiskTier:
         """DISK -> HOST: a staging buffer, filled on the read lane after the chunk's last
         write-behind; readers wait on the read as on any pending copy. ``for_device``: the
         chunk goes on to the device, whose copy is ordered after the read (not this thread)."""
-        buf = self.take(chunk)
+        self._stage_in(chunk, self.take(chunk), for_device)
+
+    def stage_in_all(self, chunks: list[Chunk]) -> None:
+        """:meth:`stage_in` for each of ``chunks``, their buffers taken at once (Note [all or
+        nothing]: what an update or a between-step access needs together)."""
+        bufs = self._take_all([(c.nbytes, c.dtype) for c in chunks])
+        for i, (c, buf) in enumerate(zip(chunks, bufs)):
+            try:
+                self._stage_in(c, buf, False)
+            except BaseException:
+                for rest in bufs[i + 1 :]:
+                    self.staging.give_back(rest)
+                raise
+
+    def _stage_in(self, chunk: Chunk, buf: torch.Tensor, for_device: bool) -> None:
         try:
             event = self.lanes.read(chunk.list_name, chunk.chunk_id, buf, after=chunk.pending_copy)
         except BaseException:
@@ -425,7 +535,60 @@ class DiskTier:
         with self._lock:
             self.stage_ins += 1
         if self._on_move is not None:
-            self._on_move(chunk, False, chunk.nbytes, time.perf_counter_ns())
+            self._on_move(chunk, False, chunk.nbytes, time.perf_counter_ns(), chunk.nbytes)
+
+    def slices(self, elements: int) -> list[tuple[int, int]]:
+        """The (first, end) elements of each slice the step stages of a chunk of ``elements``
+        (one, the whole chunk, if it is no longer than a slice: Note [the step in slices])."""
+        return self.shape.slices(elements)
+
+    def stage_slices(self, chunks: list[Chunk], first: int, end: int) -> list[tuple[torch.Tensor, CopyEvent]]:
+        """For each of ``chunks`` (on disk, and left there), a staging buffer being filled with
+        its elements ``first:end``, a slice of :attr:`shape`, and the read's event (Note [the
+        step in slices]); the buffers are taken at once (Note [all or nothing])."""
+        runs = [self._pieces(c, first, end) for c in chunks]
+        bufs = self._take_all([((end - first) * c.dtype.itemsize, c.dtype) for c in chunks])  # raises once a transfer failed
+        out = []
+        for i, (c, buf, pieces) in enumerate(zip(chunks, bufs, runs)):
+            try:
+                event = self.lanes.read(c.list_name, c.chunk_id, buf, after=c.pending_copy, pieces=pieces)
+            except BaseException:
+                for rest in bufs[i:]:
+                    self.staging.give_back(rest)
+                raise
+            with self._lock:
+                self.stage_ins += 1
+            if self._on_move is not None:
+                nbytes = buf.numel() * buf.element_size()
+                self._on_move(c, False, nbytes, time.perf_counter_ns(), nbytes)
+            out.append((buf, event))
+        return out
+
+    def write_slice(self, chunk: Chunk, first: int, end: int, buf: torch.Tensor, after: CopyEvent) -> CopyEvent:
+        """Write ``buf`` (from :meth:`stage_slices`) back as elements ``first:end`` of ``chunk``
+        once ``after`` (its update) is done; the buffer goes back to the pool when the write is
+        over. The caller hands the chunk's last slice write to ``set_disk_write``."""
+        staging = self.staging
+        try:
+            event = self.lanes.write(
+                chunk.list_name, chunk.chunk_id, buf, after=after, then=lambda: staging.give_back(buf),
+                pieces=self._pieces(chunk, first, end),
+            )  # fmt: skip
+        except BaseException:
+            staging.give_back(buf)
+            raise
+        with self._lock:
+            self.stage_outs += 1
+        if self._on_move is not None:
+            nbytes = buf.numel() * buf.element_size()
+            self._on_move(chunk, True, nbytes, time.perf_counter_ns(), nbytes)
+        return event
+
+    def _pieces(self, chunk: Chunk, first: int, end: int) -> range:
+        e = self.shape.slice_elements
+        if first % e or not (end == chunk.numel or end % e == 0) or not 0 <= first < end <= chunk.numel:
+            raise ValueError(f"elements {first}:{end} of {chunk!r} are not a run of whole slices of {e} elements")
+        return range(first // e, -(-end // e))
 
     def stage_out(self, chunk: Chunk, *, write: bool) -> None:
         """HOST -> DISK: with ``write``, the buffer is written behind once the last work on it
@@ -434,7 +597,7 @@ class DiskTier:
         with self._lock:
             self.stage_outs += 1
         if self._on_move is not None:
-            self._on_move(chunk, True, chunk.nbytes if write else 0, time.perf_counter_ns())
+            self._on_move(chunk, True, chunk.nbytes if write else 0, time.perf_counter_ns(), chunk.nbytes)
         if write:
             staging = self.staging
             try:  # given back once the write is over, whether its bytes got to disk or not
@@ -458,21 +621,6 @@ class DiskTier:
             self.staging.give_back(buf)
         with self._lock:
             self.clean_stage_outs += 1
-
-    def write_now(self, chunk: Chunk, buf: torch.Tensor) -> None:
-        """Write ``buf`` (a host tensor of the chunk's bytes) as the chunk's content, in this
-        thread (construction)."""
-        chunk.wait_ready()
-        self.files.write_from(chunk.list_name, chunk.chunk_id, buf)
-
-    @contextlib.contextmanager
-    def buffer(self, nbytes: int, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-        """A staging buffer for the block (construction fills chunks through it)."""
-        buf = self.staging.take(nbytes, dtype)
-        try:
-            yield buf
-        finally:
-            self.staging.give_back(buf)
 
     def drain(self) -> None:
         self._stepper.settle()

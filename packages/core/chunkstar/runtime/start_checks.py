@@ -28,7 +28,7 @@ from chunkstar.memory.budget import device_capacity
 from chunkstar.memory.host import HOST_MEMORY_ENV, HostPlan, host_budget
 from chunkstar.memory.probes import cuda_usable_bytes
 from chunkstar.runtime.chunk_manager import ChunkManager
-from chunkstar.runtime.disk_tier import default_staging_budget
+from chunkstar.runtime.disk_tier import staging_shape
 
 __all__ = [
     "DISK_AUTO_CHUNK_CAP", "check_inputs", "check_units_fit", "device_capacity_of", "disk_chunk_cap", "host_plan",
@@ -170,19 +170,21 @@ def host_plan(cfg: EngineConfig, layout: ChunkLayout, rank: int, disk_lists: tup
 
 
 def staging_budget_of(cfg: EngineConfig, layout: ChunkLayout, rank: int, disk_lists: tuple[ChunkList, ...]) -> int:
-    """The disk tier's staging budget for ``disk_lists``: the config's, or the default (the two
-    largest chunks' bytes in every disk list, :func:`chunkstar.runtime.disk_tier.default_staging_budget`)."""
+    """The disk tier's staging budget for ``disk_lists``: the config's, or the default
+    (:func:`chunkstar.runtime.disk_tier.staging_shape`, Note [the step in slices])."""
     assert cfg.disk is not None
     if cfg.disk.staging_budget is not None:
         return cfg.disk.staging_budget
     item = cfg.precision.dtype.itemsize
-    per_id = {}
+    sizes: dict[ChunkList, dict[int, tuple[int, int]]] = {}
     for cid in range(layout.n_chunks):
         if layout.owner(cid) != rank:
             continue
         lists = [ChunkList.PARAM] if cid in layout.frozen else list(CHUNK_LISTS)
-        per_id[cid] = sum(layout.chunk_sizes[cid] * (item if n is ChunkList.PARAM else 4) for n in lists if n in disk_lists)
-    return default_staging_budget({c: n for c, n in per_id.items() if n}, 1)
+        for n in lists:
+            if n in disk_lists:
+                sizes.setdefault(n, {})[cid] = (layout.chunk_sizes[cid], item if n is ChunkList.PARAM else 4)
+    return staging_shape(sizes, None).budget
 
 
 def plan_host_memory(cfg: EngineConfig, layout: ChunkLayout, rank: int, credit: int) -> tuple[tuple[ChunkList, ...], HostPlan, int | None]:
@@ -227,7 +229,7 @@ def _host_advice(
     if staging:
         todo.append(
             f"lower the staging (now {_fmt(staging)}): a smaller default_chunk_size, or a disk.staging_budget "
-            "of at least one chunk's bytes in every disk list (its largest parameter sets that least)"
+            "down to the master and param bytes of the largest chunk (the step updates a larger chunk in slices)"
         )
     device = plan.parts.get("the cpu virtual device", 0)
     if device:
