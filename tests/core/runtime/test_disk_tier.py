@@ -92,7 +92,8 @@ def test_training_is_bit_identical_with_the_state_on_disk(
     # what a between-step access stages at once (its master) or two usual chunks' state
     masters = sorted((c.nbytes for c in e1.mgr.chunks.chunks_of(ChunkList.MASTER)), reverse=True)
     assert masters[0] == LARGEST_STATE_CHUNK and s["disk_staging_budget_bytes"] < 3 * masters[0]
-    assert len(e1.mgr.chunks.disk.slices(LARGEST_STATE_CHUNK // 4)) > 1  # type: ignore[union-attr]
+    big = max(e1.mgr.chunks.chunks_of(ChunkList.MASTER), key=lambda c: c.numel)
+    assert len(e1.mgr.chunks.disk.slices(big)) > 1  # type: ignore[union-attr]
     assert s["chunk_moves_to_host"] > 0 and s["device_adam_chunks"] == 0
     # staging buffers are model memory: the warm-up measured the same activations
     assert s["warmup_non_model_peak_bytes"] == e0.stats()["warmup_non_model_peak_bytes"]

@@ -63,8 +63,8 @@ class DiskStaging(Protocol):
     def give_back_after(self, buf: torch.Tensor, event: CopyEvent | None) -> None:
         """``buf`` goes back to the pool once the copy of ``event`` no longer reads it."""
 
-    def slices(self, elements: int) -> list[tuple[int, int]]:
-        """The (first, end) elements of each slice the step stages of a chunk of ``elements``."""
+    def slices(self, chunk: Chunk) -> list[tuple[int, int]]:
+        """The (first, end) elements of each slice the step stages of ``chunk``'s used elements."""
 
     def stage_slices(self, chunks: list[Chunk], first: int, end: int) -> list[tuple[torch.Tensor, CopyEvent]]:
         """For each of ``chunks``, a staging buffer being filled with its elements ``first:end``,

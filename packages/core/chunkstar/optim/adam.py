@@ -612,7 +612,7 @@ class ChunkAdam(torch.optim.Optimizer):
 
         param = chunks[0]
         behind = [c for c in chunks if c.tier is Tier.DISK]
-        if disk is not None and behind and len(disk.slices(param.numel)) > 1:
+        if disk is not None and behind and len(disk.slices(param)) > 1:
             self._update_in_slices(chunks, behind, slots, update)
             return
         if disk is None or not isinstance(eng.host_work, HostWorker):
@@ -700,7 +700,7 @@ class ChunkAdam(torch.optim.Optimizer):
         # a param chunk in host memory: its offload's copy may still be landing; the updates follow it
         after = param.pending_copy if param.tier is not Tier.DISK else None
         in_memory = {id(c): c.host_buffer for c in chunks if c.tier is not Tier.DISK}
-        cuts = [(a, b, cut) for a, b in disk.slices(param.numel) if (cut := _cut(slots, a, b))]
+        cuts = [(a, b, cut) for a, b in disk.slices(param) if (cut := _cut(slots, a, b))]
 
         def issue() -> CopyEvent:
             last: CopyEvent | None = None

@@ -117,6 +117,15 @@ one list at a time; with the param list on disk, a param chunk goes to the devic
 whole. The default budget is two slices of a chunk of the layout's usual size, or
 that least if it is more; no longer the largest chunk's state and the next.
 
+Note [a file holds what a chunk uses]: a chunk's slot in its file holds its
+elements up to its last parameter's end, not the padding after it. A layout
+pads a chunk when the next parameter does not fit (a 4B GPT-2's layers at 19.7M
+elements per chunk left 22% of the elements padding), and padding read and
+written every step is disk time for nothing. A staged chunk's padding is zeros,
+as a chunk's is from its first placement (filled in the buffer before the read
+is issued); nothing reads it but whole-chunk copies. The slices of the step
+cover the used elements only.
+
 This module is the mechanism; which chunks to stage and when is decided by the
 optimizer's step, by the chunk store's moves (param chunks) and, between steps,
 by whoever reads or writes a chunk through
@@ -362,17 +371,20 @@ class DiskTier:
         on_move: Callable[[Chunk, bool, int, int, int], None] | None = None,
         quiet: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
         parts: DiskParts | None = None,
+        used: Mapping[int, int] | None = None,
     ) -> None:
         """``chunks``: this rank's chunks of each disk list by chunk id (frozen chunks have none);
         ``parts``: what the tier is built from (default :class:`RealDisk`).
         ``on_move(chunk, to_disk, nbytes, t_ns, held)`` hears of every staging move as it is issued
         (``held``: the staging bytes it takes or gives back: a slice's, or the chunk's)
         (the store turns them into events). :meth:`staged` stages inside ``quiet()`` (the
-        memory probe paused: staging buffers are model memory)."""
+        memory probe paused: staging buffers are model memory). ``used``: chunk id -> the
+        elements its parameters use (Note [a file holds what a chunk uses]; default: all)."""
         self._on_move = on_move
         self._quiet = quiet
         self.lists = tuple(chunks)
-        sizes = {name.value: {cid: c.nbytes for cid, c in per.items()} for name, per in chunks.items()}
+        self._used = dict(used or {})
+        sizes = {name.value: {cid: self.used(c) * c.dtype.itemsize for cid, c in per.items()} for name, per in chunks.items()}
         # before any file exists: a refused budget leaves nothing behind (Note [the step in slices])
         self.shape = staging_shape(
             {name: {cid: (c.numel, c.dtype.itemsize) for cid, c in per.items()} for name, per in chunks.items()},
@@ -525,9 +537,16 @@ class DiskTier:
                     self.staging.give_back(rest)
                 raise
 
+    def used(self, chunk: Chunk) -> int:
+        """The elements of ``chunk`` its file holds (Note [a file holds what a chunk uses])."""
+        return min(self._used.get(chunk.chunk_id, chunk.numel), chunk.numel)
+
     def _stage_in(self, chunk: Chunk, buf: torch.Tensor, for_device: bool) -> None:
+        n = self.used(chunk)
         try:
-            event = self.lanes.read(chunk.list_name, chunk.chunk_id, buf, after=chunk.pending_copy)
+            if n < chunk.numel:
+                buf[n:].zero_()  # the padding (Note [a file holds what a chunk uses])
+            event = self.lanes.read(chunk.list_name, chunk.chunk_id, buf[:n], after=chunk.pending_copy)
         except BaseException:
             self.staging.give_back(buf)
             raise
@@ -535,12 +554,12 @@ class DiskTier:
         with self._lock:
             self.stage_ins += 1
         if self._on_move is not None:
-            self._on_move(chunk, False, chunk.nbytes, time.perf_counter_ns(), chunk.nbytes)
+            self._on_move(chunk, False, n * chunk.dtype.itemsize, time.perf_counter_ns(), chunk.nbytes)
 
-    def slices(self, elements: int) -> list[tuple[int, int]]:
-        """The (first, end) elements of each slice the step stages of a chunk of ``elements``
-        (one, the whole chunk, if it is no longer than a slice: Note [the step in slices])."""
-        return self.shape.slices(elements)
+    def slices(self, chunk: Chunk) -> list[tuple[int, int]]:
+        """The (first, end) elements of each slice the step stages of ``chunk``'s used elements
+        (one, all of them, if they are no more than a slice: Note [the step in slices])."""
+        return self.shape.slices(self.used(chunk))
 
     def stage_slices(self, chunks: list[Chunk], first: int, end: int) -> list[tuple[torch.Tensor, CopyEvent]]:
         """For each of ``chunks`` (on disk, and left there), a staging buffer being filled with
@@ -585,8 +604,8 @@ class DiskTier:
         return event
 
     def _pieces(self, chunk: Chunk, first: int, end: int) -> range:
-        e = self.shape.slice_elements
-        if first % e or not (end == chunk.numel or end % e == 0) or not 0 <= first < end <= chunk.numel:
+        e, n = self.shape.slice_elements, self.used(chunk)
+        if first % e or not (end == n or end % e == 0) or not 0 <= first < end <= n:
             raise ValueError(f"elements {first}:{end} of {chunk!r} are not a run of whole slices of {e} elements")
         return range(first // e, -(-end // e))
 
@@ -597,12 +616,12 @@ class DiskTier:
         with self._lock:
             self.stage_outs += 1
         if self._on_move is not None:
-            self._on_move(chunk, True, chunk.nbytes if write else 0, time.perf_counter_ns(), chunk.nbytes)
+            self._on_move(chunk, True, self.used(chunk) * chunk.dtype.itemsize if write else 0, time.perf_counter_ns(), chunk.nbytes)
         if write:
             staging = self.staging
             try:  # given back once the write is over, whether its bytes got to disk or not
                 event = self.lanes.write(
-                    chunk.list_name, chunk.chunk_id, buf, after=last, then=lambda: staging.give_back(buf)
+                    chunk.list_name, chunk.chunk_id, buf[: self.used(chunk)], after=last, then=lambda: staging.give_back(buf)
                 )
             except BaseException:
                 staging.give_back(buf)
