@@ -37,6 +37,7 @@ How to read it
     python benchmarks/host_memory.py                 # pytorch and chunkstar, 4 steps
     python benchmarks/host_memory.py --steps 6 --live --json runs/host_memory.json
     python benchmarks/host_memory.py --precision fp32   # a CPU without fast bf16 (this project's CI machine)
+    python benchmarks/host_memory.py --model cpu-355m   # a heavier model
 """
 
 from __future__ import annotations
@@ -305,6 +306,7 @@ def _report(results: dict[str, dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    parser.add_argument("--model", default=MODEL, help="a zoo model (default %(default)s, the step-time suite's)")
     parser.add_argument("--steps", type=int, default=4, help="training steps (chunkstar's first two are its warm-up)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
@@ -330,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--systems: choose from {','.join(SYSTEMS)}")
     specs = {
         system: RunSpec(
-            system=system, model=MODEL, batch=args.batch, seq_len=args.seq, steps=args.steps, warmup=0,
+            system=system, model=args.model, batch=args.batch, seq_len=args.seq, steps=args.steps, warmup=0,
             seed=args.seed, threads=args.threads,
             chunkstar_budget=int(args.free_budget_gib * 2**30) if system == "chunkstar" else None,
             chunkstar_precision="fp32" if system == "chunkstar" and args.precision == "fp32" else None,
