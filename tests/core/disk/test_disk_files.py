@@ -11,7 +11,9 @@
 - a chunk whose bytes on disk are not those last written (overwritten with
   0xFF, zeroed, truncated and regrown), in any piece of it, is refused when it
   is read, naming the file and the chunk; a write that failed leaves the chunk
-  lost until a later write completes (Note [chunk checks]).
+  lost until a later write completes (Note [chunk checks]);
+- a list in pieces moves a run of pieces alone, each piece checked and marked
+  lost on its own (Note [chunk pieces]).
 """
 
 from __future__ import annotations
@@ -381,3 +383,42 @@ def test_a_flipped_bit_or_two_swapped_blocks_are_seen(tmp_path: Path) -> None:
         files.write_from("master", 0, src)
         files.read_into("master", 0, dst)
         assert _bits(dst) == _bits(src)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_pieces_of_a_chunk_move_and_are_checked_on_their_own(tmp_path: Path, direct: bool) -> None:
+    """Note [chunk pieces]: a list's chunks in pieces of 16 KiB (the last one shorter); a run
+    of pieces moves alone, bit for bit, and each piece has its own checksum and lost mark."""
+    piece, n = 16 << 10, 3 * (16 << 10) + 848
+    with _create(tmp_path, lists=["master", "param"], chunk_nbytes={0: n, 1: n}, piece_nbytes={"master": piece},
+                 direct=direct) as files:  # fmt: skip
+        assert files.piece_nbytes("master") == piece and files.piece_nbytes("param") == 0
+        assert files.nbytes("master", 0, range(1, 3)) == 2 * piece and files.nbytes("master", 0, range(3, 4)) == 848
+        src = _random_bits(n, torch.uint8, seed=3, aligned=True)
+        files.write_from("master", 0, src)
+        mid = aligned_empty(2 * piece)
+        files.read_into("master", 0, mid, range(1, 3))
+        assert _bits(mid) == _bits(src)[piece : 3 * piece]
+        tail = _random_bits(848, torch.uint8, seed=4, aligned=True)
+        files.write_from("master", 0, tail, range(3, 4))  # the last piece alone
+        whole = aligned_empty(n)
+        files.read_into("master", 0, whole)
+        assert _bits(whole) == _bits(src)[: 3 * piece] + _bits(tail)
+        # a piece changed on disk fails the reads that cover it, naming it, and only those
+        offset = json.loads((tmp_path / "chunkstar-r0.manifest.json").read_text())["lists"]["master"]["chunks"]["0"]["offset"]
+        _corrupt(files.path("master"), "0xff", offset + 2 * piece, piece)
+        files.read_into("master", 0, mid, range(0, 2))
+        with pytest.raises(DiskTierError, match=r"chunk 0 of list 'master' .*piece 2.*not the ones written"):
+            files.read_into("master", 0, mid, range(1, 3))
+        with pytest.raises(DiskTierError, match="piece 2"):
+            files.read_into("master", 0, whole)
+        files.mark_lost("master", 0, "its write-behind was not done", range(1, 2))
+        with pytest.raises(DiskTierError, match="is lost: its write-behind was not done"):
+            files.read_into("master", 0, mid, range(0, 2))
+        one = aligned_empty(piece)
+        files.read_into("master", 0, one, range(0, 1))  # piece 0 is neither lost nor changed
+        assert _bits(one) == _bits(src)[:piece]
+        with pytest.raises(ValueError, match="a run of the chunk's pieces"):
+            files.read_into("master", 0, one, range(4, 5))
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        _create(tmp_path / "bad", piece_nbytes={"master": 1000})

@@ -8,6 +8,8 @@
 - a freed buffer is reused by a take of its size; kept buffers of other sizes
   are dropped when a new one needs their room;
 - a buffer larger than the whole budget is refused, naming both sizes;
+- several buffers taken at once are all taken, or none while the taker waits
+  (Note [all or nothing]);
 - the bandwidth probe returns positive figures and leaves no file behind.
 """
 
@@ -165,3 +167,26 @@ def test_the_bandwidth_probe_returns_positive_figures_and_cleans_up(tmp_path: Pa
     assert bw.nbytes == 24 * MiB and bw.block == 4 * MiB and bw.directory == str(tmp_path)
     assert bw.direct is False or direct
     assert os.listdir(tmp_path) == ["keep.txt"]
+
+
+def test_take_all_takes_every_buffer_at_once_or_none() -> None:
+    """Note [all or nothing]: an update's buffers are taken together; a request that does not
+    fit takes nothing while it waits, so it cannot hold part of the pool another taker needs."""
+    pool = StagingBuffers(4 * MiB)
+    a, b = pool.take_all([(1 * MiB, torch.float32), (2 * MiB, torch.bfloat16)])
+    assert (a.dtype, a.numel(), b.dtype, b.numel()) == (torch.float32, MiB // 4, torch.bfloat16, MiB)
+    assert pool.in_use_bytes == 3 * MiB
+    with pytest.raises(TimeoutError):
+        pool.take_all([(512 << 10, torch.uint8), (1 * MiB, torch.uint8)], timeout=0.05)  # 1.5 MiB: 1 MiB free
+    assert pool.in_use_bytes == 3 * MiB  # the half that would have fitted was not taken
+    pool.give_back(b)
+    c, d = pool.take_all([(512 << 10, torch.uint8), (1 * MiB, torch.uint8)])
+    assert pool.in_use_bytes == 3 * MiB - 2 * MiB + (3 * MiB) // 2
+    for t in (a, c, d):
+        pool.give_back(t)
+    assert pool.in_use_bytes == 0 and pool.held_bytes <= 4 * MiB
+    with pytest.raises(ValueError, match="at once cannot fit"):
+        pool.take_all([(3 * MiB, torch.uint8), (2 * MiB, torch.uint8)])
+    with pytest.raises(ValueError, match="whole number"):
+        pool.take_all([(1 * MiB, torch.uint8), (3, torch.float32)])
+    assert pool.in_use_bytes == 0
