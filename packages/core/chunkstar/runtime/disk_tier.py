@@ -551,10 +551,7 @@ class DiskTier:
             self.staging.give_back(buf)
             raise
         chunk.attach_host(buf, event, as_work=for_device)
-        with self._lock:
-            self.stage_ins += 1
-        if self._on_move is not None:
-            self._on_move(chunk, False, n * chunk.dtype.itemsize, time.perf_counter_ns(), chunk.nbytes)
+        self._moved(chunk, False, n * chunk.dtype.itemsize, chunk.nbytes)
 
     def slices(self, chunk: Chunk) -> list[tuple[int, int]]:
         """The (first, end) elements of each slice the step stages of ``chunk``'s used elements
@@ -575,11 +572,8 @@ class DiskTier:
                 for rest in bufs[i:]:
                     self.staging.give_back(rest)
                 raise
-            with self._lock:
-                self.stage_ins += 1
-            if self._on_move is not None:
-                nbytes = buf.numel() * buf.element_size()
-                self._on_move(c, False, nbytes, time.perf_counter_ns(), nbytes)
+            nbytes = buf.numel() * buf.element_size()
+            self._moved(c, False, nbytes, nbytes)
             out.append((buf, event))
         return out
 
@@ -596,12 +590,20 @@ class DiskTier:
         except BaseException:
             staging.give_back(buf)
             raise
-        with self._lock:
-            self.stage_outs += 1
-        if self._on_move is not None:
-            nbytes = buf.numel() * buf.element_size()
-            self._on_move(chunk, True, nbytes, time.perf_counter_ns(), nbytes)
+        nbytes = buf.numel() * buf.element_size()
+        self._moved(chunk, True, nbytes, nbytes)
         return event
+
+    def _moved(self, chunk: Chunk, to_disk: bool, nbytes: int, held: int) -> None:
+        """Count a staging move (``nbytes`` travelling, ``held`` bytes of staging taken or
+        given back) and tell ``on_move`` of it."""
+        with self._lock:
+            if to_disk:
+                self.stage_outs += 1
+            else:
+                self.stage_ins += 1
+        if self._on_move is not None:
+            self._on_move(chunk, to_disk, nbytes, time.perf_counter_ns(), held)
 
     def _pieces(self, chunk: Chunk, first: int, end: int) -> range:
         e, n = self.shape.slice_elements, self.used(chunk)
@@ -613,10 +615,7 @@ class DiskTier:
         """HOST -> DISK: with ``write``, the buffer is written behind once the last work on it
         is done and given back when its bytes are on disk; without, given back at once."""
         buf, last = chunk.detach_host()
-        with self._lock:
-            self.stage_outs += 1
-        if self._on_move is not None:
-            self._on_move(chunk, True, self.used(chunk) * chunk.dtype.itemsize if write else 0, time.perf_counter_ns(), chunk.nbytes)
+        self._moved(chunk, True, self.used(chunk) * chunk.dtype.itemsize if write else 0, chunk.nbytes)
         if write:
             staging = self.staging
             try:  # given back once the write is over, whether its bytes got to disk or not
