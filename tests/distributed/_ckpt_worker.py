@@ -182,3 +182,23 @@ def startup(rank: int, world: int, port: int, out: str) -> None:
     except Exception as e:  # noqa: BLE001 - the test reads the message
         result["error"] = f"{type(e).__name__}: {e}"
     _finish(out, rank, result)
+
+
+def unshared_save(rank: int, world: int, port: int, out: str) -> None:
+    """Each rank saves into a folder of its own at the same step: a folder local to each node
+    (Note [one folder for every rank]). The save must fail on every rank, saying so; a save
+    into one folder then works."""
+    _init(rank, world, port)
+    result: dict[str, Any] = {"rank": rank}
+    try:
+        engine, optimizer = chunkstar.initialize_engine(build_gpt2, rank, engine_config("fp32", budget="64MB", chunk_size=CHUNK))
+        _train(engine, optimizer, range(1))
+        try:
+            engine.save_checkpoint(str(Path(out) / f"node{rank}"))
+            result["unshared"] = "saved"
+        except CheckpointError as e:
+            result["unshared"] = str(e)
+        result["shared"] = engine.save_checkpoint(str(Path(out) / "shared"))
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        result["error"] = f"{type(e).__name__}: {e}"
+    _finish(out, rank, result)

@@ -18,7 +18,7 @@ import chunkstar
 from chunkstar.checkpoint import CheckpointError, merge_checkpoint
 from tests.core._models import CASES, engine_config
 
-from ._ckpt_worker import SAVE_AFTER, STEPS, killed_save, load_after_kill, resume
+from ._ckpt_worker import SAVE_AFTER, STEPS, killed_save, load_after_kill, resume, unshared_save
 from ._spawn import run_ranks
 from ._worker import CHUNK
 
@@ -129,3 +129,15 @@ def test_a_save_killed_on_one_rank_leaves_the_previous_checkpoint(when: str, kil
     # the next save published itself and removed the unfinished one and the one it replaced
     assert sorted(f.name for f in ckpt.iterdir() if not f.name.startswith("step-")) == ["latest"]
     assert len([f for f in ckpt.iterdir() if f.name.startswith("step-")]) == 1
+
+
+def test_a_folder_each_rank_sees_alone_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    """Note [one folder for every rank]: ranks given folders that are not one (a path local to
+    each node) hear so at the save, on every rank; rank 1 does not see rank 0's ``latest``."""
+    results = run_ranks(unshared_save, tmp_path)
+    assert len(results) == 2 and all("error" not in r for r in results), results
+    for r in results:
+        assert "rank(s) [1] do not see the save rank 0 published" in r["unshared"], r["unshared"]
+        assert "a filesystem the nodes share" in r["unshared"]
+        assert r["shared"].endswith(f"rank{r['rank']}-of-2.safetensors")
+

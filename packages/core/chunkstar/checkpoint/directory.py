@@ -33,8 +33,19 @@ writes into a directory of its own and is published once complete:
 5. *publish* (rank 0, only if every rank wrote): fsync ``DIR`` (the step
    directory's entry), then replace ``DIR/latest`` atomically;
 6. all-gather ``[ok]`` of rank 0's publication;
-7. *clean up* (rank 0): remove every other step directory (the superseded save,
+7. all-gather ``[ok]``: every rank reads ``DIR/latest`` and finds the new save
+   there (Note [one folder for every rank]);
+8. *clean up* (rank 0): remove every other step directory (the superseded save,
    saves that never finished) and flat shards of an earlier version.
+
+Note [one folder for every rank]: a checkpoint is one folder every rank sees,
+on one filesystem: rank 0 alone publishes ``latest`` and every rank loads
+through it. Given a folder that is local to each node (the same path on
+machines that do not share it), every rank would write its shard and report
+the save done, and the checkpoint would be found missing or stale only when a
+load is tried. So each rank reads the pointer back once rank 0 has published
+it, and a rank that does not find the new save there fails the save on every
+rank, saying the folder must be shared.
 
 A failure in a rank (a full disk, a read-only directory, metadata that cannot be
 saved, gradients no step consumed) becomes its ok = 0 at the next all-gather, so
@@ -280,6 +291,15 @@ def save_step(
         if error is not None:
             raise error
         raise CheckpointError(f"{directory}: rank 0 could not publish this save (see its error); {kept}")
+    seen = _published_name(directory)  # Note [one folder for every rank]
+    everyone = _agree(comm, device, [int(seen == step_dir.name)], "seen by every rank")
+    if _failed(everyone):
+        raise CheckpointError(
+            f"{directory}: rank(s) {_failed(everyone)} do not see the save rank 0 published there ({step_dir.name}; "
+            f"rank {comm.rank} reads {seen or 'no pointer'} in {directory / POINTER}): a checkpoint folder must be one "
+            "folder every rank sees, on a filesystem the nodes share, since rank 0 alone publishes it and every rank "
+            "loads through it. Save into a shared folder (NFS, Lustre, a mounted bucket with consistent reads)"
+        )
     if comm.rank == 0:
         _remove_superseded(directory, step_dir.name)
     return path
