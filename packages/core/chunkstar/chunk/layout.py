@@ -73,6 +73,13 @@ class ChunkLayout:
     def used_elements(self) -> int:
         return sum(s.numel for s in self.slots)
 
+    def used_ends(self) -> dict[int, int]:
+        """Each chunk's used extent: the end of its last parameter (what follows is padding)."""
+        ends: dict[int, int] = {}
+        for s in self.slots:
+            ends[s.chunk_id] = max(ends.get(s.chunk_id, 0), s.end)
+        return ends
+
     def owner(self, chunk_id: int) -> int:
         """Rank that owns the fp32 master and Adam state of ``chunk_id``."""
         return chunk_id % self.world_size

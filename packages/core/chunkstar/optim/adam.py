@@ -720,7 +720,8 @@ class ChunkAdam(torch.optim.Optimizer):
             return last
 
         if not isinstance(eng.host_work, HostWorker):  # the serial reference path: here
-            event = issue()
+            with self._store.paused_probe():  # staging buffers are model memory, kept for the run
+                event = issue()
             for c in chunks:
                 if c.tier is not Tier.DISK:
                     c.set_work(event)

@@ -179,12 +179,10 @@ class ChunkEngine:
                 # host memory is what the run is sized against: glibc keeps no large freed blocks
                 self.heap_retention_bounded = bound_heap_retention()  # (Note [host heap])
                 chunks = self.mgr.chunks
-                used: dict[int, int] = {}  # Note [a file holds what a chunk uses]
-                for s in layout.slots:
-                    used[s.chunk_id] = max(used.get(s.chunk_id, 0), s.end)
                 chunks.attach_disk(DiskTier(
                     cfg.disk, chunks.disk_chunks(disk_lists), run_tag=self.run_id, rank=self.comm.rank,
-                    on_move=self.mgr.counters.record_disk, quiet=self.mgr.probe.paused, parts=disk_parts, used=used,
+                    on_move=self.mgr.counters.record_disk, quiet=self.mgr.probe.paused, parts=disk_parts,
+                    used=layout.used_ends(),  # Note [a file holds what a chunk uses]
                 ))  # fmt: skip
             # the chunks get their values (Note [construction]): host memory peaks at about the
             # chunks' own bytes, never at the whole model beside them
