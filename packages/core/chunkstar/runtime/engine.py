@@ -400,10 +400,22 @@ class ChunkEngine:
             return contextlib.nullcontext()  # torch has no autocast for the meta device (Note [the meta device])
         return torch.autocast(self.device.type, dtype=self.config.precision.dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Back-propagate ``loss`` (divided by gradient_accumulation_steps, times the fp16 loss scale)."""
+    def backward(self, loss: torch.Tensor, *, last: bool | None = None, divide: bool = True) -> None:
+        """Back-propagate ``loss`` (divided by gradient_accumulation_steps, times the fp16 loss scale).
+
+        For a loop that decides its accumulation windows itself (Note [windows the loop decides]
+        in :mod:`chunkstar.runtime.gradients`): ``last=True`` makes this micro-batch the last
+        before ``optimizer.step()`` even when fewer than gradient_accumulation_steps came since
+        the last step (an epoch's short last window); ``last=False`` says it is not, and is
+        refused where the window would grow past gradient_accumulation_steps; None (the
+        default) counts. ``divide=False`` leaves the loss undivided, for a loop that normalised
+        it over the window already (Lightning divides by ``accumulate_grad_batches``)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}")
+        if last is not None and not isinstance(last, bool):
+            raise TypeError(f"engine.backward(last=...) takes True, False or None, got {last!r}")
+        if not isinstance(divide, bool):
+            raise TypeError(f"engine.backward(divide=...) takes True or False, got {divide!r}")
         if not loss.requires_grad:
             raise ValueError("the loss does not require grad: was the forward run under torch.no_grad()?")
         if not self._iteration.open:
@@ -412,11 +424,13 @@ class ChunkEngine:
                 "backward used up the forward's graph (and its gradients wait for optimizer.step()); run the "
                 "model again for each backward, or combine the losses of one forward into one before it"
             )
-        loss = self._gradients.scale_loss(loss)
+        self._gradients.check_last(last)
+        if divide:
+            loss = self._gradients.scale_loss(loss)
         if self.scaler_enabled:
             loss = loss * self.scaler.scale
         it = self._iteration
-        it.begin_backward()
+        it.begin_backward(last)
         try:
             if self._device_thread is not None:
                 self._device_thread.run(loss.backward)

@@ -73,6 +73,7 @@ class Gradients:
         self.consumer = consumer
         self.since_step = 0  # micro-batches since the last optimizer step
         self.boundary = False  # the running backward is the last micro-batch before a step
+        self._short = False  # ... and it ends its window early (engine.backward(last=True))
         # chunk id -> 1-D fp32 host, grads of earlier micro-batches (or of backwards a forward
         # found waiting: Note [gradients kept across a forward]); made once per chunk and reused
         # (Note [accumulator buffers]), so what a slot's range holds is valid only for the slots
@@ -101,6 +102,28 @@ class Gradients:
         gradient_accumulation_steps, so N micro-batches sum to their mean)."""
         return loss / self.accumulation_steps if self.accumulation_steps > 1 else loss
 
+    # Note [windows the loop decides]: by default a window is gradient_accumulation_steps
+    # micro-batches, counted here. A loop that decides its own windows says which backward is
+    # the last before a step (``engine.backward(loss, last=...)``): Lightning steps at the end of
+    # an epoch whose last window is short. A short window ends as a full one does (the backward
+    # folds the accumulators and starts the reductions) and then counts as full, so the step's
+    # check and everything that asks whether a window is open see it closed. A window never
+    # grows past gradient_accumulation_steps: the host memory plan sized the accumulators for
+    # that many micro-batches, and the reductions of several processes wait for its last.
+    def counted_last(self) -> bool:
+        """Whether the count alone makes the next backward the last of its window."""
+        return self.since_step + 1 >= self.accumulation_steps
+
+    def check_last(self, last: bool | None) -> None:
+        """``engine.backward(loss, last=...)``, before anything runs: ``last=False`` where the
+        count makes this micro-batch the last would grow the window past its size."""
+        if last is False and self.counted_last():
+            raise ChunkStateError(
+                f"engine.backward(loss, last=False) at micro-batch {self.since_step + 1} since the last step, but "
+                f"gradient_accumulation_steps is {self.accumulation_steps}: a window cannot grow past it (the engine "
+                "sized its accumulators for that many micro-batches); raise gradient_accumulation_steps in the config"
+            )
+
     def begin_plain_backward(self) -> None:
         """A plain ``loss.backward()`` began: nobody divided its loss, so each gradient is
         divided as it arrives (Note [plain backward])."""
@@ -116,8 +139,11 @@ class Gradients:
                 f"call engine.backward() {gas} times per optimizer step"
             )
 
-    def begin_backward(self) -> None:
-        self.boundary = self.since_step + 1 >= self.accumulation_steps
+    def begin_backward(self, last: bool | None = None) -> None:
+        """A backward begins; ``last`` as :meth:`check_last` allows (None: counted)."""
+        counted = self.counted_last()
+        self.boundary = counted or bool(last)
+        self._short = self.boundary and not counted
         self.root_task = None
         self.arrived = 0
 
@@ -405,6 +431,10 @@ class Gradients:
 
     def micro_batch_done(self) -> None:
         self.since_step += 1
+        if self._short:  # Note [windows the loop decides]: a window ended early counts as full
+            gas = self.accumulation_steps
+            self.since_step = -(-self.since_step // gas) * gas
+            self._short = False
 
     def step_taken(self) -> None:
         """The optimizer consumed the accumulated micro-batches."""

@@ -294,7 +294,9 @@ class Iteration:
             self.end_backward()
 
     # ------------------------------------------------------------------ backward and end
-    def begin_backward(self) -> None:
+    def begin_backward(self, last: bool | None = None) -> None:
+        """``last``: whether this is the last micro-batch before a step (None: counted; Note
+        [windows the loop decides] in :mod:`chunkstar.runtime.gradients`)."""
         self._check_open()
         self.reads.flush_loose()
         c = self.mgr.counters
@@ -302,7 +304,7 @@ class Iteration:
         self._traffic_at = (c.bytes_to_device, c.bytes_to_host)
         if self.activations is not None:
             self.activations.offload.drain()  # the forward's copies to the host: at the same point each time
-        self.gradients.begin_backward()
+        self.gradients.begin_backward(last)
         if release_at_turn(self.heap_plan, self._heap_released, self.cursor.moment):
             self.release_heap_at_peak()
         self.schedule.set_stage(Stage.BWD)
