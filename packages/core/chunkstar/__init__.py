@@ -101,7 +101,8 @@ def initialize_engine(
     ``config`` is a DeepSpeed-style dict or a path to a JSON file (see
     :func:`chunkstar.config.parse_config`). ``param_groups_fn(model)`` may
     return torch-style parameter groups (dicts with ``params`` and optional
-    ``lr``/``betas``/``eps``/``weight_decay``); by default all parameters form
+    ``lr``/``betas``/``eps``/``weight_decay``) holding every parameter that
+    requires grad (frozen ones may be left out); by default all parameters form
     one group with the config's optimizer settings. ``local_rank`` picks the
     GPU when the config says ``"device": "cuda"``.
     """
@@ -133,9 +134,15 @@ def initialize_engine(
                     if id(p) in seen:
                         raise ValueError("a parameter appears in more than one parameter group")
                     seen.add(id(p))
-            missing = [n for n, p in model.named_parameters() if id(p) not in seen]
+            # a frozen parameter has no optimizer state (Note [frozen chunks]): it may be left out, as
+            # torch.optim users leave it out (``filter(lambda p: p.requires_grad, ...)``)
+            missing = [n for n, p in model.named_parameters() if id(p) not in seen and p.requires_grad]
             if missing:
-                raise ValueError(f"param_groups_fn left out parameters: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+                raise ValueError(
+                    f"param_groups_fn left out parameters that require grad: {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                    "(chunkstar would keep their gradients and never apply them); add them to a group, or freeze them "
+                    "(requires_grad=False) in model_func"
+                )
         # the config's checks for each group's own lr/betas/eps/weight_decay (betas become a tuple)
         groups = [validate_param_group(g, f"param_groups[{i}]", decoupled=opt.decoupled, defaults=defaults) for i, g in enumerate(groups)]
         optimizer = ChunkAdam(engine, opt, groups, defaults)

@@ -26,6 +26,11 @@ does), which ``model.load_state_dict`` of the plain model or
 Adam starts afresh). A directory without ``latest`` is read flat (shards
 directly in it, as earlier versions wrote them).
 
+A save may carry a training loop's own state (``client_state``, rank 0's):
+written into the same step directory and published with the shards, so it
+never pairs with another save's weights; :func:`read_client_state` reads it
+back (Note [client state] in :mod:`.resume`).
+
 Every tensor of a shard carries its crc32, checked before a load changes
 anything and as a merge reads it (Note [shard checksums]). A save refuses while
 gradients wait for a step (Note [saving between steps]); a load, like an
@@ -41,10 +46,12 @@ load of an engine) and :mod:`.merge`; what an interrupted step or load leaves is
 from __future__ import annotations
 
 from chunkstar.checkpoint.merge import main_merge, merge_checkpoint
-from chunkstar.checkpoint.resume import Checkpointable, load_checkpoint, pending_gradients, save_checkpoint
+from chunkstar.checkpoint.resume import (
+    CLIENT_STATE, Checkpointable, load_checkpoint, pending_gradients, read_client_state, save_checkpoint,
+)
 from chunkstar.checkpoint.shard import CheckpointError, shard_name
 
 __all__ = [
-    "CheckpointError", "Checkpointable", "load_checkpoint", "main_merge", "merge_checkpoint",
-    "pending_gradients", "save_checkpoint", "shard_name",
+    "CLIENT_STATE", "CheckpointError", "Checkpointable", "load_checkpoint", "main_merge", "merge_checkpoint",
+    "pending_gradients", "read_client_state", "save_checkpoint", "shard_name",
 ]  # fmt: skip

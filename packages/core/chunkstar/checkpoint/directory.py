@@ -235,16 +235,28 @@ def _failed(everyone: list[list[int]]) -> list[int]:
 
 
 def save_step(
-    comm: Comm, device: torch.device, directory: Path, step: int, name: str, prepare: Callable[[], Callable[[str], None]]
+    comm: Comm,
+    device: torch.device,
+    directory: Path,
+    step: int,
+    name: str,
+    prepare: Callable[[], Callable[[str], None]],
+    extra: Callable[[], tuple[str, Callable[[str], None]] | None] | None = None,
 ) -> Path:
     """Save this rank's file ``name`` of one save at ``step`` (call on every rank):
     ``prepare()`` builds it and returns its writer (``write(path)``); returns the file,
-    published once every rank has written its own (Note [multi-rank checkpoints])."""
+    published once every rank has written its own (Note [multi-rank checkpoints]).
+    ``extra()``, on rank 0, may return one more file of the save, ``(name, writer)``
+    (a training loop's own state), written into the same step directory and published
+    with the shards, so the two never come from different saves."""
     error: Exception | None = None
     write: Callable[[str], None] | None = None
+    more: tuple[str, Callable[[str], None]] | None = None
     try:
         _prepare(directory)
         write = prepare()
+        if extra is not None and comm.rank == 0:
+            more = extra()
     except Exception as e:  # every rank learns of it at the next all-gather
         error = e
     everyone = _agree(comm, device, [int(error is None), secrets.randbits(62), step], "its step directory")
@@ -256,15 +268,21 @@ def save_step(
     step_dir = directory / f"step-{everyone[0][2]}-{everyone[0][1]:016x}"
     path = step_dir / name
     kept = "the previous checkpoint in the directory, if any, is kept"
+    written = path
     try:
         step_dir.mkdir(exist_ok=True)
         write_atomic(path, write)
+        if more is not None:
+            written = step_dir / more[0]
+            write_atomic(written, more[1])
     except Exception as e:
-        error = write_error(path, e, kept) or e
+        error = write_error(written, e, kept) or e
     everyone = _agree(comm, device, [int(error is None)], "every shard written")
     if _failed(everyone):
         with contextlib.suppress(OSError):  # never published: give its space back now
             path.unlink(missing_ok=True)
+            if more is not None:
+                (step_dir / more[0]).unlink(missing_ok=True)
             if comm.rank == 0:
                 step_dir.rmdir()  # empty unless another rank has not removed its shard yet (the next save will)
         if error is not None:

@@ -59,11 +59,17 @@ def _check_output_path(path: Path, directory: Path | None, overwrite: bool) -> N
 
 
 def merge_checkpoint(
-    directory: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, *, overwrite: bool = False
+    directory: str | os.PathLike[str],
+    out: str | os.PathLike[str] | None = None,
+    *,
+    overwrite: bool = False,
+    tied: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Reassemble the full fp32 state dict from all ranks' shards of the checkpoint last
     published in ``directory`` (and write it to ``out``: a new file outside the checkpoint
-    directory, or an existing regular file with ``overwrite``)."""
+    directory, or an existing regular file with ``overwrite``). A tied parameter is there
+    once, under its first name; with ``tied`` the dict returned has it under its other
+    names too (the same tensor), as ``module.state_dict()`` has (the file is unchanged)."""
     st = safetensors_module()
     d = Path(directory)
     out_path = None if out is None else Path(out)
@@ -138,6 +144,10 @@ def merge_checkpoint(
             if error is None:
                 raise
             raise error from e
+    if tied:
+        for first_name, others in first.aliases.items():
+            for other in others:
+                state[other] = state[first_name]
     return state
 
 

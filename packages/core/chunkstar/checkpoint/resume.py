@@ -16,6 +16,10 @@ refused, as a load is, rather than resuming without them: saving them would add
 4 bytes per parameter to every rank's shard (each rank accumulates for every
 chunk it computes, Note [accumulation across ranks]) and tie the format to how
 the accumulators are kept, for a save the loop can make one step later.
+A loop whose own checkpoints never hold gradients (Lightning saves inside a
+window and resumes without it) may save anyway (``drop_pending``): the shards
+hold the masters and Adam state, which no backward touches, so the save is the
+state as of the last step, and the gradients stay for the step to come.
 
 This module reads and writes the chunks through the chunk manager's payloads
 and the optimizer's typed doors; it does not decide placement.
@@ -23,18 +27,20 @@ and the optimizer's typed doors; it does not decide placement.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol
 
 import torch
 
 from chunkstar.checkpoint.directory import remove_leftovers, resolve, save_step
 from chunkstar.interrupts import deferred_interrupts
 from chunkstar.checkpoint.shard import (
-    CHECKSUMS, FORMAT, MERGE_HINT, SHARD_NAME, CheckpointError, ShardMeta, checksums, dump_json, json_field, open_shard,
+    CHECKSUMS, FORMAT, MERGE_HINT, SHARD_NAME, CheckpointError, ShardMeta, check_regular, checksums, dump_json, json_field,
+    open_shard,
     optimizer_state, read_meta, safetensors_module, shard_name, tensor_checksum, verify_tensor,
 )  # fmt: skip
 from chunkstar.chunk.chunk import Chunk
@@ -51,7 +57,7 @@ if TYPE_CHECKING:
     from chunkstar.optim.adam import ChunkAdam
     from chunkstar.optim.loss_scaler import LossScaler
 
-__all__ = ["Checkpointable", "load_checkpoint", "pending_gradients", "save_checkpoint"]
+__all__ = ["CLIENT_STATE", "Checkpointable", "load_checkpoint", "pending_gradients", "read_client_state", "save_checkpoint"]
 
 
 class Checkpointable(Protocol):
@@ -114,12 +120,20 @@ def pending_gradients(micro_batches: int, accumulation_steps: int) -> ChunkState
 
 
 def save_checkpoint(
-    engine: Checkpointable, directory: str | os.PathLike[str], *, check: Callable[[], None] | None = None
+    engine: Checkpointable,
+    directory: str | os.PathLike[str],
+    *,
+    check: Callable[[], None] | None = None,
+    client_state: Mapping[str, Any] | None = None,
 ) -> str:
     """Write this rank's shard of a new save into ``directory`` (call on every rank); the
     save is published once every rank has written. Returns the file written. ``check``
     runs first, in the save's first phase, so a refusal on one rank (gradients no step
-    consumed, :func:`pending_gradients`) reaches every rank and none waits alone."""
+    consumed, :func:`pending_gradients`) reaches every rank and none waits alone.
+    ``client_state`` (rank 0's is written) is a training loop's own state, saved in the
+    same step directory as :data:`CLIENT_STATE` (``torch.save``; tensors, numbers,
+    strings, lists and dicts) and published with the shards: :func:`read_client_state`
+    reads it back (Note [client state])."""
     opt = engine.optimizer
     comm = engine.comm
 
@@ -166,9 +180,53 @@ def save_checkpoint(
         meta[CHECKSUMS] = json.dumps({k: tensor_checksum(t) for k, t in tensors.items()})
         return lambda tmp: st.save_file(tensors, tmp, metadata=meta)
 
+    def client() -> tuple[str, Callable[[str], None]] | None:
+        if client_state is None:
+            return None
+        if not isinstance(client_state, Mapping):
+            raise TypeError(f"client_state must be a dict, got {type(client_state).__name__}")
+        buf = io.BytesIO()
+        torch.save(dict(client_state), buf)  # in the first phase: an object torch cannot save fails every rank's save
+        data = buf.getvalue()
+
+        def write(tmp: str) -> None:
+            Path(tmp).write_bytes(data)
+
+        return CLIENT_STATE, write
+
     step = opt.step_count if opt is not None else 0
     name = shard_name(comm.rank, comm.world_size)
-    return str(save_step(comm, engine.device, Path(directory), step, name, shard))
+    return str(save_step(comm, engine.device, Path(directory), step, name, shard, extra=client))
+
+
+# Note [client state]: a loop around the engine (Lightning, a user's own) has state of its own
+# to resume with the weights: its step and epoch counters, callbacks, schedulers. Written as a
+# file of its own beside the checkpoint, it could come from another save than the shards (a
+# kill between the two writes), and resuming would pair one step's weights with another's
+# counters. So it is a file of the same step directory, written by rank 0 before the save is
+# published, and read through the same ``latest``: both come from one save or neither exists.
+# It is loaded with ``weights_only=True`` (torch's restricted unpickler: tensors, numbers,
+# strings, containers, and the classes torch allows), never as an arbitrary pickle.
+CLIENT_STATE = "client_state.pt"
+"""The file of a save holding ``client_state`` (Note [client state])."""
+
+
+def read_client_state(directory: str | os.PathLike[str], *, weights_only: bool = True) -> dict[str, Any] | None:
+    """The ``client_state`` saved with the checkpoint last published in ``directory``, or
+    None where that save had none. ``weights_only=False`` unpickles any object: only for
+    files from a source you trust (Note [client state])."""
+    src = resolve(Path(directory))
+    path = src / CLIENT_STATE
+    if not path.exists():
+        return None
+    check_regular(path, "a checkpoint's client state")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # noqa: BLE001 - a damaged file, or a class the restricted unpickler refuses
+        raise CheckpointError(f"{path}: cannot read the client state ({type(e).__name__}: {e})") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: holds a {type(state).__name__}, not the dict a save writes")
+    return state
 
 
 # ---------------------------------------------------------------------- load

@@ -28,7 +28,7 @@ machine has (Note [sizes the machine could hold]).
 """
 
 
-from chunkstar.config.parse import host_memory_bytes, parse_bytes, parse_config
+from chunkstar.config.parse import host_memory_bytes, parse_bytes, parse_config, read_config_file
 from chunkstar.config.sections import (
     DEFAULT_DISK_LISTS,
     DISK_LISTS,
@@ -62,4 +62,5 @@ __all__ = [
     "host_memory_bytes",
     "parse_bytes",
     "parse_config",
+    "read_config_file",
 ]

@@ -41,7 +41,7 @@ from chunkstar.config.sections import (
 )
 from chunkstar.errors import ConfigError
 
-__all__ = ["host_memory_bytes", "parse_bytes", "parse_config"]
+__all__ = ["host_memory_bytes", "parse_bytes", "parse_config", "read_config_file"]
 
 
 _KEY_HELP = _help_of(EngineConfig, PlacementConfig, ScheduleConfig, OptimizerConfig, LossScaleConfig, DiskConfig, ActivationsConfig)
@@ -309,6 +309,26 @@ def _parse_device(value: object, local_rank: int, target_memory: int | None) -> 
     return torch.device("cpu")
 
 
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON object in the config file at ``path``, unchecked (:func:`parse_config`
+    checks it); what keeps it from being read is a :class:`ConfigError` naming the file."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ConfigError("<file>", f"config path {path!r} is a directory; give the path of a JSON file (or a dict)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError("<file>", f"config file {path!r} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError("<file>", f"config file {path!r} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ConfigError("<file>", f"config file {path!r} cannot be read: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError("<file>", f"config file {path!r} holds a JSON {type(config).__name__}, expected a JSON object {{...}}")
+    return config
+
+
 def parse_config(
     config: EngineConfig | Mapping[str, Any] | str | os.PathLike[str], local_rank: int = 0, *, target_memory: int | None = None
 ) -> EngineConfig:
@@ -328,20 +348,7 @@ def parse_config(
     if isinstance(config, EngineConfig):
         return config
     if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        if os.path.isdir(path):
-            raise ConfigError("<file>", f"config path {path!r} is a directory; give the path of a JSON file (or a dict)")
-        try:
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError("<file>", f"config file {path!r} does not exist") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError("<file>", f"config file {path!r} is not valid JSON: {e}") from None
-        except OSError as e:
-            raise ConfigError("<file>", f"config file {path!r} cannot be read: {e}") from None
-        if not isinstance(config, Mapping):
-            raise ConfigError("<file>", f"config file {path!r} holds a JSON {type(config).__name__}, expected a JSON object {{...}}")
+        config = read_config_file(config)
     cfg = _mapping(config, "<config>")
     _check_keys(cfg, _TOP_KEYS, "")
 

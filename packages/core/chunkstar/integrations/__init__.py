@@ -6,6 +6,9 @@ needing torch only.
 
 * :mod:`chunkstar.integrations.transformers`: ``ChunkstarTrainer``, a Hugging
   Face ``transformers.Trainer`` whose model lives in chunks (the ``[hf]`` extra).
+* :mod:`chunkstar.integrations.lightning`: ``ChunkstarStrategy``, a PyTorch
+  Lightning strategy that trains a LightningModule in chunks (the
+  ``[lightning]`` extra; importing it registers ``strategy="chunkstar"``).
 """
 
 from __future__ import annotations

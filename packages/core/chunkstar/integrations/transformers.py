@@ -93,8 +93,9 @@ except ImportError as e:  # pragma: no cover - an extra
     ) from e
 
 from chunkstar import initialize_engine
-from chunkstar.config import Precision, parse_config
+from chunkstar.config import Precision
 from chunkstar.errors import ConfigError
+from chunkstar.integrations._config import ConfigLike, same, user_config
 from chunkstar.optim.adam import ChunkAdam
 from chunkstar.runtime.engine import ChunkEngine
 
@@ -108,8 +109,6 @@ CHECKPOINT_DIR = "chunkstar"
 
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
 """``TrainingArguments.optim`` values chunkstar's AdamW implements (fused AdamW semantics)."""
-
-ConfigLike = Mapping[str, Any] | str | os.PathLike[str]
 
 # The seams ChunkstarTrainer overrides must be the ones this Trainer's loop calls (Note
 # [trainer seams]); a Trainer without them (an older transformers) would train around the engine.
@@ -133,16 +132,6 @@ def _conflict(config_key: str, config_value: Any, args_name: str, args_value: An
     )
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return float(a) == float(b)
-    return bool(a == b)
-
-
 def _device_of(args: TrainingArguments) -> str:
     dev = args.device
     if dev.type == "cpu":
@@ -163,14 +152,7 @@ def engine_config(args: TrainingArguments, chunkstar_config: ConfigLike | None =
     ``gradient_accumulation_steps``, ``bf16``/``fp16`` and the ``device``. A
     setting given in both must have the same value: a difference is a
     :class:`~chunkstar.errors.ConfigError` naming both."""
-    if chunkstar_config is None:
-        user: dict[str, Any] = {}
-    elif isinstance(chunkstar_config, (str, os.PathLike)):
-        user = dict(parse_config(chunkstar_config).raw)  # the file's errors, worded once (config.py)
-    elif isinstance(chunkstar_config, Mapping):
-        user = copy.deepcopy(dict(chunkstar_config))
-    else:
-        raise TypeError(f"chunkstar_config must be a dict or a JSON file's path, got {type(chunkstar_config).__name__}")
+    user = user_config(chunkstar_config, "chunkstar_config")
     cfg = dict(user)
 
     optim = str(getattr(args.optim, "value", args.optim))
@@ -195,7 +177,7 @@ def engine_config(args: TrainingArguments, chunkstar_config: ConfigLike | None =
         if not isinstance(given, Mapping):
             raise ConfigError("optimizer.params", f"expected an object/dict, got {type(given).__name__}")
         for k, v in given.items():
-            if k in params and not _same(v, params[k]):
+            if k in params and not same(v, params[k]):
                 raise _conflict(f"optimizer.params.{k}", v, args_of[k], params[k], "the optimizer's settings")
         unknown = sorted(set(given) - set(params))
         if unknown:
@@ -204,12 +186,12 @@ def engine_config(args: TrainingArguments, chunkstar_config: ConfigLike | None =
     cfg["optimizer"] = {"type": "AdamW", "params": params}
 
     clip = float(args.max_grad_norm) if args.max_grad_norm is not None and args.max_grad_norm > 0 else 0.0
-    if "gradient_clipping" in user and not _same(user["gradient_clipping"], clip):
+    if "gradient_clipping" in user and not same(user["gradient_clipping"], clip):
         raise _conflict("gradient_clipping", user["gradient_clipping"], "max_grad_norm", args.max_grad_norm, "clipping")
     cfg["gradient_clipping"] = clip
 
     gas = int(args.gradient_accumulation_steps)
-    if "gradient_accumulation_steps" in user and not _same(user["gradient_accumulation_steps"], gas):
+    if "gradient_accumulation_steps" in user and not same(user["gradient_accumulation_steps"], gas):
         raise _conflict(
             "gradient_accumulation_steps", user["gradient_accumulation_steps"], "gradient_accumulation_steps", gas,
             "gradient accumulation",
@@ -221,15 +203,15 @@ def engine_config(args: TrainingArguments, chunkstar_config: ConfigLike | None =
         if not isinstance(section, Mapping):
             raise ConfigError(name, f"expected an object/dict, got {type(section).__name__}")
         on = bool(getattr(args, name))
-        if "enabled" in section and not _same(section["enabled"], on):
+        if "enabled" in section and not same(section["enabled"], on):
             raise _conflict(f"{name}.enabled", section["enabled"], name, on, "the precision")
         cfg[name] = {**section, "enabled": on}
 
     device = _device_of(args)
     if "device" in user:
         given_dev = str(user["device"])
-        same = given_dev == device or (given_dev == "cuda" and device.startswith("cuda"))
-        if not same:
+        agrees = given_dev == device or (given_dev == "cuda" and device.startswith("cuda"))
+        if not agrees:
             raise _conflict("device", given_dev, "device", str(args.device), "the device")
     cfg["device"] = device
     return cfg

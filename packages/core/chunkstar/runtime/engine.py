@@ -559,6 +559,11 @@ class ChunkEngine:
     def _has_pending_grads(self) -> bool:
         return self._gradients.has_pending()
 
+    def gradients_pending(self) -> bool:
+        """Whether a backward left gradients that no ``optimizer.step()`` or ``zero_grad()``
+        has consumed yet (an accumulation window is open): a checkpoint cannot be saved now."""
+        return self._gradients.has_pending() or self._gradients.has_kept()
+
     # ------------------------------------------------------------------ state
 
     def _slot_of_param(self) -> dict[int, TensorSlot]:
@@ -620,22 +625,29 @@ class ChunkEngine:
         """Tied parameters: first name -> the other names of the same tensor."""
         return tied_names(self.module)
 
-    def save_checkpoint(self, directory: str) -> str:
+    def save_checkpoint(
+        self, directory: str, *, client_state: dict[str, Any] | None = None, drop_pending: bool = False
+    ) -> str:
         """Write this rank's shard of master and Adam state, optimizer and loss-scaler
         state (call on every rank); :meth:`load_checkpoint` resumes from it bit for bit,
         ``chunkstar merge-checkpoint`` joins the shards. See :mod:`chunkstar.checkpoint`.
         Between steps only (Note [saving between steps]), on the thread that trains, and not
-        after a step or load that was interrupted (Note [all or nothing])."""
+        after a step or load that was interrupted (Note [all or nothing]). ``client_state``
+        (rank 0's) is the training loop's own state, saved and published with the shards;
+        ``chunkstar.checkpoint.read_client_state(directory)`` reads it back. A save while
+        gradients wait for a step is refused, unless ``drop_pending``: then it holds the state
+        as of the last step, and a resume goes on without those gradients (as a loop whose
+        checkpoints hold no gradients, Lightning's, resumes); they stay here for the step."""
         opt, grads = self._optimizer, self._gradients
 
         def check() -> None:  # in the save's first phase, so a refusal reaches every rank
             if opt is not None:
                 opt.check_thread("engine.save_checkpoint()")
                 opt.check_consistent("engine.save_checkpoint()")
-            if grads.has_pending() or grads.has_kept():
+            if not drop_pending and (grads.has_pending() or grads.has_kept()):
                 raise checkpoint.pending_gradients(grads.since_step, grads.accumulation_steps)
 
-        return checkpoint.save_checkpoint(self, directory, check=check)
+        return checkpoint.save_checkpoint(self, directory, check=check, client_state=client_state)
 
     def load_checkpoint(self, directory: str) -> str:
         """Restore what :meth:`save_checkpoint` wrote into this engine and its optimizer
