@@ -29,6 +29,7 @@ pytest.importorskip("transformers")
 import lightning as L  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
 from chunkstar import initialize_engine  # noqa: E402
 from chunkstar.checkpoint import merge_checkpoint  # noqa: E402
@@ -190,17 +191,25 @@ def test_a_save_inside_an_accumulation_window_resumes_as_lightnings_own(tmp_path
 
 
 # ---------------------------------------------------------------------- precision, loops, modules
-def test_bf16_mixed_equals_the_engines_own_loop(tmp_path: Path) -> None:
-    """Lightning's bf16-mixed is the engine's bf16 (param chunks in bf16 under autocast,
-    fp32 masters): the same steps as a plain loop around the engine, bit for bit."""
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_equals_the_engines_own_loop(tmp_path: Path, precision: str) -> None:
+    """Lightning's bf16-mixed / 16-mixed are the engine's bf16 / fp16 (param chunks in half
+    precision under autocast, fp32 masters, fp16's loss scaler): the same steps as a plain
+    loop around the engine, bit for bit. On a CPU Lightning turns precision="16-mixed" into
+    bf16, so fp16 comes in as the plugin a user can pass."""
     cfg = engine_config("gpt2")
-    mine, _ = _fit("gpt2", ChunkstarStrategy(cfg), tmp_path, module=Case("gpt2", schedule=False), precision="bf16-mixed",
-                   accumulate_grad_batches=1, max_epochs=1)  # fmt: skip
+    kw: dict[str, Any] = (
+        {"precision": precision} if precision == "bf16-mixed" else {"plugins": [MixedPrecision("16-mixed", "cpu")]}
+    )
+    mine, t = _fit("gpt2", ChunkstarStrategy(cfg), tmp_path, module=Case("gpt2", schedule=False), accumulate_grad_batches=1,
+                   max_epochs=1, **kw)  # fmt: skip
+    assert t.precision == precision
+    section = "bf16" if precision == "bf16-mixed" else "fp16"
     module = Case("gpt2", schedule=False)
     groups = module.configure_optimizers().param_groups
     engine, opt = initialize_engine(
         lambda: module, 0,
-        {**cfg, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+        {**cfg, section: {"enabled": True}, "gradient_clipping": 1.0,
          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01}}},
         param_groups_fn=lambda _m: [{k: v for k, v in g.items() if k in ("params", "weight_decay")} for g in groups],
     )  # fmt: skip

@@ -335,13 +335,27 @@ def test_unsupported_trainer_features_fail_at_construction(tmp_path: Path, monke
         build(args=_args(tmp_path, bf16_full_eval=True))
 
 
-def test_a_short_last_accumulation_window_is_refused_before_training(tmp_path: Path) -> None:
-    """9 batches per epoch with accumulation 2: the epoch's last step would follow one micro-batch."""
-    trainer = ChunkstarTrainer(model=build_model(), args=_args(tmp_path, max_steps=-1, num_train_epochs=1),
-                               train_dataset=TokenRows(18), chunkstar_config=chunkstar_config())  # fmt: skip
-    with pytest.raises(ValueError, match="not a multiple of TrainingArguments.gradient_accumulation_steps = 2"):
+@pytest.mark.parametrize("per_batch_loss", [False, True], ids=["normalised-over-the-window", "per-batch"])
+def test_an_epochs_short_last_accumulation_window_steps_as_the_plain_trainer(tmp_path: Path, per_batch_loss: bool) -> None:
+    """9 batches an epoch with accumulation 2: each epoch's last step follows one micro-batch.
+    GPT-2's loss is normalised over each window's tokens (num_items_in_batch); the MLP's is a
+    per-batch mean, which the Trainer divides by that window's micro-batches (1, not 2)."""
+    if per_batch_loss:
+        build: Any = _Classifier
+        rows: Any = lambda: _ClassifierRows(18)  # noqa: E731
+        config = {"device_memory_budget": eviction_budget(_Classifier(), torch.float32, 0.8), "default_chunk_size": SMALL_CHUNK}
+    else:
+        build, rows, config = build_model, lambda: TokenRows(18), chunkstar_config()
+    runs = []
+    for cls, extra in ((Trainer, {}), (ChunkstarTrainer, {"chunkstar_config": config})):
+        trainer = cls(model=build(), args=_args(tmp_path / cls.__name__, max_steps=-1, num_train_epochs=2),
+                      train_dataset=rows(), **extra)  # fmt: skip
         trainer.train()
-    assert trainer.engine.micro_step == 0
+        runs.append(trainer)
+    plain, cs = runs
+    assert plain.state.global_step == cs.state.global_step == 10  # 4 full windows and a short one, twice
+    _assert_logs_close(logged(plain), logged(cs))
+    assert cs.engine.stats()["optimizer_steps"] == 10
 
 
 # ---------------------------------------------------------------------- several processes

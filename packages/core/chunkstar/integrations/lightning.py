@@ -82,7 +82,6 @@ try:
     from lightning.pytorch.utilities import GradClipAlgorithmType
     from lightning.pytorch.utilities.model_helpers import is_overridden
     from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-    from torch.distributed.constants import default_pg_timeout
 except ImportError as e:  # pragma: no cover - an extra
     raise ImportError(
         f"chunkstar.integrations.lightning needs PyTorch Lightning 2.x ({e}): pip install 'chunkstar[lightning]'"
@@ -358,7 +357,7 @@ class ChunkstarStrategy(DDPStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **config_keys: Any,
     ) -> None:
@@ -370,10 +369,11 @@ class ChunkstarStrategy(DDPStrategy):
         self._user_config = user
         self._engine: ChunkEngine | None = None
         self._accumulating = False  # inside block_backward_sync: this micro-batch does not end its window
+        ddp: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}  # None: DDPStrategy's default
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+            process_group_backend=process_group_backend, start_method=start_method, **ddp,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ what Lightning asks of a strategy

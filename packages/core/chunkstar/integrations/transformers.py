@@ -41,7 +41,8 @@ one of these to the engine:
   that reports an fp16 overflow's skipped step (so the scheduler does not step);
   the Trainer's scheduler drives it through ``param_groups``;
 * :meth:`training_step` calls ``engine.backward`` instead of
-  ``accelerator.backward`` (Note [loss scaling for accumulation]);
+  ``accelerator.backward``, with the loss as the Trainer divides it and the
+  window's end where the Trainer puts it (Note [loss scaling for accumulation]);
 * :meth:`_clip_grad_norm` / :meth:`_get_grad_norm` compute nothing: the engine
   clips inside ``optimizer.step()`` by the global norm it measures there, and
   :meth:`_maybe_log_save_evaluate` logs that norm (``ChunkAdam.last_grad_norm``);
@@ -57,16 +58,16 @@ one of these to the engine:
   scheduler. It runs after the scheduler was created (whose creation writes
   its first lr into the groups): the checkpoint's lr must be the one that
   stays, as with the Trainer's own ``optimizer.pt``;
-* :meth:`set_initial_training_values` refuses an epoch whose last accumulation
-  window is short: the engine steps after exactly
-  ``gradient_accumulation_steps`` micro-batches.
 
-Note [loss scaling for accumulation]: the engine's ``backward`` divides the
-loss by ``gradient_accumulation_steps`` itself. A loss the Trainer would divide
-(a per-batch mean) goes to the engine as it is, which divides it exactly as
-the Trainer would; a loss already normalised over the whole accumulated batch
-(``num_items_in_batch``, as Hugging Face causal LMs do) is multiplied by the
-steps first, which the engine's division undoes (exactly for powers of two).
+Note [loss scaling for accumulation]: the Trainer divides a per-batch loss by
+the micro-batches of its window (``current_gradient_accumulation_steps``: fewer
+in an epoch's last window when the epoch is not a multiple of
+``gradient_accumulation_steps``), and leaves a loss already normalised over the
+whole window (``num_items_in_batch``, as Hugging Face causal LMs do) as it is.
+:meth:`training_step` does the same and hands the loss to ``engine.backward``
+undivided (``divide=False``), with ``last`` from the Trainer's
+``sync_gradients``, so an epoch's short last window steps after its own
+micro-batches, as with the plain Trainer.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ _ADAMW = ("adamw_torch", "adamw_torch_fused")
 
 # The seams ChunkstarTrainer overrides must be the ones this Trainer's loop calls (Note
 # [trainer seams]); a Trainer without them (an older transformers) would train around the engine.
-_SEAMS = ("_build_accelerator_args", "_wrap_model", "training_step", "_run_epoch", "set_initial_training_values",
+_SEAMS = ("_build_accelerator_args", "_wrap_model", "training_step", "_run_epoch",
           "_maybe_log_save_evaluate", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler")  # fmt: skip
 _missing = [name for name in _SEAMS if not hasattr(Trainer, name)]
 if _missing:  # pragma: no cover - depends on the installed transformers
@@ -417,22 +418,6 @@ class ChunkstarTrainer(Trainer):
             self.optimizer = _EngineOptimizer(self.chunk_optimizer)
         return self.optimizer
 
-    def set_initial_training_values(
-        self, args: TrainingArguments, dataloader: DataLoader
-    ) -> tuple[int, int, int, int, int, int | None, int]:
-        values = super().set_initial_training_values(args, dataloader)
-        _, per_epoch, _, _, _, steps_in_epoch, max_steps = values
-        gas = args.gradient_accumulation_steps
-        if steps_in_epoch is not None and steps_in_epoch % gas and max_steps >= per_epoch:
-            raise ValueError(
-                f"ChunkstarTrainer: an epoch has {steps_in_epoch} batches per process, not a multiple of "
-                f"TrainingArguments.gradient_accumulation_steps = {gas}, so its last optimizer step would follow "
-                f"{steps_in_epoch % gas} micro-batch(es); the engine steps after exactly {gas}. Make the number of "
-                "batches per epoch a multiple (dataset size, per_device_train_batch_size, dataloader_drop_last), or "
-                "stop within the first epoch with max_steps"
-            )
-        return values
-
     # ------------------------------------------------------------------ one micro-batch
     def training_step(
         self,
@@ -454,12 +439,13 @@ class ChunkstarTrainer(Trainer):
         else:  # the Trainer's rule: normalised by num_items_in_batch, by the model or by compute_loss_func
             by_model = self.model_accepts_loss_kwargs and num_items_in_batch is not None
             scaled = by_model or self.compute_loss_func is not None
-        gas = self.args.gradient_accumulation_steps
-        if scaled:
-            self.engine.backward(loss * gas if gas > 1 else loss)
-            return loss.detach()
-        self.engine.backward(loss)  # divided by gas there, as the Trainer would divide it
-        return (loss / gas if gas > 1 else loss).detach()
+        if not scaled:
+            # the Trainer's division: by the micro-batches of this window (fewer in an epoch's last)
+            loss = loss / self.current_gradient_accumulation_steps
+        # the Trainer marks the micro-batch that ends its window (sync_gradients): an epoch's
+        # last window may be short (Note [windows the loop decides] in runtime/gradients.py)
+        self.engine.backward(loss, last=bool(self.accelerator.sync_gradients), divide=False)
+        return loss.detach()
 
     # ------------------------------------------------------------------ clipping and its norm
     def _clip_grad_norm(self, model: nn.Module) -> None:
