@@ -11,11 +11,13 @@ processes over batches of 2.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import lightning as L
 
+from chunkstar.device.threads import rank_share_of_cores
 from chunkstar.integrations.lightning import ChunkstarStrategy
 from tests.integrations._lightning_case import Case, engine_config, loader, trainer
 
@@ -30,7 +32,12 @@ def main() -> None:
     t.fit(module, loader("gpt2", batch=batch))
     t.save_checkpoint(out / "last.ckpt")
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{t.global_rank}.json").write_text(json.dumps({"losses": module.losses, "lrs": module.lrs}))
+    result: dict[str, object] = {"losses": module.losses, "lrs": module.lrs}
+    if isinstance(t.strategy, ChunkstarStrategy):  # what the engine took to be its share of the node
+        stats = t.strategy.engine.stats()
+        result.update(local_world_size=os.environ.get("LOCAL_WORLD_SIZE"), host_worker_threads=stats["host_worker_threads"],
+                      share_of_two=rank_share_of_cores({"LOCAL_WORLD_SIZE": "2"}))  # fmt: skip
+    (out / f"rank{t.global_rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -359,6 +359,10 @@ def test_two_processes_equal_lightnings_ddp_on_one_process_over_the_full_batch(t
     got = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
     assert_losses_close(got, want["losses"], RTOL, "two ranks' mean loss")
     assert ranks[0]["lrs"] == pytest.approx(want["lrs"], rel=1e-12)
+    # Lightning's launcher sets no LOCAL_WORLD_SIZE: the strategy does, so each engine takes its
+    # share of the node's cores (and host memory budget), not the whole node's
+    assert [r["local_world_size"] for r in ranks] == ["2", "2"]
+    assert all(r["host_worker_threads"] == r["share_of_two"] for r in ranks)
     merged = merge_checkpoint(tmp_path / "chunkstar-2" / "last.ckpt", tied=True)
     plain = torch.load(tmp_path / "ddp-1" / "last.ckpt", weights_only=True)["state_dict"]
     _assert_states_close({k: v.float() for k, v in merged.items()}, {k: v.float() for k, v in plain.items()}, atol=1e-5)

@@ -18,7 +18,7 @@ import torch
 import chunkstar
 from chunkstar.device import threads as device_threads
 from chunkstar.device.copy_engine import HostWorker, InlineWorker
-from chunkstar.device.threads import host_worker_width, rank_share_of_cores
+from chunkstar.device.threads import host_worker_width, processes_on_node, rank_share_of_cores
 from chunkstar.memory.tracer import TracePhase
 
 from tests.core._models import CASES, engine_config, train_engine
@@ -91,3 +91,14 @@ def test_engine_stats_say_how_wide_the_host_worker_runs(two_ranks_on_eight_cpus:
     assert engine.schedule.phase is TracePhase.FROZEN
     assert engine.stats()["host_worker_threads"] == 4
     engine.close()
+
+
+def test_the_processes_on_a_node_come_from_whichever_launcher_says() -> None:
+    assert processes_on_node({}) == 1  # no launcher says: one process per node
+    assert processes_on_node({"LOCAL_WORLD_SIZE": "4"}) == 4  # torchrun, accelerate launch
+    assert processes_on_node({"OMPI_COMM_WORLD_LOCAL_SIZE": "8"}) == 8  # Open MPI
+    assert processes_on_node({"MPI_LOCALNRANKS": "2"}) == 2  # MPICH, Intel MPI
+    assert processes_on_node({"SLURM_NTASKS_PER_NODE": "3"}) == 3  # srun --ntasks-per-node
+    assert processes_on_node({"LOCAL_WORLD_SIZE": "2", "SLURM_NTASKS_PER_NODE": "8"}) == 2  # torchrun's first
+    assert processes_on_node({"LOCAL_WORLD_SIZE": "two"}) == 1
+    assert rank_share_of_cores({"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, cpus=16) == 4

@@ -42,7 +42,7 @@ not each start an OpenMP team as wide as the node. For the compute thread of a
 GPU rank that is right (the GPU computes); for the host worker it is not: host
 Adam is the one CPU-bound part of a step, and on one core per rank it leaves
 the node's other cores idle and takes seconds for a 1B model. So with several
-processes per node (``LOCAL_WORLD_SIZE``, which torchrun sets, above 1) the host
+processes per node (:func:`processes_on_node`: ``LOCAL_WORLD_SIZE``, which torchrun sets, above 1) the host
 worker's width is the rank's share of the CPUs this process may run on
 (``os.sched_getaffinity``, which a container's cpuset narrows), divided evenly
 among the node's processes; alone on its node the worker keeps torch's width.
@@ -57,7 +57,7 @@ from typing import Callable, Mapping
 
 import torch
 
-__all__ = ["host_worker_width", "ops_on_this_thread_only", "rank_share_of_cores", "set_ops_width"]
+__all__ = ["host_worker_width", "ops_on_this_thread_only", "processes_on_node", "rank_share_of_cores", "set_ops_width"]
 
 
 def _find_omp_set_num_threads() -> Callable[[int], None] | None:
@@ -96,13 +96,25 @@ def ops_on_this_thread_only() -> bool:
     return set_ops_width(1)
 
 
-def _local_world_size(environ: Mapping[str, str]) -> int:
-    """``LOCAL_WORLD_SIZE`` (the processes on this node, set by torchrun); 1 when unset or not a
-    positive integer (a launcher that does not set it runs one process per node as far as we know)."""
-    try:
-        return max(1, int(environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+# the processes on this node, as each launcher says it: torchrun (and accelerate launch, which
+# runs it), Open MPI, MPICH / Intel MPI, SLURM with --ntasks-per-node; the first one set counts
+_PROCESSES_ON_NODE = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
+def processes_on_node(environ: Mapping[str, str] | None = None) -> int:
+    """The processes on this node (``LOCAL_WORLD_SIZE`` as torchrun sets it, or what an MPI
+    launcher or SLURM says, :data:`_PROCESSES_ON_NODE`); 1 when none says (a launcher that
+    does not say runs one process per node as far as we know) or the value is not a
+    positive integer. The engine splits the node's cores and host memory budget by it."""
+    env = os.environ if environ is None else environ
+    for name in _PROCESSES_ON_NODE:
+        value = env.get(name)
+        if value:
+            try:
+                return max(1, int(value))
+            except ValueError:
+                return 1
+    return 1
 
 
 def _usable_cpus() -> int:
@@ -120,13 +132,13 @@ def rank_share_of_cores(environ: Mapping[str, str] | None = None, cpus: int | No
     """This process's share of the CPUs it may run on, among the ``LOCAL_WORLD_SIZE`` processes
     of its node (Note [the rank's share of the cores]); at least 1. ``environ`` and ``cpus``
     default to the process's own."""
-    local = _local_world_size(os.environ if environ is None else environ)
+    local = processes_on_node(environ)
     return max(1, (_usable_cpus() if cpus is None else cpus) // local)
 
 
 def host_worker_width(environ: Mapping[str, str] | None = None, cpus: int | None = None) -> int:
     """How wide the host worker runs torch's ops (Note [the rank's share of the cores]): torch's
     width for a process alone on its node, the rank's share of the cores with several."""
-    if _local_world_size(os.environ if environ is None else environ) <= 1:
+    if processes_on_node(environ) <= 1:
         return torch.get_num_threads()
     return rank_share_of_cores(environ, cpus)

@@ -417,6 +417,14 @@ class ChunkstarStrategy(DDPStrategy):
     def model_to_device(self) -> None:
         """Nothing to move: the engine placed the chunks and the buffers on its device."""
 
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # The engine splits a node's host memory budget and its cores among the node's processes,
+        # which it counts as the launcher says (chunkstar.device.threads.processes_on_node);
+        # Lightning's own launcher says nothing, so each process would take the whole node's.
+        # Lightning knows them: `devices`.
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(max(1, self.num_processes)))
+
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)

@@ -27,7 +27,8 @@ machine has available now (``MemAvailable``; inside a cgroup with a memory limit
 the limit less the group's usage, if lower; ``CHUNKSTAR_HOST_MEMORY``, when set,
 stands for the machine's memory, less this process's resident set: a benchmark
 emulates a smaller machine with it), shared by the processes of this node
-(``LOCAL_WORLD_SIZE``). A plan above its budget is refused before anything is
+(``LOCAL_WORLD_SIZE``, or what the launcher says: ``processes_on_node`` in
+:mod:`chunkstar.device.threads`). A plan above its budget is refused before anything is
 built (:class:`chunkstar.errors.HostMemoryError`, with the plan's parts and what
 to change), never killed halfway; with the disk tier and no ``lists`` given, the
 param list goes on disk when that is what makes the plan fit (Note [param chunks

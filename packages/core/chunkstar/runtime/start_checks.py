@@ -22,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from chunkstar.chunk.layout import ChunkLayout
 from chunkstar.chunk.lists import CHUNK_LISTS, STATE_LISTS, ChunkList
 from chunkstar.config import EngineConfig, parse_bytes
+from chunkstar.device.threads import processes_on_node
 from chunkstar.errors import ChunkStateError, ConfigError, HostMemoryError, _fmt
 from chunkstar.hooks.module_hooks import HookedModule
 from chunkstar.memory.budget import device_capacity
@@ -198,7 +199,7 @@ def plan_host_memory(cfg: EngineConfig, layout: ChunkLayout, rank: int, credit: 
         return lists, host_plan(cfg, layout, rank, lists, credit), None
     machine = os.environ.get(HOST_MEMORY_ENV)
     budget, budget_from = host_budget(
-        cfg.host_memory_budget, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
+        cfg.host_memory_budget, processes_on_node(),
         parse_bytes(machine, HOST_MEMORY_ENV) if machine else None,
     )  # fmt: skip
     plan = host_plan(cfg, layout, rank, lists, credit)
