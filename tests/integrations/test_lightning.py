@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -36,7 +37,7 @@ from chunkstar.checkpoint import merge_checkpoint  # noqa: E402
 from chunkstar.errors import ConfigError  # noqa: E402
 from chunkstar.integrations.lightning import ChunkstarStats, ChunkstarStrategy, convert_checkpoint, release  # noqa: E402
 from tests.core._models import assert_losses_close  # noqa: E402
-from tests.integrations._lightning_case import Case, engine_config, loader, trainer  # noqa: E402
+from tests.integrations._lightning_case import Case, build, engine_config, loader, trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
@@ -381,3 +382,41 @@ def test_lightning_is_imported_only_by_the_strategys_module() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------- a model built in configure_model
+class _Lazy(Case):
+    """The network made in ``configure_model``, as for a model too large to build whole."""
+
+    def __init__(self, kind: str) -> None:
+        L.LightningModule.__init__(self)
+        self.save_hyperparameters({"kind": kind, "schedule": False, "lr": 1e-3, "freeze_first": False})
+        self.losses, self.val_losses, self.lrs = [], [], []
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            self.net = build(self.hparams["kind"])
+
+
+@pytest.mark.parametrize("kind", ["llama", "cnn"])
+def test_a_model_built_in_configure_model_is_built_into_the_chunks(tmp_path: Path, kind: str) -> None:
+    """configure_model builds the parameters on the meta device (the buffers, Llama's rotary
+    frequencies and the CNN's batch-norm statistics, for real): the engine builds every
+    parameter in its chunk and initialises it there; a plain Lightning checkpoint's weights
+    then load over them, and validation equals the plain module's."""
+    plain, t = _fit(kind, "auto", tmp_path, module=Case(kind, schedule=False), max_epochs=1)
+    t.save_checkpoint(tmp_path / "plain.ckpt")
+    lazy = _Lazy(kind)
+    t2 = trainer(ChunkstarStrategy(engine_config(kind)), tmp_path)
+    t2.validate(lazy, loader(kind, 4, 1000), ckpt_path=str(tmp_path / "plain.ckpt"))
+    strategy = t2.strategy
+    assert isinstance(strategy, ChunkstarStrategy)
+    report = strategy.engine.construction
+    assert report.meta_params == len(list(lazy.parameters())) and report.initialised
+    assert lazy.val_losses == pytest.approx(plain.val_losses[-2:], rel=1e-5)
+
+    trained = _Lazy(kind)
+    _fit(kind, ChunkstarStrategy(engine_config(kind)), tmp_path, module=trained, max_epochs=1)
+    assert len(trained.losses) == 7 and all(math.isfinite(x) for x in trained.losses)
+    release(trained)
+    assert not any(t.is_meta for t in [*trained.parameters(), *trained.buffers()])

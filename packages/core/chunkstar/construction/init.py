@@ -51,7 +51,10 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["draw_base_seed", "init_weights", "meta_buffer_names", "meta_parameter_names", "modules_for", "rebuild_buffers"]
+__all__ = [
+    "draw_base_seed", "init_weights", "meta_buffer_names", "meta_parameter_names", "meta_parameters", "modules_for",
+    "rebuild_buffers",
+]  # fmt: skip
 
 
 def meta_parameter_names(model: nn.Module) -> list[str]:
@@ -202,6 +205,18 @@ def _parameters_to_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device and their buffers for
+    real (where they would be built without it): the engine then builds each parameter in
+    its chunk (Note [construction] in :mod:`chunkstar.construction.materialize`), and the
+    buffers need no second ``model_func()`` (Note [meta buffers]), so a model that cannot
+    be built again (a LightningModule's ``configure_model``) can be built so. Each
+    parameter is made for real first, then freed: one at a time, never the whole model."""
+    with _parameters_to_meta():
+        yield
 
 
 def rebuild_buffers(model_func: Callable[[], nn.Module], names: list[str]) -> dict[str, torch.Tensor]:

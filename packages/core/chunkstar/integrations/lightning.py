@@ -91,6 +91,7 @@ from chunkstar import initialize_engine
 from chunkstar.checkpoint import CheckpointError, merge_checkpoint, read_client_state
 from chunkstar.checkpoint.directory import POINTER, resolve
 from chunkstar.checkpoint.shard import SHARD_NAME
+from chunkstar.construction.init import meta_parameters
 from chunkstar.errors import ConfigError
 from chunkstar.integrations._config import ConfigLike, same, user_config
 from chunkstar.optim.adam import ChunkAdam
@@ -416,6 +417,17 @@ class ChunkstarStrategy(DDPStrategy):
 
     def model_to_device(self) -> None:
         """Nothing to move: the engine placed the chunks and the buffers on its device."""
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Where ``configure_model`` (and ``trainer.init_module()``) build the model: its
+        parameters on the meta device (its buffers for real), so no full copy of it is ever
+        made; the engine then builds each parameter straight into its chunk, each rank only
+        the chunks it owns, and runs the modules' initialisers there (Note [construction] in
+        :mod:`chunkstar.construction.materialize`), before a checkpoint's weights load over
+        them. A model larger than host memory is built so."""
+        with meta_parameters():
+            yield
 
     def setup_environment(self) -> None:
         super().setup_environment()
