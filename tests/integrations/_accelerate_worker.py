@@ -6,7 +6,8 @@ without a GPU the processes run on the CPU over gloo).
 ``Accelerator`` sets up the processes and shards the data (``prepare(dataloader)``: process
 ``i`` takes batch ``i`` of every ``N``); the engine holds the model, its optimizer and the
 backward, and neither the model nor the optimizer goes through ``prepare`` (docs/trainer.md).
-``plain`` is the reference: the same loop in plain PyTorch, in one process. Rank 0 writes
+``plain`` is the reference: the same loop in plain PyTorch, in one process; ``wrapped``
+passes the engine's model to ``prepare`` and records the engine's refusal on each process. Rank 0 writes
 ``OUT/result.json`` (each micro-batch's loss averaged over the processes) and the final
 weights to ``OUT/weights.safetensors``.
 """
@@ -23,6 +24,7 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
 from chunkstar import initialize_engine
+from chunkstar.errors import ChunkStateError
 from tests.core._models import SMALL_CHUNK, build_gpt2
 from tests.integrations._trainer_case import TokenRows
 
@@ -36,6 +38,20 @@ def main() -> None:
     acc = Accelerator(cpu=True)
     loader = acc.prepare(DataLoader(TokenRows(ROWS), batch_size=batch, shuffle=False))
     losses: list[float] = []
+    if kind == "wrapped":  # the model through prepare(): DDP reads every parameter as it is built
+        engine, _ = initialize_engine(
+            lambda: build_gpt2(n_layer=2), acc.local_process_index,
+            {"device": "cpu", "device_memory_budget": 1_800_000, "default_chunk_size": SMALL_CHUNK},
+        )  # fmt: skip
+        try:
+            acc.prepare(engine.module)
+            refused = ""
+        except ChunkStateError as e:
+            refused = str(e)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"refused{acc.process_index}.txt").write_text(refused)
+        engine.close()
+        return
     if kind == "chunkstar":
         config = {
             "device": "cpu", "device_memory_budget": 1_800_000, "default_chunk_size": SMALL_CHUNK,

@@ -49,7 +49,8 @@ def _run(out: Path, kind: str, batch: int, processes: int) -> dict[str, object]:
         ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return dict(json.loads((out / "result.json").read_text()))
+    result = out / "result.json"
+    return dict(json.loads(result.read_text())) if result.exists() else {}
 
 
 def test_two_processes_under_accelerate_launch_equal_one_plain_process(tmp_path: Path) -> None:
@@ -63,3 +64,12 @@ def test_two_processes_under_accelerate_launch_equal_one_plain_process(tmp_path:
     assert mine.keys() == plain.keys()
     for k in plain:
         torch.testing.assert_close(mine[k], plain[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_the_model_given_to_prepare_is_refused_naming_the_wrapper(tmp_path: Path) -> None:
+    """prepare(model) wraps it in DistributedDataParallel, which reads every parameter as it
+    is built: each process refuses with a message that says to leave the model unwrapped."""
+    _run(tmp_path, "wrapped", 2, 2)
+    for rank in range(2):
+        refused = (tmp_path / f"refused{rank}.txt").read_text()
+        assert "kept by another rank" in refused and "prepare(model)" in refused, refused

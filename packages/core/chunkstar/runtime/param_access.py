@@ -53,7 +53,11 @@ from chunkstar.runtime.reads import ReadState
 
 __all__ = ["ParamAccess", "GATHER_HINT"]
 
-GATHER_HINT = "use `with engine.gathered_parameters([...]):` (every rank must enter it) to read or change them"
+GATHER_HINT = (
+    "use `with engine.gathered_parameters([...]):` (every rank must enter it) to read or change them. A wrapper that "
+    "syncs parameters across ranks as it is built (DistributedDataParallel, and so Accelerate's prepare(model)) reads "
+    "them all: leave the engine's model unwrapped, the engine reduces gradients across ranks itself"
+)
 _READABLE = (TensorState.HOLD, TensorState.HOLD_AFTER_FWD)
 # ops whose result never carries a gradient to the parameter: reads between steps, even with autograd on
 _NOT_DIFFERENTIABLE = frozenset(
