@@ -226,7 +226,8 @@ def test_mixed_precision_equals_the_engines_own_loop(tmp_path: Path, precision: 
 
 
 class _Manual(Case):
-    """Manual optimization as the Lightning docs write it, accumulating two micro-batches."""
+    """Manual optimization as the Lightning docs write it, accumulating two micro-batches and
+    clipping by norm before each step."""
 
     def __init__(self, kind: str) -> None:
         super().__init__(kind, schedule=False)
@@ -238,6 +239,7 @@ class _Manual(Case):
         self.losses.append(float(loss.detach()))
         self.manual_backward(loss / 2)
         if batch_idx % 2 == 1:
+            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
             opt.step()
             opt.zero_grad()
 
@@ -247,7 +249,8 @@ def test_manual_optimization_equals_the_single_device_strategy(tmp_path: Path) -
     plain, _ = _fit("gpt2", "auto", tmp_path, module=_Manual("gpt2"), **kw)
     if dist.is_initialized():
         dist.destroy_process_group()
-    cfg = {**engine_config("gpt2"), "gradient_accumulation_steps": 2}  # the user's loop accumulates two
+    # the user's loop accumulates two and clips at 0.5: the engine's config says so
+    cfg = {**engine_config("gpt2"), "gradient_accumulation_steps": 2, "gradient_clipping": 0.5}
     L.seed_everything(0, verbose=False)
     mine, _ = _fit("gpt2", ChunkstarStrategy(cfg), tmp_path, module=_Manual("gpt2"), **{**kw, "limit_train_batches": 6})
     assert_losses_close(mine.losses, plain.losses[:6], RTOL, "manual optimization")

@@ -176,6 +176,8 @@ class _EnginePrecision(Precision):
                 "not implemented"
             )
         self.precision = precision  # type: ignore[assignment]
+        self.engine_clip: float | None = None
+        """The engine's ``gradient_clipping`` (set by the strategy once the engine is built)."""
 
     @classmethod
     def from_lightning(cls, plugin: Precision) -> _EnginePrecision:
@@ -241,9 +243,8 @@ class _EnginePrecision(Precision):
                 "ChunkstarStrategy does not clip gradients by value (gradient_clip_algorithm='value'): the engine clips "
                 "by the global norm; use gradient_clip_algorithm='norm'"
             )
-        optim = optimizer._optimizer if hasattr(optimizer, "_optimizer") else optimizer
-        engine_clip = optim._config.gradient_clipping if isinstance(optim, ChunkAdam) else None
-        if engine_clip is None or not math.isclose(float(clip_val), engine_clip, rel_tol=0, abs_tol=0):
+        engine_clip = self.engine_clip
+        if engine_clip is None or float(clip_val) != engine_clip:
             raise ValueError(
                 f"ChunkstarStrategy: clip_gradients(gradient_clip_val={clip_val}) differs from the engine's clipping "
                 f"({engine_clip}): the engine clips every step inside optimizer.step() by the config's "
@@ -452,6 +453,9 @@ class ChunkstarStrategy(DDPStrategy):
             self._engine = held if held is not None else self._build(trainer, module, fitting=False)
             self.optimizers, self.lr_scheduler_configs = [], []
         self.model = _EngineModule(self.engine)
+        plugin = self.precision_plugin
+        assert isinstance(plugin, _EnginePrecision)
+        plugin.engine_clip = self.engine.config.optimizer.gradient_clipping
         self.setup_precision_plugin()
 
     def _build_for_fit(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
@@ -675,9 +679,11 @@ class ChunkstarStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register "chunkstar" (and not, as DDPStrategy's would, the "ddp" names)."""
         strategy_registry.register(
-            cls.strategy_name, cls, description="chunkstar: parameters, gradients and Adam state in chunks"
-        )
+            cls.strategy_name, cls, override=True,
+            description="chunkstar: parameters, gradients and Adam state in chunks that move between device and host",
+        )  # fmt: skip
 
 
 def _groups_defaults(opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -784,8 +790,4 @@ def convert_checkpoint(checkpoint: str | os.PathLike[str], out: str | os.PathLik
     return dst
 
 
-StrategyRegistry.register(
-    ChunkstarStrategy.strategy_name, ChunkstarStrategy,
-    description="chunkstar: parameters, gradients and Adam state in chunks that move between device and host",
-    override=True,
-)  # fmt: skip
+ChunkstarStrategy.register_strategies(StrategyRegistry)  # Trainer(strategy="chunkstar")
