@@ -284,6 +284,23 @@ def test_a_second_fit_of_the_same_module_starts_a_new_optimizer_as_lightning_doe
     _assert_states_close(_state(mine), _state(plain), atol=5e-5)
 
 
+def test_validate_reuses_the_engine_of_a_fit_and_rebuilds_one_of_another_precision(tmp_path: Path) -> None:
+    mine, t = _fit("gpt2", ChunkstarStrategy(engine_config("gpt2")), tmp_path, precision="bf16-mixed", max_epochs=1)
+    assert isinstance(t.strategy, ChunkstarStrategy)
+    trained = t.strategy.engine
+    t.validate(mine, loader("gpt2", 4, 1000))
+    assert t.strategy.engine is trained  # the same Trainer and precision: the module where it is
+    t32 = trainer(ChunkstarStrategy(engine_config("gpt2")), tmp_path)
+    t32.validate(mine, loader("gpt2", 4, 1000))
+    assert isinstance(t32.strategy, ChunkstarStrategy)
+    assert t32.strategy.engine is not trained and t32.strategy.engine.config.precision.value == "fp32"
+    fp32_val = mine.val_losses[-2:]
+    release(mine)
+    plain = trainer("auto", tmp_path)
+    plain.validate(mine, loader("gpt2", 4, 1000))
+    assert mine.val_losses[-2:] == pytest.approx(fp32_val, rel=1e-6)  # the trained values, in fp32
+
+
 def test_stats_are_logged_after_each_step(tmp_path: Path) -> None:
     _, t = _fit("gpt2", ChunkstarStrategy(engine_config("gpt2")), tmp_path, max_epochs=1, callbacks=[ChunkstarStats()])
     logged = t.logged_metrics

@@ -450,13 +450,21 @@ class ChunkstarStrategy(DDPStrategy):
             self._build_for_fit(trainer, module)
         else:
             held = _engine_of(module)
-            self._engine = held if held is not None else self._build(trainer, module, fitting=False)
+            if held is not None and self._suits(held):
+                self._engine = held  # the module as trained, where it is
+            else:
+                self._build(trainer, module, fitting=False)  # (an engine of another precision or device: released)
             self.optimizers, self.lr_scheduler_configs = [], []
         self.model = _EngineModule(self.engine)
         plugin = self.precision_plugin
         assert isinstance(plugin, _EnginePrecision)
         plugin.engine_clip = self.engine.config.optimizer.gradient_clipping
         self.setup_precision_plugin()
+
+    def _suits(self, engine: ChunkEngine) -> bool:
+        """Whether an engine already holding the module runs in this Trainer's precision, on its device."""
+        precision = _PRECISIONS[self.precision_plugin.precision] or "fp32"
+        return engine.config.precision.value == precision and engine.device == self.root_device
 
     def _build_for_fit(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         release(module)  # an earlier fit's engine: this fit starts with new optimizer state
