@@ -30,7 +30,7 @@ the engine's parts over:
   ``configure_optimizers`` (an AdamW or Adam, called once, before the engine),
   and its schedulers are turned onto the engine's ``ChunkAdam``
   (:func:`_hand_schedulers_over`). ``strategy.model`` is an ``nn.Module`` whose
-  forward runs the engine, so Lightning's forward redirection runs
+  forward runs the engine (``EngineFace``), so Lightning's forward redirection runs
   ``training_step`` (and the validation, test and predict steps) inside the
   engine's forward: its hooks and its autocast see them as they would see a
   plain forward. A module that an earlier Trainer's engine holds is reused for
@@ -93,7 +93,7 @@ from chunkstar.checkpoint.directory import POINTER, resolve
 from chunkstar.checkpoint.shard import SHARD_NAME
 from chunkstar.construction.init import meta_parameters
 from chunkstar.errors import ConfigError
-from chunkstar.integrations._config import ConfigLike, same, user_config
+from chunkstar.integrations._common import ConfigLike, EngineFace, device_agrees, device_name, same, user_config
 from chunkstar.optim.adam import ChunkAdam
 from chunkstar.runtime.engine import ChunkEngine
 
@@ -144,20 +144,6 @@ def release(module: nn.Module) -> nn.Module:
             if name in values:
                 b.data = values[name].detach().to("cpu", copy=True)
     return module
-
-
-class _EngineModule(nn.Module):
-    """``strategy.model``: the engine behind an ``nn.Module`` face, as DDP's wrapper is for
-    ``DDPStrategy``. A call runs ``engine(...)``, which runs the LightningModule's
-    (redirected) forward, so the step methods run inside the engine's forward."""
-
-    def __init__(self, engine: ChunkEngine) -> None:
-        super().__init__()
-        self.module = engine.module
-        self.engine = engine  # not an nn.Module: a plain attribute
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------- precision
@@ -453,9 +439,9 @@ class ChunkstarStrategy(DDPStrategy):
             if held is not None and self._suits(held):
                 self._engine = held  # the module as trained, where it is
             else:
-                self._build(trainer, module, fitting=False)  # (an engine of another precision or device: released)
+                self._build(trainer, module)  # (an engine of another precision or device: released)
             self.optimizers, self.lr_scheduler_configs = [], []
-        self.model = _EngineModule(self.engine)
+        self.model = EngineFace(self.engine)  # the step methods run inside the engine's forward
         plugin = self.precision_plugin
         assert isinstance(plugin, _EnginePrecision)
         plugin.engine_clip = self.engine.config.optimizer.gradient_clipping
@@ -477,7 +463,7 @@ class ChunkstarStrategy(DDPStrategy):
             )
         torch_opt, kind = _adam_of(optimizers)
         groups = _groups(torch_opt)
-        engine = self._build(trainer, module, fitting=True, optimizer=(kind, _groups_defaults(torch_opt)), groups=groups)
+        engine = self._build(trainer, module, optimizer=(kind, _groups_defaults(torch_opt)), groups=groups)
         chunk_opt = engine.optimizer
         assert chunk_opt is not None
         _hand_schedulers_over(schedulers, torch_opt, chunk_opt)
@@ -545,23 +531,17 @@ class ChunkstarStrategy(DDPStrategy):
                 raise conflict(f"{section}.enabled", given_section["enabled"], "Trainer(precision=...)", precision,
                                "the precision")  # fmt: skip
             cfg[section] = {**given_section, "enabled": enabled}
-        device = self.root_device
-        if device.type == "cpu":
-            dev = "cpu"
-        elif device.type == "cuda":
-            dev = f"cuda:{device.index if device.index is not None else 0}"
-        else:
-            raise ValueError(f"ChunkstarStrategy runs on cpu or cuda; the accelerator puts training on {device}")
+        dev = device_name(self.root_device)
+        if dev is None:
+            raise ValueError(f"ChunkstarStrategy runs on cpu or cuda; the accelerator puts training on {self.root_device}")
         if dev == "cpu" and "device_memory_budget" not in user:
             raise ConfigError(
                 "device_memory_budget",
                 "required on a CPU, where the engine's device is a virtual one of that size: "
                 'Trainer(strategy=ChunkstarStrategy(device_memory_budget="2GB"))',
             )
-        if "device" in user:
-            given_dev = str(user["device"])
-            if not (given_dev == dev or (given_dev == "cuda" and dev.startswith("cuda"))):
-                raise conflict("device", given_dev, "the Trainer's device", dev, "the device")
+        if "device" in user and not device_agrees(user["device"], dev):
+            raise conflict("device", user["device"], "the Trainer's device", dev, "the device")
         cfg["device"] = dev
         return cfg
 
@@ -570,13 +550,11 @@ class ChunkstarStrategy(DDPStrategy):
         trainer: pl.Trainer,
         module: pl.LightningModule,
         *,
-        fitting: bool,
         optimizer: tuple[str, dict[str, Any]] | None = None,
         groups: list[dict[str, Any]] | None = None,
     ) -> ChunkEngine:
         cfg = self._engine_config(trainer, optimizer)
-        if _engine_of(module) is not None:
-            release(module)
+        release(module)  # an engine holding it (another precision or device, an earlier fit): values back first
         engine, _ = initialize_engine(
             lambda: module, self.local_rank, cfg, param_groups_fn=(lambda _m: groups) if groups is not None else None
         )

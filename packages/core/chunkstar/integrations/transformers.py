@@ -96,7 +96,7 @@ except ImportError as e:  # pragma: no cover - an extra
 from chunkstar import initialize_engine
 from chunkstar.config import Precision
 from chunkstar.errors import ConfigError
-from chunkstar.integrations._config import ConfigLike, same, user_config
+from chunkstar.integrations._common import ConfigLike, EngineFace, device_agrees, device_name, same, user_config
 from chunkstar.optim.adam import ChunkAdam
 from chunkstar.runtime.engine import ChunkEngine
 
@@ -134,15 +134,13 @@ def _conflict(config_key: str, config_value: Any, args_name: str, args_value: An
 
 
 def _device_of(args: TrainingArguments) -> str:
-    dev = args.device
-    if dev.type == "cpu":
-        return "cpu"
-    if dev.type == "cuda":
-        return f"cuda:{dev.index if dev.index is not None else 0}"
-    raise ValueError(
-        f"ChunkstarTrainer: TrainingArguments puts training on {dev}; chunkstar runs on cpu (a virtual device "
-        "under device_memory_budget) or cuda. Set use_cpu=True or run on a CUDA machine"
-    )
+    name = device_name(args.device)
+    if name is None:
+        raise ValueError(
+            f"ChunkstarTrainer: TrainingArguments puts training on {args.device}; chunkstar runs on cpu (a virtual "
+            "device under device_memory_budget) or cuda. Set use_cpu=True or run on a CUDA machine"
+        )
+    return name
 
 
 def engine_config(args: TrainingArguments, chunkstar_config: ConfigLike | None = None) -> dict[str, Any]:
@@ -210,10 +208,8 @@ def engine_config(args: TrainingArguments, chunkstar_config: ConfigLike | None =
 
     device = _device_of(args)
     if "device" in user:
-        given_dev = str(user["device"])
-        agrees = given_dev == device or (given_dev == "cuda" and device.startswith("cuda"))
-        if not agrees:
-            raise _conflict("device", given_dev, "device", str(args.device), "the device")
+        if not device_agrees(user["device"], device):
+            raise _conflict("device", user["device"], "device", str(args.device), "the device")
     cfg["device"] = device
     return cfg
 
@@ -251,19 +247,9 @@ def _refuse_unsupported(args: TrainingArguments, optimizers: tuple[Any, Any], op
 
 
 # ---------------------------------------------------------------------- what the Trainer holds
-class EngineModule(nn.Module):
-    """The Trainer's ``model_wrapped``: the engine behind an ``nn.Module`` face, as DDP's
-    wrapper is. ``module`` is the user's model (a child, so ``parameters()``, ``train()``
-    and ``eval()`` reach it); a call runs ``engine(...)``, so the engine's iteration
-    begins; ``zero_grad()`` drops gradients no step consumed (the engine's, not ``p.grad``)."""
-
-    def __init__(self, engine: ChunkEngine) -> None:
-        super().__init__()
-        self.module = engine.module
-        self.engine = engine  # not an nn.Module: a plain attribute
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
+class EngineModule(EngineFace):
+    """The Trainer's ``model_wrapped`` (:class:`~chunkstar.integrations._common.EngineFace`);
+    ``zero_grad()`` drops gradients no step consumed (the engine's, not ``p.grad``)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.engine.optimizer is not None:
